@@ -1,0 +1,538 @@
+"""Where torch's DTensor is taught about RaggedShard. Every private torch API we use is here.
+
+DTensor has no public extension point for new placements, so we hook the few places that
+interpret placements, and route a call to our code only when a RaggedShard is involved
+(everything else goes to torch unchanged):
+
+- ``OpDispatcher._propagate_op_sharding_dispatch_slow_path`` (private; called by the C++
+  dispatcher on a sharding-cache miss): op rules for ragged operands. The C++ cache then
+  keys on our placement's ``__hash__``/``__eq__``, so a rule runs once per layout.
+- ``OpDispatcher._custom_op_handlers`` (private dict): p-norms on ragged operands, because a
+  rank that holds no element must contribute the identity instead of failing (inf-norm).
+- ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
+  ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
+- ``distribute_tensor`` (public, but placement handling is internal): ragged split.
+- ``_api.compute_global_tensor_info`` (private): refuse to guess a ragged global shape.
+- ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
+  (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
+``_NormPartial`` and the ``DTensor(local, spec, requires_grad=)`` constructor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.tensor as dtensor_pkg
+import torch.distributed.tensor._api as dtensor_api
+import torch.distributed.tensor._dispatch as dtensor_dispatch
+import torch.distributed.tensor._redistribute as dtensor_redistribute
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.utils import _pytree as pytree
+
+from . import ragged_collectives as rc
+from .placement import RaggedShard
+from .ragged_layout import flat_interval_boxes
+
+aten = torch.ops.aten
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _has_ragged(placements: Sequence[Placement]) -> bool:
+    return any(isinstance(p, RaggedShard) for p in placements)
+
+
+def _ragged_mesh_dim(spec: DTensorSpec) -> int | None:
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard):
+            return i
+    return None
+
+
+def _check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> None:
+    """Validate ragged placements against a mesh and shape; raise before any collective."""
+    ragged_dims = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    if len(ragged_dims) > 1:
+        raise NotImplementedError(
+            f"placements {tuple(placements)}: RaggedShard on more than one mesh dim is not supported"
+        )
+    if not ragged_dims:
+        return
+    i = ragged_dims[0]
+    placement = placements[i]
+    placement.check_mesh_dim_size(mesh.size(i), shape)
+    placement.layout(shape)
+    if any(p.is_shard() for p in placements):
+        raise NotImplementedError(
+            f"placements {tuple(placements)}: composing RaggedShard with Shard on another mesh dim "
+            "(tensor/expert parallel) is not supported yet; use Replicate on the other mesh dims"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Redistribution
+# --------------------------------------------------------------------------------------
+
+
+def _partial_kind(p: Partial) -> str:
+    if isinstance(p, _NormPartial):
+        return "norm"
+    return p.reduce_op
+
+
+def _reduce_scatter_into_ragged(local: torch.Tensor, src: Partial, dst: RaggedShard, mesh: DeviceMesh, i: int) -> torch.Tensor:
+    layout = dst.layout(local.shape)
+    group = mesh.get_group(i)
+    if isinstance(src, _NormPartial):
+        powered = local**src.norm_type
+        return rc.reduce_scatter_ragged(powered, layout, group, "sum") ** (1.0 / src.norm_type)
+    return rc.reduce_scatter_ragged(local, layout, group, src.reduce_op)
+
+
+def _ragged_to_partial(local: torch.Tensor, src: RaggedShard, dst: Partial, shape: torch.Size, mesh: DeviceMesh, i: int) -> torch.Tensor:
+    kind = _partial_kind(dst)
+    if kind not in ("sum", "avg"):
+        raise NotImplementedError(f"redistribute from {src} to {dst} is not supported")
+    scale = float(mesh.size(i)) if kind == "avg" else 1.0
+    return rc.ragged_to_partial_sum(local, src.layout(shape), mesh.get_local_rank(i), scale)
+
+
+def _to_full(local: torch.Tensor, src: Placement, shape: torch.Size, mesh: DeviceMesh, i: int) -> torch.Tensor:
+    """Any placement on mesh dim ``i`` -> the replicated value on that dim."""
+    if isinstance(src, RaggedShard):
+        return rc.gather_ragged(local, src.layout(shape), mesh.get_group(i))
+    if src.is_shard():
+        return rc.gather_shard_dim(local, shape, src.dim, mesh.get_group(i))
+    if src.is_partial():
+        return src._reduce_value(local, mesh, i)
+    return local
+
+
+def _transform_mesh_dim(local: torch.Tensor, src: Placement, dst: Placement, shape: torch.Size, mesh: DeviceMesh, i: int) -> torch.Tensor:
+    """Move ``local`` from ``src`` to ``dst`` on one mesh dim; the other dims are elementwise."""
+    if src == dst or mesh.size(i) == 1 and not (isinstance(src, RaggedShard) or isinstance(dst, RaggedShard)):
+        return local
+    rank = mesh.get_local_rank(i)
+    if isinstance(dst, RaggedShard):
+        if isinstance(src, RaggedShard):
+            return rc.reshard_ragged(local, src.layout(shape), dst.layout(shape), mesh.get_group(i))
+        if src.is_partial():
+            return _reduce_scatter_into_ragged(local, src, dst, mesh, i)
+        full = _to_full(local, src, shape, mesh, i)
+        return dst.split_full(full.contiguous(), rank).clone()
+    if isinstance(src, RaggedShard):
+        if dst.is_partial():
+            return _ragged_to_partial(local, src, dst, shape, mesh, i)
+        full = _to_full(local, src, shape, mesh, i)
+        if dst.is_shard():
+            return rc.split_shard_dim(full, dst.dim, rank, mesh.size(i))
+        return full
+    if dst.is_replicate() and src.is_partial():
+        return src._reduce_value(local, mesh, i)
+    if dst.is_partial() and src.is_replicate():
+        return dst._partition_value(local, mesh, i)
+    raise NotImplementedError(f"redistribute from {src} to {dst} alongside a RaggedShard is not supported")
+
+
+def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+    shape = current.shape
+    _check_spec(current.placements, current.mesh, shape)
+    _check_spec(target.placements, target.mesh, shape)
+    if not current.mesh._is_current_rank_part_of_mesh():
+        return local
+    # Reduce Partial dims first (elementwise on whatever the local tensor is), then move the
+    # ragged dim, then create any new Partial dims: every step sees a well-defined value.
+    order = sorted(range(current.mesh.ndim), key=lambda i: (not current.placements[i].is_partial(), target.placements[i].is_partial()))
+    for i in order:
+        local = _transform_mesh_dim(local, current.placements[i], target.placements[i], shape, current.mesh, i)
+    return local
+
+
+def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Drop-in for torch's ``redistribute_local_tensor`` that handles RaggedShard specs."""
+    if _has_ragged(current_spec.placements) or _has_ragged(target_spec.placements):
+        return _redistribute_ragged(local_tensor, current_spec, target_spec)
+    return _ORIGINAL["redistribute_local_tensor"](local_tensor, current_spec, target_spec, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# Sharding propagation
+# --------------------------------------------------------------------------------------
+
+# Ops that keep the layout of their (same-shaped) tensor operands besides those tagged
+# pointwise: copies, casts, fills and the ``*_like`` factories optimizers use for state.
+_LAYOUT_PRESERVING = {
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+}
+_FULL_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum"}
+
+
+def _is_layout_preserving(op: torch._ops.OpOverload) -> bool:
+    return op in _LAYOUT_PRESERVING or torch.Tag.pointwise in op.tags or (
+        op.name().startswith("aten::_foreach_") and op not in (aten._foreach_norm.Scalar, aten._foreach_max.default)
+    )
+
+
+def _is_scalar_spec(spec: DTensorSpec) -> bool:
+    return spec.ndim == 0 and not _has_ragged(spec.placements)
+
+
+def _spec_like(ref: DTensorSpec, meta: TensorMeta) -> DTensorSpec:
+    return DTensorSpec(ref.mesh, ref.placements, tensor_meta=meta)
+
+
+def _with_placements(spec: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def _positions(schema: OpSchema) -> list[list[DTensorSpec | None]]:
+    """Tensor operands grouped by position: one group for an op, one per index for foreach."""
+    groups: list[list[DTensorSpec | None]] = []
+    for arg in schema.args_schema:
+        if isinstance(arg, (list, tuple)) and arg and any(isinstance(a, DTensorSpec) for a in arg):
+            for j, a in enumerate(arg):
+                if len(groups) <= j:
+                    groups.append([])
+                groups[j].append(a if isinstance(a, DTensorSpec) else None)
+    if groups:
+        return groups
+    return [[a for a in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema)) if isinstance(a, DTensorSpec)]]
+
+
+def _layout_preserving_rule(schema: OpSchema, out_meta: Any) -> OutputSharding | None:
+    """Pointwise on one ragged layout: compute locally, keep the layout; else ``None``.
+
+    Operands with the same shape but another placement are first redistributed to the ragged
+    layout; 0-d replicated operands (scalars, ``step`` tensors) pass through. Broadcasting
+    against a non-scalar operand is left to the fallback.
+    """
+    refs: list[DTensorSpec] = []
+    for group in _positions(schema):
+        ref = next((s for s in group if s is not None and _has_ragged(s.placements)), None)
+        if ref is None:
+            ref = next((s for s in group if s is not None and not _is_scalar_spec(s)), None)
+        if ref is None:
+            return None
+        for s in group:
+            if s is not None and not _is_scalar_spec(s) and s.shape != ref.shape:
+                return None
+        refs.append(ref)
+
+    def target(spec: Any, ref: DTensorSpec) -> Any:
+        if not isinstance(spec, DTensorSpec) or _is_scalar_spec(spec) or spec.placements == ref.placements:
+            return spec
+        return _with_placements(spec, ref.placements)
+
+    foreach = len(refs) > 1 or any(isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensorSpec) for a in schema.args_schema)
+    if foreach:
+        new_args = tuple(
+            type(a)(target(x, refs[j]) for j, x in enumerate(a)) if isinstance(a, (list, tuple)) and a and any(isinstance(x, DTensorSpec) for x in a)
+            else target(a, refs[0]) for a in schema.args_schema
+        )
+    else:
+        new_args = tuple(target(a, refs[0]) for a in schema.args_schema)
+    new_kwargs = {k: target(v, refs[0]) for k, v in schema.kwargs_schema.items()}
+    needs = new_args != tuple(schema.args_schema) or new_kwargs != dict(schema.kwargs_schema)
+    redistribute_schema = OpSchema(schema.op, new_args, new_kwargs, schema.schema_info) if needs else None
+
+    if out_meta is None:
+        output_spec = None
+    elif isinstance(out_meta, TensorMeta):
+        output_spec = _spec_like(refs[0], out_meta)
+    else:
+        output_spec = tuple(_spec_like(refs[j if foreach else 0], m) if m is not None else None for j, m in enumerate(out_meta))
+    return OutputSharding(output_spec, redistribute_schema=redistribute_schema, needs_redistribute=needs)
+
+
+def _norm_partial(norm_type: float) -> Placement:
+    if norm_type == math.inf:
+        return Partial("max")
+    if norm_type == -math.inf:
+        return Partial("min")
+    if norm_type == 0:
+        return Partial("sum")
+    return _NormPartial(norm_type)
+
+
+def _full_reduction_rule(schema: OpSchema, out_meta: Any) -> OutputSharding | None:
+    """``sum()`` over every dim of a ragged tensor: local sums, ``Partial(sum)``."""
+    kind = _FULL_REDUCTIONS.get(schema.op)
+    if kind is None or not isinstance(schema.args_schema[0], DTensorSpec):
+        return None
+    spec = schema.args_schema[0]
+    dims = schema.args_schema[1] if len(schema.args_schema) > 1 else schema.kwargs_schema.get("dim")
+    if dims not in (None, []) and sorted(d % max(spec.ndim, 1) for d in dims) != list(range(spec.ndim)):
+        return None
+    if any(p.is_partial() for p in spec.placements):
+        return None
+    placements = tuple(Partial(kind) if isinstance(p, RaggedShard) else p for p in spec.placements)
+    return OutputSharding(DTensorSpec(spec.mesh, placements, tensor_meta=out_meta))
+
+
+def _replicate_fallback(propagator: Any, schema: OpSchema) -> OutputSharding:
+    """Any other op: gather ragged operands to Replicate, then let torch decide."""
+    op = schema.op
+    if op._schema.is_mutable and any(
+        isinstance(a, DTensorSpec) and _has_ragged(a.placements) for a in pytree.tree_leaves(schema.args_schema[:1])
+    ):
+        raise NotImplementedError(
+            f"{op} modifies a RaggedShard DTensor in place but is not elementwise on its layout; "
+            "call .full_tensor() or .redistribute() first"
+        )
+    if op._schema._is_view_op() and op not in _LAYOUT_PRESERVING:
+        raise NotImplementedError(
+            f"{op} is a view and cannot alias a RaggedShard DTensor's storage; "
+            "call .full_tensor() or .redistribute(placements=[Replicate()]) first"
+        )
+
+    def replicate(a: Any) -> Any:
+        if isinstance(a, DTensorSpec) and _has_ragged(a.placements):
+            return _with_placements(a, [Replicate() if isinstance(p, RaggedShard) else p for p in a.placements])
+        return a
+
+    replicated = OpSchema(
+        op, pytree.tree_map(replicate, schema.args_schema), pytree.tree_map(replicate, schema.kwargs_schema), schema.schema_info
+    )
+    result = _ORIGINAL["propagate_non_cached"](propagator, replicated)
+    if result.redistribute_schema is None:
+        result.redistribute_schema = replicated
+    result.needs_redistribute = True
+    return result
+
+
+def _propagate_ragged(propagator: Any, schema: OpSchema) -> OutputSharding:
+    for spec in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema)):
+        if isinstance(spec, DTensorSpec) and _has_ragged(spec.placements):
+            _check_spec(spec.placements, spec.mesh, spec.shape)
+    out_meta = propagator._propagate_tensor_meta_non_cached(schema)
+    rule = None
+    if _is_layout_preserving(schema.op):
+        rule = _layout_preserving_rule(schema, out_meta)
+    elif schema.op in _FULL_REDUCTIONS:
+        rule = _full_reduction_rule(schema, out_meta)
+    return rule if rule is not None else _replicate_fallback(propagator, schema)
+
+
+def _schema_has_ragged(schema: OpSchema | None) -> bool:
+    if schema is None:
+        return False
+    return any(
+        isinstance(a, DTensorSpec) and _has_ragged(a.placements)
+        for a in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
+    )
+
+
+def _propagate_op_sharding_dispatch_slow_path(self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> object:
+    if _schema_has_ragged(op_info.schema):
+        return _propagate_ragged(self.sharding_propagator, op_info.schema)
+    return _ORIGINAL["slow_path"](self, op_call, args, kwargs, op_info, try_cache)
+
+
+# --------------------------------------------------------------------------------------
+# Norms: a rank holding nothing contributes the identity
+# --------------------------------------------------------------------------------------
+
+
+def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | None) -> torch.Tensor:
+    if local.numel() == 0:
+        identity = math.inf if ord == -math.inf else 0.0
+        out_dtype = dtype or (local.dtype if local.is_floating_point() else torch.get_default_dtype())
+        return torch.full((), identity, dtype=out_dtype, device=local.device)
+    return torch.linalg.vector_norm(local, ord, dtype=dtype)
+
+
+def _ragged_norm_spec(spec: DTensorSpec, ord: float, out: torch.Tensor) -> DTensorSpec | None:
+    if any(p.is_partial() for p in spec.placements):
+        return None
+    placements = tuple(_norm_partial(ord) if isinstance(p, RaggedShard) else p for p in spec.placements)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(torch.Size(()), (), out.dtype))
+
+
+def _call_torch_default(op: Any, args: Any, kwargs: Any) -> Any:
+    # Our handler is registered for every DTensor; step aside for non-ragged calls.
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    ours = handlers.pop(op)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = ours
+
+
+def _vector_norm_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    ord = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    dtype = kwargs.get("dtype")
+    if not (isinstance(x, DTensor) and _has_ragged(x.placements)) or dim not in (None, []) or keepdim:
+        return _call_torch_default(op, args, kwargs)
+    _check_spec(x.placements, x.device_mesh, x.shape)
+    out = _local_vector_norm(x._local_tensor, float(ord), dtype)
+    spec = _ragged_norm_spec(x._spec, float(ord), out)
+    if spec is None:
+        return _call_torch_default(op, args, kwargs)
+    return DTensor(out, spec, requires_grad=False)
+
+
+def _foreach_norm_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    tensors = args[0]
+    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    if not any(isinstance(t, DTensor) and _has_ragged(t.placements) for t in tensors):
+        return _call_torch_default(op, args, kwargs)
+    results = []
+    for t in tensors:
+        if not (isinstance(t, DTensor) and _has_ragged(t.placements)):
+            results.append(_call_torch_default(op, ([t], ord, dtype), {})[0])
+            continue
+        _check_spec(t.placements, t.device_mesh, t.shape)
+        out = _local_vector_norm(t._local_tensor, ord, dtype)
+        spec = _ragged_norm_spec(t._spec, ord, out)
+        results.append(DTensor(out, spec, requires_grad=False) if spec is not None else torch.linalg.vector_norm(t.full_tensor(), ord, dtype=dtype))
+    return results
+
+
+# --------------------------------------------------------------------------------------
+# distribute_tensor / from_local
+# --------------------------------------------------------------------------------------
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, src_data_rank: int | None = 0) -> DTensor:
+    """``torch.distributed.tensor.distribute_tensor`` that also accepts RaggedShard placements."""
+    if placements is None or not _has_ragged(placements) or isinstance(tensor, DTensor):
+        return _ORIGINAL["distribute_tensor"](tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    if device_mesh is None:
+        raise ValueError("distribute_tensor with a RaggedShard placement needs an explicit device_mesh")
+    mesh = device_mesh
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"{len(placements)} placements for a {mesh.ndim}-D mesh; give one per mesh dim")
+    _check_spec(placements, mesh, tensor.shape)
+    if any(p.is_partial() for p in placements):
+        raise ValueError(f"distribute_tensor cannot create Partial placements: {placements}")
+    full = tensor.detach().to(mesh.device_type).contiguous()
+    if src_data_rank is not None and mesh._is_current_rank_part_of_mesh():
+        for i in range(mesh.ndim):
+            torch.distributed.broadcast(full, group_src=src_data_rank, group=mesh.get_group(i))
+    i = _ragged_mesh_dim(DTensorSpec(mesh, placements))
+    local = placements[i].split_full(full, mesh.get_local_rank(i)).clone()
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
+    return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
+
+
+def compute_global_tensor_info(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> Any:
+    if _has_ragged(placements):
+        raise ValueError(
+            f"DTensor.from_local with {tuple(placements)} needs shape= and stride= of the global "
+            "tensor: ragged shards differ in size per rank, so the global shape cannot be inferred"
+        )
+    return _ORIGINAL["compute_global_tensor_info"](tensor, mesh, placements)
+
+
+# --------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: a ragged shard as a few regular boxes, no communication
+# --------------------------------------------------------------------------------------
+
+
+def _local_boxes(t: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(global offsets, sizes, start in the local flat storage) for each box of this rank."""
+    i = _ragged_mesh_dim(t._spec)
+    placement = t.placements[i]
+    rank_slice = placement.layout(t.shape).slices[t.device_mesh.get_local_rank(i)]
+    boxes, local_start = [], 0
+    for offsets, sizes in flat_interval_boxes(t.shape, rank_slice.offset, rank_slice.length):
+        boxes.append((offsets, sizes, local_start))
+        local_start += math.prod(sizes)
+    return boxes
+
+
+def _create_write_items(self: DTensor, fqn: str, obj: Any) -> list[WriteItem]:
+    if not _has_ragged(self.placements):
+        return _ORIGINAL["__create_write_items__"](self, fqn, obj)
+    properties = TensorProperties.create_from_tensor(self._local_tensor)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, torch.Size(offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                properties=properties,
+                size=self.size(),
+            ),
+        )
+        for offsets, sizes, _ in _local_boxes(self)
+    ]
+
+
+def _create_chunk_list(self: DTensor) -> list[ChunkStorageMetadata]:
+    if not _has_ragged(self.placements):
+        return _ORIGINAL["__create_chunk_list__"](self)
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in _local_boxes(self)]
+
+
+def _get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
+    if not _has_ragged(self.placements):
+        return _ORIGINAL["__get_tensor_shard__"](self, index)
+    flat = self._local_tensor.reshape(-1)
+    for offsets, sizes, start in _local_boxes(self):
+        if torch.Size(offsets) == index.offset:
+            return flat[start : start + math.prod(sizes)].view(sizes)
+    raise ValueError(f"{index.fqn}: no local ragged chunk at offset {tuple(index.offset)}")
+
+
+# --------------------------------------------------------------------------------------
+# Installation
+# --------------------------------------------------------------------------------------
+
+
+def install() -> None:
+    """Install the hooks once; idempotent."""
+    if _ORIGINAL:
+        return
+    dispatcher_cls = dtensor_dispatch.OpDispatcher
+    propagator_cls = type(DTensor._op_dispatcher.sharding_propagator)
+    _ORIGINAL.update(
+        redistribute_local_tensor=dtensor_redistribute.redistribute_local_tensor,
+        slow_path=dispatcher_cls._propagate_op_sharding_dispatch_slow_path,
+        propagate_non_cached=propagator_cls.propagate_op_sharding_non_cached,
+        distribute_tensor=dtensor_api.distribute_tensor,
+        compute_global_tensor_info=dtensor_api.compute_global_tensor_info,
+        __create_write_items__=DTensor.__create_write_items__,
+        __create_chunk_list__=DTensor.__create_chunk_list__,
+        __get_tensor_shard__=DTensor.__get_tensor_shard__,
+    )
+    for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
+        module.redistribute_local_tensor = redistribute_local_tensor
+    dispatcher_cls._propagate_op_sharding_dispatch_slow_path = _propagate_op_sharding_dispatch_slow_path
+    DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = _vector_norm_handler
+    DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
+    dtensor_api.distribute_tensor = distribute_tensor
+    dtensor_pkg.distribute_tensor = distribute_tensor
+    dtensor_api.compute_global_tensor_info = compute_global_tensor_info
+    DTensor.__create_write_items__ = _create_write_items
+    DTensor.__create_chunk_list__ = _create_chunk_list
+    DTensor.__get_tensor_shard__ = _get_tensor_shard

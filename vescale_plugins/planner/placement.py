@@ -1,0 +1,185 @@
+"""Placing tensors for a fixed shard size: the feasibility test inside the planner's search.
+
+All positions are in elements of the global buffer. For a fixed shard size ``S`` and a fixed
+order, putting every tensor at its earliest valid start is optimal: the valid starts of a
+tensor do not depend on what came before it, so the earliest start after an earlier cursor is
+never later, and by induction every tensor ends as early as it can. A pass therefore returns
+the end of the last tensor, and the order (or the rule picking the next tensor) is all a
+strategy chooses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = [
+    "TensorClass",
+    "earliest_start",
+    "group_classes",
+    "place_best_fit",
+    "place_in_order",
+]
+
+
+def earliest_start(
+    cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool
+) -> int | None:
+    """Earliest start ``>= cursor`` where a tensor keeps every block inside one rank.
+
+    ``step = lcm(alignment, block)``; ``divisible`` is ``shard % block == 0``. ``None`` when no
+    start works for this shard size (a tensor whose blocks do not tile ``shard`` and that
+    cannot get away with crossing a single rank boundary).
+    """
+    start = -(-cursor // alignment) * alignment
+    boundary = (start // shard + 1) * shard
+    if start + numel <= boundary:
+        return start
+    if divisible:
+        # Boundaries are multiples of shard, hence of step: a start on a step multiple puts
+        # every boundary the tensor crosses on one of its block boundaries.
+        return -(-start // step) * step
+    # Blocks do not tile a shard, so the tensor may cross one boundary only, at a block
+    # boundary: the start must be congruent to that boundary modulo step.
+    candidate = boundary - (boundary - start) // step * step
+    if candidate < boundary and candidate + numel <= boundary + shard:
+        return candidate
+    if numel <= shard:
+        return boundary
+    # Start inside the next shard and cross the boundary after it; every later shard looks
+    # the same, so if this fails the tensor fits nowhere.
+    candidate = boundary + shard % step
+    if candidate + numel <= boundary + 2 * shard:
+        return candidate
+    return None
+
+
+@dataclass(frozen=True)
+class TensorClass:
+    """Tensors with identical ``(numel, block)``: interchangeable for placement.
+
+    ``members`` are their indices in input order (the order they are handed out, which keeps
+    the layout deterministic); ``step = lcm(alignment, block)``.
+    """
+
+    numel: int
+    block: int
+    step: int
+    members: tuple[int, ...]
+
+
+def group_classes(
+    numels: Sequence[int], block_sizes: Sequence[int], alignment: int
+) -> list[TensorClass]:
+    """Group tensors by ``(numel, block)``, classes in order of first appearance."""
+    members: dict[tuple[int, int], list[int]] = {}
+    for index, key in enumerate(zip(numels, block_sizes)):
+        members.setdefault(key, []).append(index)
+    return [
+        TensorClass(numel, block, math.lcm(alignment, block), tuple(indices))
+        for (numel, block), indices in members.items()
+    ]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Result of one pass: ``end`` of the last tensor, or an estimate when it did not fit.
+
+    ``offsets`` is ``None`` when the pass ran past ``limit``; ``end`` then estimates where
+    the last tensor would have ended (at least ``limit + 1``), which the search uses to pick
+    the next shard size to try.
+    """
+
+    end: int
+    offsets: list[int] | None
+
+
+def place_in_order(
+    order: Sequence[int],
+    numels: Sequence[int],
+    steps: Sequence[int],
+    block_sizes: Sequence[int],
+    shard: int,
+    alignment: int,
+    limit: int,
+    payload_after: Sequence[int],
+) -> Placement:
+    """Place tensors in ``order``, each at its earliest valid start, within ``[0, limit)``.
+
+    ``payload_after[k]`` is the aligned payload of ``order[k + 1:]`` (for the estimate).
+    """
+    offsets = [0] * len(numels)
+    cursor = 0
+    for position, index in enumerate(order):
+        numel = numels[index]
+        start = earliest_start(
+            cursor, numel, shard, alignment, steps[index], shard % block_sizes[index] == 0
+        )
+        if start is None:
+            return Placement(max(limit + 1, cursor + numel + payload_after[position]), None)
+        cursor = start + numel
+        if cursor > limit:
+            return Placement(cursor + payload_after[position], None)
+        offsets[index] = start
+    return Placement(cursor, offsets)
+
+
+def place_best_fit(
+    classes: Sequence[TensorClass],
+    shard: int,
+    alignment: int,
+    limit: int,
+    payload: int,
+) -> Placement:
+    """Place tensors picking, at every step, the class that wastes least before its start.
+
+    ``classes`` come in priority order: the first class with tensors left is taken whenever
+    it starts right at the (aligned) cursor; otherwise every class is asked for its earliest
+    start and the one leaving the smallest gap wins (ties go to priority). This fills the
+    gap a large-block tensor would leave with tensors whose blocks happen to line up.
+    ``payload`` is the aligned payload of all tensors (for the estimate).
+    """
+    offsets = [0] * sum(len(c.members) for c in classes)
+    divisible = [shard % c.block == 0 for c in classes]
+    active = list(range(len(classes)))
+    taken = [0] * len(classes)
+    cursor = 0
+    while active:
+        aligned = -(-cursor // alignment) * alignment
+        choice, start = _least_waste(classes, divisible, active, cursor, aligned, shard, alignment)
+        if start is None:
+            return Placement(max(limit + 1, cursor + payload), None)
+        tensor_class = classes[choice]
+        cursor = start + tensor_class.numel
+        payload -= -(-tensor_class.numel // alignment) * alignment
+        if cursor > limit:
+            return Placement(cursor + payload, None)
+        offsets[tensor_class.members[taken[choice]]] = start
+        taken[choice] += 1
+        if taken[choice] == len(tensor_class.members):
+            active.remove(choice)
+    return Placement(cursor, offsets)
+
+
+def _least_waste(
+    classes: Sequence[TensorClass],
+    divisible: Sequence[bool],
+    active: Sequence[int],
+    cursor: int,
+    aligned: int,
+    shard: int,
+    alignment: int,
+) -> tuple[int, int | None]:
+    """The active class with the earliest start (priority breaks ties) and that start."""
+    best_class, best_start = active[0], None
+    for class_id in active:
+        tensor_class = classes[class_id]
+        start = earliest_start(
+            cursor, tensor_class.numel, shard, alignment, tensor_class.step, divisible[class_id]
+        )
+        if start is not None and (best_start is None or start < best_start):
+            best_class, best_start = class_id, start
+            if start == aligned:
+                break
+    return best_class, best_start

@@ -1,0 +1,156 @@
+"""Pure arithmetic of a RaggedShard layout: who owns which elements, and in what local shape.
+
+No process group, no DTensor: the placement, the planner and DBuffer all build on these
+functions, so they are cheap, deterministic, and validate their input with messages that
+say what would fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["RankSlice", "RaggedLayout", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """One rank's part of a ragged-sharded tensor.
+
+    ``offset`` and ``length`` are in elements of the row-major flat storage of the global
+    tensor; ``local_shape`` is the shape of that rank's local tensor.
+    """
+
+    offset: int
+    length: int
+    local_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Every rank's slice of one tensor under ``RaggedShard(dims, local_units)``.
+
+    ``row_numel`` is the elements in one row (the product of the trailing, never-split dims);
+    ``unit_rows`` is the rows in one unit.
+    """
+
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+    row_numel: int
+    unit_rows: int
+    slices: tuple[RankSlice, ...]
+
+
+def _divisor_hint(numel: int, row_numel: int) -> str:
+    """Unit totals that would fit: those giving whole rows per unit."""
+    rows = numel // row_numel if row_numel else 0
+    if rows == 0:
+        return "the tensor is empty, so any units of at least one rank fit"
+    divisors = [d for d in range(1, min(rows, 64) + 1) if rows % d == 0]
+    return f"sum(local_units) must divide the {rows} rows, e.g. one of {divisors}"
+
+
+def validate_ragged(shape: Sequence[int], dims: Sequence[int], local_units: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``RaggedShard(dims, local_units)`` can describe ``shape``.
+
+    Rules: ``dims`` is the prefix ``(0, ..., k-1)`` of the tensor's dims; units are
+    non-negative with a positive sum; one unit (``numel // sum(units)`` elements) is a whole
+    number of rows of ``dims`` (a row = the trailing dims ``shape[k:]``).
+    """
+    shape, dims, local_units = tuple(shape), tuple(dims), tuple(local_units)
+    where = f"RaggedShard(dims={dims}, local_units={local_units}) on shape {shape}"
+    _validate_placement_args(dims, local_units, where)
+    if len(dims) > len(shape):
+        raise ValueError(
+            f"{where}: dims names {len(dims)} dims but the tensor has only {len(shape)}; "
+            f"use a prefix of (0, ..., {len(shape) - 1})"
+        )
+    row_numel = math.prod(shape[len(dims):])
+    numel = math.prod(shape)
+    total_units = sum(local_units)
+    if numel % total_units or (numel // total_units) % max(row_numel, 1):
+        raise ValueError(
+            f"{where}: {numel} elements do not split into {total_units} equal units of whole "
+            f"rows of {row_numel} elements; {_divisor_hint(numel, row_numel)}"
+        )
+
+
+def _validate_placement_args(dims: tuple[int, ...], local_units: tuple[int, ...], where: str) -> None:
+    """The checks that need no tensor shape: dims form a prefix, units are sane."""
+    if dims != tuple(range(len(dims))):
+        raise ValueError(
+            f"{where}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, "
+            f"e.g. {tuple(range(len(dims)))}"
+        )
+    if not local_units:
+        raise ValueError(f"{where}: local_units is empty; give one entry per rank of the mesh dim")
+    if any((not isinstance(u, int)) or u < 0 for u in local_units):
+        raise ValueError(f"{where}: local_units must be non-negative integers")
+    if sum(local_units) == 0:
+        raise ValueError(f"{where}: local_units are all zero; at least one rank must hold a unit")
+
+
+def ragged_layout(shape: Sequence[int], dims: Sequence[int], local_units: Sequence[int]) -> RaggedLayout:
+    """Every rank's ``(offset, length)`` in elements and its local shape.
+
+    Rank ``r`` holds units ``[sum(u[:r]), sum(u[:r+1]))`` of the flat row-major storage.
+    Its local tensor has shape ``(rows_r, *shape[k:])`` with ``k = len(dims)``, so a row-wise
+    shard of a 2-D weight is 2-D with uneven rows and an element-wise shard is 1-D.
+    ``dims=()`` puts the whole tensor (one unit) on one rank, which keeps the full shape.
+    """
+    shape, dims, local_units = tuple(shape), tuple(dims), tuple(local_units)
+    validate_ragged(shape, dims, local_units)
+    k = len(dims)
+    trailing = shape[k:]
+    row_numel = math.prod(trailing)
+    unit_numel = math.prod(shape) // sum(local_units)
+    unit_rows = unit_numel // row_numel if row_numel else 0
+    slices = []
+    start_units = 0
+    for units in local_units:
+        rows = units * unit_rows
+        if k == 0:
+            local_shape = shape if units else (0, *shape[1:]) if shape else (0,)
+        else:
+            local_shape = (rows, *trailing)
+        slices.append(RankSlice(start_units * unit_numel, units * unit_numel, local_shape))
+        start_units += units
+    return RaggedLayout(shape, dims, local_units, row_numel, unit_rows, tuple(slices))
+
+
+def flat_interval_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cover the flat interval ``[start, start + length)`` of a row-major tensor with boxes.
+
+    Returns ``(offsets, sizes)`` pairs, in storage order, each a regular N-D box whose
+    elements are contiguous in storage (leading partial rows, a middle block, trailing
+    partial rows, recursively), so each is a view of the flat interval. Used to describe a
+    ragged shard to torch.distributed.checkpoint without communication.
+    """
+    shape = tuple(shape)
+    if length == 0:
+        return []
+    if not shape:
+        return [((), ())]
+    return _boxes(shape, start, start + length)
+
+
+def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    inner = math.prod(shape[1:])
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,))]
+    first_row, last_row = lo // inner, (hi - 1) // inner
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    row_lo = first_row
+    if lo % inner:
+        # Leading partial row: recurse inside it.
+        end = min(hi, (first_row + 1) * inner)
+        boxes += [((first_row, *o), (1, *s)) for o, s in _boxes(shape[1:], lo - first_row * inner, end - first_row * inner)]
+        row_lo = first_row + 1
+    row_hi = last_row + 1 if hi % inner == 0 else last_row
+    if row_hi > row_lo:
+        boxes.append(((row_lo, *(0,) * (len(shape) - 1)), (row_hi - row_lo, *shape[1:])))
+    if hi % inner and last_row >= row_lo:
+        boxes += [((last_row, *o), (1, *s)) for o, s in _boxes(shape[1:], 0, hi - last_row * inner)]
+    return boxes
