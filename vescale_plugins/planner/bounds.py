@@ -1,16 +1,19 @@
 """What no single-buffer layout can beat, and which shard sizes are worth trying.
 
-Two facts drive everything (sizes in elements, ``S`` the shard size, ``g`` a block size):
+Facts every valid layout obeys (sizes in elements, ``S`` the shard size, ``a`` the alignment,
+``g`` a tensor's block size, ``L = lcm(a, g)``, ``e`` its numel):
 
-* A block must sit inside one rank, so ``S >= g`` for every tensor.
-* A tensor spanning two rank boundaries ``kS`` and ``(k+1)S`` has both at block boundaries,
-  so ``S`` is a multiple of its ``g``. A tensor of more than ``2S`` elements always spans two
-  boundaries (an open interval longer than ``2S`` holds at least two multiples of ``S``), so
-  ``S`` must be a multiple of ``lcm(alignment, g_t for every t with e_t > 2S)``.
+* A block sits inside one rank, so ``S >= g``; tensors start on multiples of ``a`` and the
+  buffer end is one, so ``W * S >= sum(round_up(e, a))``.
+* A tensor spanning two rank boundaries has both on block boundaries, so ``g | S``.
+* A tensor longer than ``S`` crosses at least one boundary. If ``g`` does not divide ``S`` it
+  may cross only one, at a distance from its start that is a multiple of ``L`` (the boundary
+  and the start are multiples of ``a``) and smaller than ``S``, hence at most
+  ``S - (S mod L)``; what follows the boundary is at most ``S``, so
+  ``e <= 2S - (S mod L)``. A tensor longer than ``2S`` can never meet this: ``g | S``.
 
-Call a shard size *admissible* when it is a multiple of the alignment and meets that lcm rule.
-As ``S`` grows, fewer tensors exceed ``2S``, so the rule only relaxes at the thresholds
-``S = ceil(e_t / 2)``; between thresholds the admissible sizes are the multiples of one lcm.
+Call ``S`` *admissible* when ``a | S`` and every tensor meets the last rule. The lower bound is
+the smallest admissible ``S`` meeting the first two; the search only tries admissible sizes.
 """
 
 from __future__ import annotations
@@ -44,32 +47,47 @@ def aligned_payload(numels: Sequence[int], alignment: int) -> int:
 
 
 class AdmissibleShardSizes:
-    """Answers "the smallest admissible shard size >= S" in O(log n).
+    """Answers "the smallest admissible shard size >= S" for one problem.
 
-    Tensors are sorted by numel, largest first; with ``k`` of them above ``2S`` the shard size
-    must be a multiple of ``lcms[k] = lcm(alignment, g of those k tensors)``.
+    Two layers: a fast one for the tensors longer than ``2S``, which must have ``g | S`` (they
+    change only at the thresholds ``S = ceil(e / 2)``, between which ``S`` steps over the
+    multiples of one lcm, found by bisection), then an exact check of the rule for the
+    tensors longer than ``S``, grouped by ``(numel, block)``.
     """
 
     def __init__(self, numels: Sequence[int], block_sizes: Sequence[int], alignment: int):
+        self._alignment = alignment
         order = sorted(range(len(numels)), key=lambda i: (-numels[i], i))
-        # forced_above[k-1] is the largest S at which the k-th largest tensor still exceeds 2S.
+        # Tensor k (in this order) is longer than 2S iff S <= last_forced[k]; the list is
+        # decreasing, stored negated so bisect sees it ascending.
         self._negated_last_forced = [-((numels[i] - 1) // 2) for i in order]
         self._lcms = [alignment]
         for i in order:
             self._lcms.append(math.lcm(self._lcms[-1], block_sizes[i]))
+        kinds = sorted({(numels[i], block_sizes[i]) for i in order}, reverse=True)
+        self._kinds = [(numel, block, math.lcm(alignment, block)) for numel, block in kinds]
+        self._negated_kind_numels = [-numel for numel, _, _ in self._kinds]
 
     def forced_count(self, shard_size: int) -> int:
         """How many tensors have more than ``2 * shard_size`` elements."""
-        # Tensor k (0-based) is forced iff shard_size <= last_forced[k]; the list is decreasing.
         return bisect_left(self._negated_last_forced, -shard_size + 1)
 
     def required_multiple(self, shard_size: int) -> int:
-        """The lcm ``shard_size`` must be a multiple of (alignment included)."""
+        """The lcm ``shard_size`` must be a multiple of (alignment and the tensors > 2S)."""
         return self._lcms[self.forced_count(shard_size)]
 
     def next_admissible(self, shard_size: int) -> int:
         """Smallest admissible shard size ``>= shard_size``."""
         candidate = max(shard_size, 1)
+        while True:
+            candidate = self._next_meeting_forced(candidate)
+            fix = self._first_violation_fix(candidate)
+            if fix is None:
+                return candidate
+            candidate = fix
+
+    def _next_meeting_forced(self, candidate: int) -> int:
+        """Smallest ``S >= candidate`` with ``a | S`` and ``g | S`` for tensors above 2S."""
         while True:
             forced = self.forced_count(candidate)
             multiple = round_up(candidate, self._lcms[forced])
@@ -79,6 +97,22 @@ class AdmissibleShardSizes:
             if interval_end is None or multiple <= interval_end:
                 return multiple
             candidate = interval_end + 1
+
+    def _first_violation_fix(self, shard: int) -> int | None:
+        """``None`` if every tensor meets the rule at ``shard``, else a larger size to try.
+
+        The returned size is the smallest one that fixes the first violating tensor: grow
+        until the rule holds within the same period of its ``L``, reach the next multiple of
+        ``L`` (then ``g | S``), or reach the tensor's own length (then it need not cross).
+        """
+        longer = bisect_left(self._negated_kind_numels, -shard)
+        for numel, block, step in self._kinds[:longer]:
+            remainder = shard % step
+            if shard % block == 0 or numel <= 2 * shard - remainder:
+                continue
+            grow = round_up(numel - 2 * shard + remainder, self._alignment)
+            return min(shard + grow, round_up(shard + 1, step), round_up(numel, self._alignment))
+        return None
 
 
 def shard_size_lower_bound(

@@ -132,12 +132,13 @@ def place_best_fit(
     limit: int,
     payload: int,
 ) -> Placement:
-    """Place tensors picking, at every step, the class that wastes least before its start.
+    """Place tensors in class priority order, detouring when the next one would waste room.
 
-    ``classes`` come in priority order: the first class with tensors left is taken whenever
-    it starts right at the (aligned) cursor; otherwise every class is asked for its earliest
-    start and the one leaving the smallest gap wins (ties go to priority). This fills the
-    gap a large-block tensor would leave with tensors whose blocks happen to line up.
+    ``classes`` come in priority order (least flexible first). The first class with tensors
+    left is placed unless the gap before its earliest start exceeds its fair share of the
+    slack (slack still unspent divided by the rank boundaries still ahead); then the class
+    leaving the smallest gap goes instead (ties to priority). Saving the flexible tensors for
+    those moments is what lets them absorb the misalignment of the rigid ones.
     ``payload`` is the aligned payload of all tensors (for the estimate).
     """
     offsets = [0] * sum(len(c.members) for c in classes)
@@ -146,8 +147,9 @@ def place_best_fit(
     taken = [0] * len(classes)
     cursor = 0
     while active:
-        aligned = -(-cursor // alignment) * alignment
-        choice, start = _least_waste(classes, divisible, active, cursor, aligned, shard, alignment)
+        fair_gap = max(0, limit - cursor - payload) * shard // max(shard, limit - cursor)
+        choice, start = _first_within(classes, divisible, active, cursor, fair_gap, shard,
+                                      alignment)
         if start is None:
             return Placement(max(limit + 1, cursor + payload), None)
         tensor_class = classes[choice]
@@ -162,24 +164,106 @@ def place_best_fit(
     return Placement(cursor, offsets)
 
 
-def _least_waste(
+def _first_within(
     classes: Sequence[TensorClass],
     divisible: Sequence[bool],
     active: Sequence[int],
     cursor: int,
-    aligned: int,
+    fair_gap: int,
     shard: int,
     alignment: int,
 ) -> tuple[int, int | None]:
-    """The active class with the earliest start (priority breaks ties) and that start."""
+    """The first active class whose gap is within ``fair_gap``, else the smallest gap."""
     best_class, best_start = active[0], None
     for class_id in active:
         tensor_class = classes[class_id]
         start = earliest_start(
             cursor, tensor_class.numel, shard, alignment, tensor_class.step, divisible[class_id]
         )
-        if start is not None and (best_start is None or start < best_start):
+        if start is None:
+            continue
+        if start - cursor <= fair_gap:
+            return class_id, start
+        if best_start is None or start < best_start:
             best_class, best_start = class_id, start
-            if start == aligned:
-                break
     return best_class, best_start
+
+
+def order_states(classes: Sequence[TensorClass]) -> int:
+    """How many partial placements :func:`place_exact` tracks: ``prod(len(members) + 1)``."""
+    return math.prod(len(c.members) + 1 for c in classes)
+
+
+def place_exact(
+    classes: Sequence[TensorClass], shard: int, alignment: int, limit: int
+) -> Placement:
+    """The best order for this shard size, by dynamic programming over placed multisets.
+
+    A state is how many tensors of each class are placed; its value is the smallest end
+    any order of them reaches. Because the earliest valid start is monotone in the cursor, a
+    smaller end dominates, so keeping one end per state is exact: the pass fits iff some
+    order does. Cost ``order_states(classes) * len(classes)`` starts; callers keep it small.
+    On failure the end is a sentinel above ``limit`` that carries no estimate.
+    """
+    radices, size = [], 1
+    for tensor_class in classes:
+        radices.append(size)
+        size *= len(tensor_class.members) + 1
+    unreached = limit + 1
+    best_end, last_class = [unreached] * size, [-1] * size
+    best_end[0] = 0
+    divisible = [shard % c.block == 0 for c in classes]
+    footprints = [-(-c.numel // alignment) * alignment for c in classes]
+    remaining = sum(f * len(c.members) for f, c in zip(footprints, classes))
+    counts = [0] * len(classes)
+    for state in range(size):
+        cursor = best_end[state]
+        if cursor <= limit and -(-cursor // alignment) * alignment + remaining <= limit:
+            for class_id, tensor_class in enumerate(classes):
+                if counts[class_id] == len(tensor_class.members):
+                    continue
+                start = earliest_start(cursor, tensor_class.numel, shard, alignment,
+                                       tensor_class.step, divisible[class_id])
+                if start is None:
+                    continue
+                end, successor = start + tensor_class.numel, state + radices[class_id]
+                if end < best_end[successor]:
+                    best_end[successor], last_class[successor] = end, class_id
+        remaining = _advance_counts(counts, classes, footprints, remaining)
+    if best_end[-1] > limit:
+        return Placement(2 * limit + 1, None)
+    return Placement(best_end[-1], _trace_back(classes, radices, best_end, last_class))
+
+
+def _advance_counts(
+    counts: list[int], classes: Sequence[TensorClass], footprints: Sequence[int], remaining: int
+) -> int:
+    """Step the mixed-radix counter ``counts`` to the next state; return its remaining payload."""
+    for class_id, tensor_class in enumerate(classes):
+        if counts[class_id] < len(tensor_class.members):
+            counts[class_id] += 1
+            return remaining - footprints[class_id]
+        remaining += footprints[class_id] * counts[class_id]
+        counts[class_id] = 0
+    return remaining
+
+
+def _trace_back(
+    classes: Sequence[TensorClass],
+    radices: Sequence[int],
+    best_end: Sequence[int],
+    last_class: Sequence[int],
+) -> list[int]:
+    """Offsets of the best full order; each class hands out members in input order."""
+    placed: list[tuple[int, int]] = []
+    state = len(best_end) - 1
+    while state:
+        class_id = last_class[state]
+        placed.append((class_id, best_end[state] - classes[class_id].numel))
+        state -= radices[class_id]
+    offsets = [0] * sum(len(c.members) for c in classes)
+    handed_out = [0] * len(classes)
+    for class_id, start in reversed(placed):
+        offsets[classes[class_id].members[handed_out[class_id]]] = start
+        handed_out[class_id] += 1
+    return offsets

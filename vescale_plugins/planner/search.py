@@ -1,0 +1,251 @@
+"""``plan_layout``: the smallest shard size the placement strategies can make work.
+
+The search (sizes in elements, ``S`` the shard size, ``W`` the world size):
+
+1. Start at the lower bound ``S_lb`` (:mod:`.bounds`); it is often feasible.
+2. Ascend: run every strategy at ``S``; if none fits in ``W * S``, the best end ``P`` says
+   how much room was missing, so jump to the next admissible size ``>= P / W`` (plus a
+   growing minimum step, so pathological inputs cannot crawl).
+3. Bisect between the last failure and the first success, since feasibility is not
+   monotone in ``S`` and the jump may overshoot.
+4. Try the sizes where a large class of tensors stops paying for block alignment: the next
+   admissible multiple of ``lcm(required, block)`` for each class holding much payload.
+5. If the answer is still noticeably above the bound and the unit has few distinct tensors,
+   repeat 3-4 from the bound with the exact order search added.
+
+The answer is the smallest feasible size seen. Every step is integer arithmetic over tuples
+in a fixed order, so the result is identical on every rank, run and hash seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from .bounds import AdmissibleShardSizes, _shard_size_lower_bound, aligned_payload, round_up
+from .layout import Layout, check_plan_inputs
+from .placement import (
+    Placement,
+    TensorClass,
+    group_classes,
+    order_states,
+    place_best_fit,
+    place_exact,
+    place_in_order,
+)
+
+__all__ = ["plan_layout"]
+
+# Ascent steps before the minimum step starts doubling (keeps the search O(log) long).
+_PATIENT_ASCENT_STEPS = 4
+_MAX_BISECTION_STEPS = 24
+# Largest (states x classes) for which the exact order search runs at every tried size:
+# about 10 ms of pure Python, so it covers units with up to ~10 distinct tensors.
+EXACT_WORK_BUDGET = 50_000
+# The exact search runs only when the heuristics' answer is more than 1/this above the bound:
+# closer than 0.1 % it cannot change a padding figure that matters.
+_EXACT_ABOVE_GAP = 1000
+
+Strategy = Callable[[int, int], Placement]
+
+
+def plan_layout(
+    numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *, alignment: int = 1
+) -> Layout:
+    """Pack one buffer: offsets for every tensor and one shard size for every rank.
+
+    Args:
+        numels: elements of each tensor.
+        block_sizes: elements of each tensor's smallest unit that must stay on one rank
+            (1 element-wise, the row length row-wise, ``k * row length`` for k-row blocks);
+            each must divide its numel.
+        world_size: ranks sharing the buffer.
+        alignment: elements; every offset and the shard size are multiples of it.
+
+    Returns a :class:`Layout` with no block cut by a rank boundary, contiguous
+    non-overlapping tensors and ``world_size`` equal shards. Raises ``ValueError`` on bad
+    input, naming the tensor index and values.
+    """
+    numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
+    admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
+    lower = _shard_size_lower_bound(numels, block_sizes, world_size, alignment, admissible)
+    heuristics, exact = _strategies(numels, block_sizes, alignment)
+    shard, offsets = _search(heuristics, exact, admissible, lower, world_size, numels, block_sizes)
+    return Layout(numels, block_sizes, world_size, alignment, shard, tuple(offsets), lower)
+
+
+def _strategies(
+    numels: tuple[int, ...], block_sizes: tuple[int, ...], alignment: int
+) -> tuple[list[Strategy], Strategy | None]:
+    """The heuristic placement rules (cheapest, most often best first) and the exact one.
+
+    Fixed orders: by block size, by numel (largest first: big blocks go where alignment is
+    cheap, small tensors are left to fill gaps), and the input order (the paper's default).
+    Best-fit: classes of identical tensors, picking whichever wastes least at each step.
+    Exact (``None`` when the unit has too many distinct tensors): the best of all orders,
+    which makes the answer optimal for every shard size it is run at.
+    """
+    steps = [math.lcm(alignment, block) for block in block_sizes]
+    count = len(numels)
+    by_block = sorted(range(count), key=lambda i: (-steps[i], -numels[i], i))
+    by_numel = sorted(range(count), key=lambda i: (-numels[i], -steps[i], i))
+    classes = group_classes(numels, block_sizes, alignment)
+    payload = aligned_payload(numels, alignment)
+
+    def fixed(order: list[int]) -> Strategy:
+        after = _payload_after(order, numels, alignment)
+        return lambda shard, limit: place_in_order(
+            order, numels, steps, block_sizes, shard, alignment, limit, after
+        )
+
+    def best_fit(priority: list[TensorClass]) -> Strategy:
+        return lambda shard, limit: place_best_fit(priority, shard, alignment, limit, payload)
+
+    strategies = [
+        fixed(by_block),
+        best_fit(sorted(classes, key=lambda c: (-c.step, -c.numel, c.members[0]))),
+        best_fit(sorted(classes, key=lambda c: (-c.numel, -c.step, c.members[0]))),
+        fixed(by_numel),
+        fixed(list(range(count))),
+    ]
+    if order_states(classes) * len(classes) > EXACT_WORK_BUDGET:
+        return strategies, None
+    return strategies, lambda shard, limit: place_exact(classes, shard, alignment, limit)
+
+
+def _payload_after(order: Sequence[int], numels: Sequence[int], alignment: int) -> list[int]:
+    """``result[k]`` = aligned payload of ``order[k + 1:]``."""
+    after = [0] * len(order)
+    total = 0
+    for position in range(len(order) - 1, -1, -1):
+        after[position] = total
+        total += round_up(numels[order[position]], alignment)
+    return after
+
+
+def _try(strategies: Sequence[Strategy], shard: int, world_size: int) -> Placement:
+    """First strategy that fits in ``world_size * shard``, else the smallest estimated end."""
+    limit = world_size * shard
+    best = None
+    for strategy in strategies:
+        placement = strategy(shard, limit)
+        if placement.offsets is not None:
+            return placement
+        if best is None or placement.end < best.end:
+            best = placement
+    return best
+
+
+def _search(
+    heuristics: Sequence[Strategy],
+    exact: Strategy | None,
+    admissible: AdmissibleShardSizes,
+    lower: int,
+    world_size: int,
+    numels: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+) -> tuple[int, list[int]]:
+    """Smallest feasible shard size found (see the module docstring) and its offsets."""
+    failed, (shard, offsets) = _ascend(heuristics, admissible, lower, world_size)
+    if failed is None:
+        return shard, offsets
+    shard, offsets = _refine(heuristics, admissible, failed, shard, offsets, world_size,
+                             numels, block_sizes, lower)
+    if exact is not None and (shard - lower) * _EXACT_ABOVE_GAP > lower:
+        everything = [*heuristics, exact]
+        placement = _try(everything, lower, world_size)
+        if placement.offsets is not None:
+            return lower, placement.offsets
+        shard, offsets = _refine(everything, admissible, lower, shard, offsets, world_size,
+                                 numels, block_sizes, lower)
+    return shard, offsets
+
+
+def _refine(
+    strategies: Sequence[Strategy],
+    admissible: AdmissibleShardSizes,
+    failed: int,
+    shard: int,
+    offsets: list[int],
+    world_size: int,
+    numels: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    lower: int,
+) -> tuple[int, list[int]]:
+    """Steps 3 and 4: bisect below a feasible size, then try alignment-friendly sizes."""
+    shard, offsets = _bisect(strategies, admissible, failed, shard, offsets, world_size)
+    for candidate in _alignment_friendly_sizes(admissible, numels, block_sizes, lower, shard):
+        placement = _try(strategies, candidate, world_size)
+        if placement.offsets is not None:
+            return candidate, placement.offsets
+    return shard, offsets
+
+
+def _ascend(
+    strategies: Sequence[Strategy], admissible: AdmissibleShardSizes, shard: int, world_size: int
+) -> tuple[int | None, tuple[int, list[int]]]:
+    """Climb from ``shard`` to the first feasible size; also return the last failure."""
+    failed, min_step = None, 1
+    for attempt in range(1, 1 << 62):
+        placement = _try(strategies, shard, world_size)
+        if placement.offsets is not None:
+            return failed, (shard, placement.offsets)
+        failed = shard
+        if attempt > _PATIENT_ASCENT_STEPS:
+            min_step *= 2
+        needed = -(-placement.end // world_size)
+        shard = admissible.next_admissible(max(needed, shard + min_step))
+    raise AssertionError("unreachable: a shard size of the whole payload always fits")
+
+
+def _bisect(
+    strategies: Sequence[Strategy],
+    admissible: AdmissibleShardSizes,
+    failed: int,
+    shard: int,
+    offsets: list[int],
+    world_size: int,
+) -> tuple[int, list[int]]:
+    """Look for a smaller feasible size between a failure and a success."""
+    for _ in range(_MAX_BISECTION_STEPS):
+        middle = admissible.next_admissible((failed + shard) // 2 + 1)
+        if middle >= shard:
+            break
+        placement = _try(strategies, middle, world_size)
+        if placement.offsets is not None:
+            shard, offsets = middle, placement.offsets
+        else:
+            failed = middle
+    return shard, offsets
+
+
+def _alignment_friendly_sizes(
+    admissible: AdmissibleShardSizes,
+    numels: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    lower: int,
+    best: int,
+) -> list[int]:
+    """Sizes below ``best`` where one heavy block size tiles the shard, smallest first.
+
+    At such a size every tensor of that block size may cross boundaries anywhere on its
+    block grid, so the per-boundary alignment gaps it would otherwise leave disappear.
+    """
+    volume_by_block: dict[int, int] = {}
+    for numel, block in zip(numels, block_sizes):
+        volume_by_block[block] = volume_by_block.get(block, 0) + numel
+    total = sum(numels)
+    sizes = set()
+    for block, volume in volume_by_block.items():
+        if volume * 8 < total:  # a light block size saves little; skip it to stay fast
+            continue
+        size = lower
+        while size < best:
+            size = round_up(size, math.lcm(admissible.required_multiple(size), block))
+            admissible_size = admissible.next_admissible(size)
+            if admissible_size == size:
+                sizes.add(size)
+                break
+            # Past a threshold fewer tensors are forced: retry from the admissible size.
+            size = admissible_size
+    return sorted(size for size in sizes if size < best)
