@@ -127,6 +127,7 @@ class DistributedRunner:
         ``fn`` must be importable (a module-level function). Raises ``DistributedTestError``
         with each failing rank's traceback, or naming the ranks that did not finish in time.
         """
+        __tracebackhide__ = True
         pool = self._pools.get(world_size)
         if pool is None or not all(p.is_alive() for p in pool.processes):
             self._kill(world_size)

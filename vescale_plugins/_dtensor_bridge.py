@@ -12,7 +12,7 @@ interpret placements, and route a call to our code only when a RaggedShard is in
 - ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
   ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
 - ``distribute_tensor`` (public, but placement handling is internal): ragged split.
-- ``_api.compute_global_tensor_info`` (private): refuse to guess a ragged global shape.
+- ``DTensor.from_local`` (public): validate a ragged layout and demand the global shape.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
@@ -444,13 +444,27 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
 
-def compute_global_tensor_info(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> Any:
-    if _has_ragged(placements):
-        raise ValueError(
-            f"DTensor.from_local with {tuple(placements)} needs shape= and stride= of the global "
-            "tensor: ragged shards differ in size per rank, so the global shape cannot be inferred"
-        )
-    return _ORIGINAL["compute_global_tensor_info"](tensor, mesh, placements)
+def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, run_check: bool = False, shape: torch.Size | None = None, stride: tuple[int, ...] | None = None, **kwargs: Any) -> DTensor:
+    """``DTensor.from_local`` that validates RaggedShard placements before building the DTensor."""
+    if placements is not None and _has_ragged(placements):
+        if shape is None or stride is None:
+            raise ValueError(
+                f"DTensor.from_local with {tuple(placements)} needs shape= and stride= of the global "
+                "tensor: ragged shards differ in size per rank, so the global shape cannot be inferred"
+            )
+        mesh = device_mesh
+        if mesh is None:
+            raise ValueError("DTensor.from_local with a RaggedShard placement needs an explicit device_mesh")
+        _check_spec(tuple(placements), mesh, shape)
+        i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+        expected = placements[i].layout(shape).slices[mesh.get_local_rank(i)].local_shape
+        if tuple(local_tensor.shape) != tuple(expected):
+            raise ValueError(
+                f"DTensor.from_local: local tensor of shape {tuple(local_tensor.shape)} on mesh rank "
+                f"{mesh.get_local_rank(i)}, but {placements[i]!r} of global shape {tuple(shape)} puts "
+                f"a local tensor of shape {tuple(expected)} there"
+            )
+    return _ORIGINAL["from_local"](local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, **kwargs)
 
 
 # --------------------------------------------------------------------------------------
@@ -520,7 +534,7 @@ def install() -> None:
         slow_path=dispatcher_cls._propagate_op_sharding_dispatch_slow_path,
         propagate_non_cached=propagator_cls.propagate_op_sharding_non_cached,
         distribute_tensor=dtensor_api.distribute_tensor,
-        compute_global_tensor_info=dtensor_api.compute_global_tensor_info,
+        from_local=DTensor.from_local,
         __create_write_items__=DTensor.__create_write_items__,
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
@@ -532,7 +546,7 @@ def install() -> None:
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
     dtensor_api.distribute_tensor = distribute_tensor
     dtensor_pkg.distribute_tensor = distribute_tensor
-    dtensor_api.compute_global_tensor_info = compute_global_tensor_info
+    DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard

@@ -27,6 +27,7 @@ from .layout import check_plan_inputs
 __all__ = [
     "AdmissibleShardSizes",
     "aligned_payload",
+    "lower_bound_from_parts",
     "padding_lower_bound",
     "shard_size_lower_bound",
 ]
@@ -57,19 +58,19 @@ class AdmissibleShardSizes:
 
     def __init__(self, numels: Sequence[int], block_sizes: Sequence[int], alignment: int):
         self._alignment = alignment
-        order = sorted(range(len(numels)), key=lambda i: (-numels[i], i))
-        # Tensor k (in this order) is longer than 2S iff S <= last_forced[k]; the list is
+        # Identical tensors impose identical rules: work on the distinct (numel, block) kinds.
+        kinds = sorted(set(zip(numels, block_sizes)), reverse=True)
+        # Kind k (largest numel first) is longer than 2S iff S <= last_forced[k]; the list is
         # decreasing, stored negated so bisect sees it ascending.
-        self._negated_last_forced = [-((numels[i] - 1) // 2) for i in order]
+        self._negated_last_forced = [-((numel - 1) // 2) for numel, _ in kinds]
         self._lcms = [alignment]
-        for i in order:
-            self._lcms.append(math.lcm(self._lcms[-1], block_sizes[i]))
-        kinds = sorted({(numels[i], block_sizes[i]) for i in order}, reverse=True)
+        for _, block in kinds:
+            self._lcms.append(math.lcm(self._lcms[-1], block))
         self._kinds = [(numel, block, math.lcm(alignment, block)) for numel, block in kinds]
-        self._negated_kind_numels = [-numel for numel, _, _ in self._kinds]
+        self._negated_kind_numels = [-numel for numel, _ in kinds]
 
     def forced_count(self, shard_size: int) -> int:
-        """How many tensors have more than ``2 * shard_size`` elements."""
+        """How many distinct ``(numel, block)`` kinds have more than ``2 * shard_size`` elements."""
         return bisect_left(self._negated_last_forced, -shard_size + 1)
 
     def required_multiple(self, shard_size: int) -> int:
@@ -124,22 +125,18 @@ def shard_size_lower_bound(
     ``S >= max(block_sizes)``. Valid because every layout satisfies all three.
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
-    return _shard_size_lower_bound(
-        numels, block_sizes, world_size, alignment,
+    return lower_bound_from_parts(
+        aligned_payload(numels, alignment), max(block_sizes), world_size,
         AdmissibleShardSizes(numels, block_sizes, alignment),
     )
 
 
-def _shard_size_lower_bound(
-    numels: tuple[int, ...],
-    block_sizes: tuple[int, ...],
-    world_size: int,
-    alignment: int,
-    admissible: AdmissibleShardSizes,
+def lower_bound_from_parts(
+    payload: int, max_block: int, world_size: int, admissible: AdmissibleShardSizes
 ) -> int:
-    """:func:`shard_size_lower_bound` on already validated input."""
-    by_volume = -(-aligned_payload(numels, alignment) // world_size)
-    return admissible.next_admissible(max(by_volume, max(block_sizes)))
+    """:func:`shard_size_lower_bound` from its ingredients (``payload`` already aligned)."""
+    by_volume = -(-payload // world_size)
+    return admissible.next_admissible(max(by_volume, max_block))
 
 
 def padding_lower_bound(

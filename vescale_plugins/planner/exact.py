@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .bounds import AdmissibleShardSizes, _shard_size_lower_bound, aligned_payload, round_up
+from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
 from .layout import check_plan_inputs
 from .placement import earliest_start
 
@@ -33,7 +33,9 @@ def exact_min_shard_size(
             f"exhaustive search is for at most {MAX_EXACT_TENSORS} tensors, got {len(numels)}"
         )
     admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
-    shard = _shard_size_lower_bound(numels, block_sizes, world_size, alignment, admissible)
+    shard = lower_bound_from_parts(
+        aligned_payload(numels, alignment), max(block_sizes), world_size, admissible
+    )
     # Identical tensors are interchangeable: search orders of distinct (numel, block) kinds.
     kinds: dict[tuple[int, int], int] = {}
     for key in zip(numels, block_sizes):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from .bounds import AdmissibleShardSizes, _shard_size_lower_bound, aligned_payload, round_up
+from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
 from .layout import Layout, check_plan_inputs
 from .placement import (
     Placement,
@@ -39,9 +39,11 @@ __all__ = ["plan_layout"]
 # Ascent steps before the minimum step starts doubling (keeps the search O(log) long).
 _PATIENT_ASCENT_STEPS = 4
 _MAX_BISECTION_STEPS = 24
-# Largest (states x classes) for which the exact order search runs at every tried size:
-# about 10 ms of pure Python, so it covers units with up to ~10 distinct tensors.
-EXACT_WORK_BUDGET = 50_000
+# Bisection stops once the interval is below shard / 2**14 (< 0.01 %): finer is noise.
+_BISECTION_RESOLUTION_BITS = 14
+# Largest (states x classes) for which the exact order search runs: a few ms of pure Python
+# per shard size tried, enough for a dense block's ~10 distinct tensors.
+EXACT_WORK_BUDGET = 25_000
 # The exact search runs only when the heuristics' answer is more than 1/this above the bound:
 # closer than 0.1 % it cannot change a padding figure that matters.
 _EXACT_ABOVE_GAP = 1000
@@ -68,7 +70,9 @@ def plan_layout(
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
     admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
-    lower = _shard_size_lower_bound(numels, block_sizes, world_size, alignment, admissible)
+    lower = lower_bound_from_parts(
+        aligned_payload(numels, alignment), max(block_sizes), world_size, admissible
+    )
     heuristics, exact = _strategies(numels, block_sizes, alignment)
     shard, offsets = _search(heuristics, exact, admissible, lower, world_size, numels, block_sizes)
     return Layout(numels, block_sizes, world_size, alignment, shard, tuple(offsets), lower)
@@ -79,8 +83,8 @@ def _strategies(
 ) -> tuple[list[Strategy], Strategy | None]:
     """The heuristic placement rules (cheapest, most often best first) and the exact one.
 
-    Fixed orders: by block size, by numel (largest first: big blocks go where alignment is
-    cheap, small tensors are left to fill gaps), and the input order (the paper's default).
+    Fixed orders: by block size, largest first (big blocks go where alignment is cheap,
+    small tensors are left to fill gaps), and the input order (the paper's default).
     Best-fit: classes of identical tensors, picking whichever wastes least at each step.
     Exact (``None`` when the unit has too many distinct tensors): the best of all orders,
     which makes the answer optimal for every shard size it is run at.
@@ -88,7 +92,6 @@ def _strategies(
     steps = [math.lcm(alignment, block) for block in block_sizes]
     count = len(numels)
     by_block = sorted(range(count), key=lambda i: (-steps[i], -numels[i], i))
-    by_numel = sorted(range(count), key=lambda i: (-numels[i], -steps[i], i))
     classes = group_classes(numels, block_sizes, alignment)
     payload = aligned_payload(numels, alignment)
 
@@ -105,7 +108,6 @@ def _strategies(
         fixed(by_block),
         best_fit(sorted(classes, key=lambda c: (-c.step, -c.numel, c.members[0]))),
         best_fit(sorted(classes, key=lambda c: (-c.numel, -c.step, c.members[0]))),
-        fixed(by_numel),
         fixed(list(range(count))),
     ]
     if order_states(classes) * len(classes) > EXACT_WORK_BUDGET:
@@ -208,6 +210,8 @@ def _bisect(
 ) -> tuple[int, list[int]]:
     """Look for a smaller feasible size between a failure and a success."""
     for _ in range(_MAX_BISECTION_STEPS):
+        if (shard - failed) << _BISECTION_RESOLUTION_BITS < shard:
+            break
         middle = admissible.next_admissible((failed + shard) // 2 + 1)
         if middle >= shard:
             break

@@ -5,12 +5,19 @@ block size, so tensors with unrelated block sizes force the lcm of them all; at 
 sizes that rounding dominates (:mod:`.bounds`). Separate buffers each get their own shard size
 and their own collective. Which split:
 
-* Start from one buffer per distinct block size (inside one, no lcm grows).
-* Merge greedily: at each step merge the two buffers whose union adds the least padding
-  (often it removes padding: a buffer too small for ``world_size`` blocks pads a lot). That
-  gives one candidate per buffer count, down to a single buffer.
-* A merge always saves exactly one collective, so the path does not depend on the cost
-  model; the cost model only picks the point on it:
+* Atoms are the unit's block-size classes (tensors sharing a block size never force an lcm
+  on each other, so they stay together). Units with more than ``MAX_ATOMS`` classes merge
+  the lightest ones into one atom.
+* For every buffer count ``k``, the partition of the atoms into ``k`` buffers with the least
+  total padding is found exactly (dynamic programming over subsets) *as far as*
+  :func:`plan_layout` *can pack each subset*. Planning all ``2**atoms`` subsets would be
+  slow, so the search is lazy: a subset's padding starts as its cheap lower bound, the
+  best partition under those values is computed, its unplanned subsets are planned, and
+  this repeats until the best partition consists of planned subsets only (a planned value
+  is never below its bound, so nothing unplanned can beat it), or until the best planned
+  partition is within ``PARTITION_TOLERANCE`` of the payload of that bound (planning every
+  subset to shave a few millionths of padding is not worth seconds).
+* The cost model picks the buffer count:
   ``cost = buffers * collective_latency_s + sum(world_size * shard_size) * bytes_per_element
   / bandwidth_bytes_per_s``.
 
@@ -23,10 +30,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .bounds import padding_lower_bound
 from .layout import Layout, check_plan_inputs
 from .search import plan_layout
 
-__all__ = ["CostModel", "UnitPlan", "plan_unit", "unit_plan_options"]
+__all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
+
+# Exact partition search handles up to this many block-size classes (3**8 DP steps).
+MAX_ATOMS = 8
+# Stop once the best planned partition pads at most this fraction of the payload more than
+# the best any partition could (by the bounds of the subsets not yet planned).
+PARTITION_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -115,51 +129,130 @@ def plan_unit(
 def unit_plan_options(
     numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *, alignment: int = 1
 ) -> tuple[UnitPlan, ...]:
-    """The greedy merge path: ``result[k]`` uses ``k + 1`` buffers (module docstring)."""
+    """Least-padding plans by buffer budget: ``result[k]`` uses at most ``k + 1`` buffers.
+
+    One entry per atom count (module docstring); padding never increases along the tuple.
+    """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
-    groups: dict[int, list[int]] = {}
-    for index, block in enumerate(block_sizes):
-        groups.setdefault(block, []).append(index)
-    current = [tuple(members) for members in groups.values()]
+    search = _PartitionSearch(numels, block_sizes, world_size, alignment)
+    best: UnitPlan | None = None
+    options = []
+    for parts in range(1, len(search.atoms) + 1):
+        plan = search.best_plan(parts)
+        if best is None or plan.padding < best.padding:
+            best = plan
+        options.append(best)
+    return tuple(options)
 
-    plans: dict[tuple[int, ...], Layout] = {}
 
-    def layout(members: tuple[int, ...]) -> Layout:
-        if members not in plans:
-            plans[members] = plan_layout(
-                [numels[i] for i in members], [block_sizes[i] for i in members], world_size,
-                alignment=alignment,
+class _PartitionSearch:
+    """Lazy exact search over partitions of the atoms (module docstring)."""
+
+    def __init__(self, numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
+                 alignment: int):
+        self.numels, self.block_sizes = numels, block_sizes
+        self.world_size, self.alignment = world_size, alignment
+        self.atoms = _atoms(numels, block_sizes)
+        self._planned: dict[int, Layout] = {}
+        self._bounds: dict[int, int] = {}
+
+    def members(self, mask: int) -> tuple[int, ...]:
+        """Input indices of the atoms in ``mask``, ascending."""
+        return tuple(sorted(i for bit, atom in enumerate(self.atoms) if mask >> bit & 1
+                            for i in atom))
+
+    def best_plan(self, parts: int) -> UnitPlan:
+        """The least-padding partition into exactly ``parts`` buffers, fully planned."""
+        full = (1 << len(self.atoms)) - 1
+        tolerance = int(PARTITION_TOLERANCE * sum(self.numels))
+        best_planned: tuple[int, list[int]] | None = None
+        while True:
+            optimistic, partition = _best_partition(full, parts, self._padding)
+            for mask in partition:
+                self._plan(mask)
+            actual = sum(self._planned[mask].padding for mask in partition)
+            if best_planned is None or actual < best_planned[0]:
+                best_planned = (actual, partition)
+            if best_planned[0] - optimistic <= tolerance:
+                return self._unit_plan(best_planned[1])
+
+    def _plan(self, mask: int) -> None:
+        if mask not in self._planned:
+            members = self.members(mask)
+            self._planned[mask] = plan_layout(
+                [self.numels[i] for i in members], [self.block_sizes[i] for i in members],
+                self.world_size, alignment=self.alignment,
             )
-        return plans[members]
 
-    path = [_unit_plan(current, layout, len(numels))]
-    while len(current) > 1:
-        first, second = min(
-            ((a, b) for a in range(len(current)) for b in range(a + 1, len(current))),
-            key=lambda pair: _added_padding(current, pair, layout),
+    def _padding(self, mask: int) -> int:
+        """Planned padding of a subset, or its lower bound until it is planned."""
+        if mask in self._planned:
+            return self._planned[mask].padding
+        if mask not in self._bounds:
+            members = self.members(mask)
+            self._bounds[mask] = padding_lower_bound(
+                [self.numels[i] for i in members], [self.block_sizes[i] for i in members],
+                self.world_size, alignment=self.alignment,
+            )
+        return self._bounds[mask]
+
+    def _unit_plan(self, partition: list[int]) -> UnitPlan:
+        """Assemble a :class:`UnitPlan`, buffers ordered by their first tensor."""
+        groups = sorted((self.members(mask), mask) for mask in partition)
+        buffer_of, slot_of = [0] * len(self.numels), [0] * len(self.numels)
+        for buffer, (members, _) in enumerate(groups):
+            for slot, index in enumerate(members):
+                buffer_of[index], slot_of[index] = buffer, slot
+        return UnitPlan(
+            tuple(self._planned[mask] for _, mask in groups),
+            tuple(members for members, _ in groups), tuple(buffer_of), tuple(slot_of),
         )
-        merged = tuple(sorted(current[first] + current[second]))
-        current = [g for k, g in enumerate(current) if k not in (first, second)] + [merged]
-        path.append(_unit_plan(current, layout, len(numels)))
-    return tuple(reversed(path))
 
 
-def _added_padding(groups: list[tuple[int, ...]], pair: tuple[int, int], layout) -> tuple[int, int, int]:
-    """Padding the merge of ``pair`` adds (negative if it saves), then the pair for ties."""
-    first, second = pair
-    merged = tuple(sorted(groups[first] + groups[second]))
-    added = layout(merged).padding - layout(groups[first]).padding - layout(groups[second]).padding
-    return added, min(groups[first]), min(groups[second])
+def _atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Block-size classes in order of first appearance; the lightest merged past MAX_ATOMS."""
+    classes: dict[int, list[int]] = {}
+    for index, block in enumerate(block_sizes):
+        classes.setdefault(block, []).append(index)
+    atoms = [tuple(members) for members in classes.values()]
+    if len(atoms) <= MAX_ATOMS:
+        return atoms
+    by_weight = sorted(atoms, key=lambda atom: (-sum(numels[i] for i in atom), atom[0]))
+    rest = tuple(sorted(i for atom in by_weight[MAX_ATOMS - 1:] for i in atom))
+    return sorted([*by_weight[:MAX_ATOMS - 1], rest])
 
 
-def _unit_plan(groups: list[tuple[int, ...]], layout, count: int) -> UnitPlan:
-    """Assemble a :class:`UnitPlan` from groups of input indices, buffers by first tensor."""
-    ordered = sorted(groups)
-    buffer_of, slot_of = [0] * count, [0] * count
-    for buffer, members in enumerate(ordered):
-        for slot, index in enumerate(members):
-            buffer_of[index], slot_of[index] = buffer, slot
-    return UnitPlan(
-        tuple(layout(members) for members in ordered), tuple(ordered), tuple(buffer_of),
-        tuple(slot_of),
-    )
+def _best_partition(full: int, parts: int, padding) -> tuple[int, list[int]]:
+    """Least total padding of a split of ``full`` into ``parts`` non-empty subsets, and it.
+
+    Dynamic programming over (parts, mask); the subset holding the lowest atom of ``mask``
+    is enumerated, which visits every partition once. Ties keep the first found.
+    """
+    memo: dict[tuple[int, int], tuple[int, tuple[int, ...]] | None] = {}
+
+    def solve(count: int, mask: int) -> tuple[int, tuple[int, ...]] | None:
+        if count == 1:
+            return padding(mask), (mask,)
+        key = (count, mask)
+        if key in memo:
+            return memo[key]
+        lowest = mask & -mask
+        rest = mask ^ lowest
+        best = None
+        subset = rest
+        while True:
+            chosen = subset | lowest
+            remainder = mask ^ chosen
+            if remainder and remainder.bit_count() >= count - 1:
+                tail = solve(count - 1, remainder)
+                total = padding(chosen) + tail[0]
+                if best is None or total < best[0]:
+                    best = (total, (chosen, *tail[1]))
+            if subset == 0:
+                break
+            subset = (subset - 1) & rest
+        memo[key] = best
+        return best
+
+    total, masks = solve(parts, full)
+    return total, list(masks)
