@@ -77,11 +77,14 @@ class AdmissibleShardSizes:
         """The lcm ``shard_size`` must be a multiple of (alignment and the tensors > 2S)."""
         return self._lcms[self.forced_count(shard_size)]
 
-    def next_admissible(self, shard_size: int) -> int:
-        """Smallest admissible shard size ``>= shard_size``."""
+    def next_admissible(self, shard_size: int, multiple: int = 1) -> int:
+        """Smallest admissible shard size ``>= shard_size`` that is a multiple of ``multiple``."""
         candidate = max(shard_size, 1)
         while True:
             candidate = self._next_meeting_forced(candidate)
+            if candidate % multiple:
+                # Still meets the forced rule: past a threshold fewer tensors are forced.
+                candidate = round_up(candidate, math.lcm(self.required_multiple(candidate), multiple))
             fix = self._first_violation_fix(candidate)
             if fix is None:
                 return candidate

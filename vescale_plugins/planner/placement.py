@@ -55,6 +55,24 @@ def earliest_start(
     return None
 
 
+def back_to_back(
+    cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool, most: int
+) -> int:
+    """How many (up to ``most``) identical tensors fit back to back from ``cursor``, no gap.
+
+    ``cursor`` is the end of an identical tensor just placed at its earliest start. Each
+    fits with no gap if it crosses no boundary or, when its blocks tile the shard and the
+    cursor is on its block grid, anywhere; this is what lets a pass place a run of experts
+    in one step instead of one at a time.
+    """
+    if numel % alignment:
+        return 0
+    if divisible and cursor % step == 0 and numel % step == 0:
+        return most
+    next_boundary = (cursor // shard + 1) * shard
+    return min(most, (next_boundary - cursor) // numel)
+
+
 @dataclass(frozen=True)
 class TensorClass:
     """Tensors with identical ``(numel, block)``: interchangeable for placement.
@@ -96,7 +114,7 @@ class Placement:
 
 
 def place_in_order(
-    order: Sequence[int],
+    runs: Sequence[tuple[int, ...]],
     numels: Sequence[int],
     steps: Sequence[int],
     block_sizes: Sequence[int],
@@ -105,23 +123,36 @@ def place_in_order(
     limit: int,
     payload_after: Sequence[int],
 ) -> Placement:
-    """Place tensors in ``order``, each at its earliest valid start, within ``[0, limit)``.
+    """Place tensors in order, each at its earliest valid start, within ``[0, limit)``.
 
-    ``payload_after[k]`` is the aligned payload of ``order[k + 1:]`` (for the estimate).
+    The order is given as ``runs``: consecutive tensors with equal numel and block size.
+    ``payload_after[k]`` is the aligned payload of the runs after ``runs[k]`` (for the
+    estimate when the pass fails).
     """
     offsets = [0] * len(numels)
     cursor = 0
-    for position, index in enumerate(order):
-        numel = numels[index]
-        start = earliest_start(
-            cursor, numel, shard, alignment, steps[index], shard % block_sizes[index] == 0
-        )
-        if start is None:
-            return Placement(max(limit + 1, cursor + numel + payload_after[position]), None)
-        cursor = start + numel
-        if cursor > limit:
-            return Placement(cursor + payload_after[position], None)
-        offsets[index] = start
+    for position, run in enumerate(runs):
+        first = run[0]
+        numel, step = numels[first], steps[first]
+        divisible = shard % block_sizes[first] == 0
+        placed = 0
+        while placed < len(run):
+            start = earliest_start(cursor, numel, shard, alignment, step, divisible)
+            left = len(run) - placed
+            if start is None or start + numel > limit:
+                end = cursor if start is None else start
+                return Placement(max(limit + 1, end + numel * left + payload_after[position]),
+                                 None)
+            offsets[run[placed]] = start
+            cursor, placed = start + numel, placed + 1
+            more = back_to_back(cursor, numel, shard, alignment, step, divisible, left - 1)
+            for index in run[placed:placed + more]:
+                offsets[index] = cursor
+                cursor += numel
+            placed += more
+            if cursor > limit:
+                return Placement(cursor + numel * (len(run) - placed) + payload_after[position],
+                                 None)
     return Placement(cursor, offsets)
 
 
@@ -153,13 +184,22 @@ def place_best_fit(
         if start is None:
             return Placement(max(limit + 1, cursor + payload), None)
         tensor_class = classes[choice]
-        cursor = start + tensor_class.numel
-        payload -= -(-tensor_class.numel // alignment) * alignment
+        numel, members = tensor_class.numel, tensor_class.members
+        offsets[members[taken[choice]]] = start
+        cursor, taken[choice] = start + numel, taken[choice] + 1
+        if choice == active[0]:
+            # The priority class keeps the turn while it needs no gap at all.
+            more = back_to_back(cursor, numel, shard, alignment, tensor_class.step,
+                                divisible[choice], len(members) - taken[choice])
+            for index in members[taken[choice]:taken[choice] + more]:
+                offsets[index] = cursor
+                cursor += numel
+            taken[choice] += more
+            payload -= numel * more
+        payload -= -(-numel // alignment) * alignment
         if cursor > limit:
             return Placement(cursor + payload, None)
-        offsets[tensor_class.members[taken[choice]]] = start
-        taken[choice] += 1
-        if taken[choice] == len(tensor_class.members):
+        if taken[choice] == len(members):
             active.remove(choice)
     return Placement(cursor, offsets)
 

@@ -8,8 +8,8 @@ The search (sizes in elements, ``S`` the shard size, ``W`` the world size):
    growing minimum step, so pathological inputs cannot crawl).
 3. Bisect between the last failure and the first success, since feasibility is not
    monotone in ``S`` and the jump may overshoot.
-4. Try the sizes where a large class of tensors stops paying for block alignment: the next
-   admissible multiple of ``lcm(required, block)`` for each class holding much payload.
+4. Climb again over the sizes where a heavy block size tiles the shard (its tensors then
+   cross boundaries anywhere on their block grid instead of leaving alignment gaps).
 5. If the answer is still noticeably above the bound and the unit has few distinct tensors,
    repeat 3-4 from the bound with the exact order search added.
 
@@ -96,9 +96,10 @@ def _strategies(
     payload = aligned_payload(numels, alignment)
 
     def fixed(order: list[int]) -> Strategy:
-        after = _payload_after(order, numels, alignment)
+        runs = _runs(order, numels, block_sizes)
+        after = _payload_after(runs, numels, alignment)
         return lambda shard, limit: place_in_order(
-            order, numels, steps, block_sizes, shard, alignment, limit, after
+            runs, numels, steps, block_sizes, shard, alignment, limit, after
         )
 
     def best_fit(priority: list[TensorClass]) -> Strategy:
@@ -115,13 +116,30 @@ def _strategies(
     return strategies, lambda shard, limit: place_exact(classes, shard, alignment, limit)
 
 
-def _payload_after(order: Sequence[int], numels: Sequence[int], alignment: int) -> list[int]:
-    """``result[k]`` = aligned payload of ``order[k + 1:]``."""
-    after = [0] * len(order)
+def _runs(
+    order: Sequence[int], numels: Sequence[int], block_sizes: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """Split ``order`` into maximal runs of consecutive tensors with equal numel and block."""
+    runs: list[list[int]] = []
+    for index in order:
+        if runs and (numels[runs[-1][0]], block_sizes[runs[-1][0]]) == (
+            numels[index], block_sizes[index]
+        ):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return [tuple(run) for run in runs]
+
+
+def _payload_after(
+    runs: Sequence[tuple[int, ...]], numels: Sequence[int], alignment: int
+) -> list[int]:
+    """``result[k]`` = aligned payload of ``runs[k + 1:]``."""
+    after = [0] * len(runs)
     total = 0
-    for position in range(len(order) - 1, -1, -1):
+    for position in range(len(runs) - 1, -1, -1):
         after[position] = total
-        total += round_up(numels[order[position]], alignment)
+        total += len(runs[position]) * round_up(numels[runs[position][0]], alignment)
     return after
 
 
@@ -148,18 +166,18 @@ def _search(
     block_sizes: tuple[int, ...],
 ) -> tuple[int, list[int]]:
     """Smallest feasible shard size found (see the module docstring) and its offsets."""
-    failed, (shard, offsets) = _ascend(heuristics, admissible, lower, world_size)
+    failed, found = _ascend(heuristics, admissible, lower, world_size)
     if failed is None:
-        return shard, offsets
-    shard, offsets = _refine(heuristics, admissible, failed, shard, offsets, world_size,
-                             numels, block_sizes, lower)
+        return found
+    heavy = _heavy_block_sizes(numels, block_sizes)
+    shard, offsets = _refine(heuristics, admissible, failed, found, world_size, heavy, lower)
     if exact is not None and (shard - lower) * _EXACT_ABOVE_GAP > lower:
         everything = [*heuristics, exact]
         placement = _try(everything, lower, world_size)
         if placement.offsets is not None:
             return lower, placement.offsets
-        shard, offsets = _refine(everything, admissible, lower, shard, offsets, world_size,
-                                 numels, block_sizes, lower)
+        shard, offsets = _refine(everything, admissible, lower, (shard, offsets), world_size,
+                                 heavy, lower)
     return shard, offsets
 
 
@@ -167,36 +185,44 @@ def _refine(
     strategies: Sequence[Strategy],
     admissible: AdmissibleShardSizes,
     failed: int,
-    shard: int,
-    offsets: list[int],
+    found: tuple[int, list[int]],
     world_size: int,
-    numels: tuple[int, ...],
-    block_sizes: tuple[int, ...],
+    heavy_blocks: Sequence[int],
     lower: int,
 ) -> tuple[int, list[int]]:
-    """Steps 3 and 4: bisect below a feasible size, then try alignment-friendly sizes."""
-    shard, offsets = _bisect(strategies, admissible, failed, shard, offsets, world_size)
-    for candidate in _alignment_friendly_sizes(admissible, numels, block_sizes, lower, shard):
-        placement = _try(strategies, candidate, world_size)
-        if placement.offsets is not None:
-            return candidate, placement.offsets
+    """Steps 3 and 4: bisect below a feasible size, then climb over block-tiling sizes."""
+    shard, offsets = _bisect(strategies, admissible, failed, *found, world_size)
+    for block in heavy_blocks:
+        _, tiled = _ascend(strategies, admissible, lower, world_size, multiple=block,
+                           ceiling=shard)
+        if tiled is not None:
+            shard, offsets = tiled
     return shard, offsets
 
 
 def _ascend(
-    strategies: Sequence[Strategy], admissible: AdmissibleShardSizes, shard: int, world_size: int
-) -> tuple[int | None, tuple[int, list[int]]]:
-    """Climb from ``shard`` to the first feasible size; also return the last failure."""
+    strategies: Sequence[Strategy],
+    admissible: AdmissibleShardSizes,
+    shard: int,
+    world_size: int,
+    *,
+    multiple: int = 1,
+    ceiling: int | None = None,
+) -> tuple[int | None, tuple[int, list[int]] | None]:
+    """Climb from ``shard`` over admissible multiples of ``multiple`` to the first feasible
+    size below ``ceiling``; return the last failure too (``None`` if the first try fit)."""
     failed, min_step = None, 1
     for attempt in range(1, 1 << 62):
+        shard = admissible.next_admissible(shard, multiple)
+        if ceiling is not None and shard >= ceiling:
+            return failed, None
         placement = _try(strategies, shard, world_size)
         if placement.offsets is not None:
             return failed, (shard, placement.offsets)
         failed = shard
         if attempt > _PATIENT_ASCENT_STEPS:
             min_step *= 2
-        needed = -(-placement.end // world_size)
-        shard = admissible.next_admissible(max(needed, shard + min_step))
+        shard = max(-(-placement.end // world_size), shard + min_step)
     raise AssertionError("unreachable: a shard size of the whole payload always fits")
 
 
@@ -223,33 +249,14 @@ def _bisect(
     return shard, offsets
 
 
-def _alignment_friendly_sizes(
-    admissible: AdmissibleShardSizes,
-    numels: tuple[int, ...],
-    block_sizes: tuple[int, ...],
-    lower: int,
-    best: int,
-) -> list[int]:
-    """Sizes below ``best`` where one heavy block size tiles the shard, smallest first.
+def _heavy_block_sizes(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[int]:
+    """Block sizes holding at least 1/8 of the payload, ascending (a light one saves little).
 
-    At such a size every tensor of that block size may cross boundaries anywhere on its
-    block grid, so the per-boundary alignment gaps it would otherwise leave disappear.
+    When such a block size tiles the shard, its tensors may cross boundaries anywhere on
+    their block grid, so the alignment gaps they would otherwise leave disappear.
     """
     volume_by_block: dict[int, int] = {}
     for numel, block in zip(numels, block_sizes):
         volume_by_block[block] = volume_by_block.get(block, 0) + numel
     total = sum(numels)
-    sizes = set()
-    for block, volume in volume_by_block.items():
-        if volume * 8 < total:  # a light block size saves little; skip it to stay fast
-            continue
-        size = lower
-        while size < best:
-            size = round_up(size, math.lcm(admissible.required_multiple(size), block))
-            admissible_size = admissible.next_admissible(size)
-            if admissible_size == size:
-                sizes.add(size)
-                break
-            # Past a threshold fewer tensors are forced: retry from the admissible size.
-            size = admissible_size
-    return sorted(size for size in sizes if size < best)
+    return sorted(block for block, volume in volume_by_block.items() if volume * 8 >= total)
