@@ -11,7 +11,8 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   rank that holds no element must contribute the identity instead of failing (inf-norm).
 - ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
   ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
-- ``distribute_tensor`` (public, but placement handling is internal): ragged split.
+- ``distribute_tensor`` (public, but placement handling is internal): ragged split. Both
+  it and ``redistribute_local_tensor`` are rebound in every module already imported.
 - ``DTensor.from_local`` (public): validate a ragged layout and demand the global shape.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
@@ -22,10 +23,10 @@ Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputShard
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Sequence
 
 import torch
-import torch.distributed.tensor as dtensor_pkg
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
@@ -523,6 +524,22 @@ def _get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
 # --------------------------------------------------------------------------------------
 
 
+def _rebind_everywhere(original: Any, replacement: Any) -> None:
+    """Point every already-imported module's reference to ``original`` at ``replacement``.
+
+    torch modules (and user code) bind these functions by name at import time, e.g.
+    ``torch.distributed._state_dict_utils`` imports ``distribute_tensor``; rebinding them all
+    makes the result independent of import order.
+    """
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for name, value in list(namespace.items()):
+            if value is original:
+                namespace[name] = replacement
+
+
 def install() -> None:
     """Install the hooks once; idempotent."""
     if _ORIGINAL:
@@ -539,13 +556,11 @@ def install() -> None:
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
     )
-    for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
-        module.redistribute_local_tensor = redistribute_local_tensor
+    _rebind_everywhere(_ORIGINAL["redistribute_local_tensor"], redistribute_local_tensor)
     dispatcher_cls._propagate_op_sharding_dispatch_slow_path = _propagate_op_sharding_dispatch_slow_path
     DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = _vector_norm_handler
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
-    dtensor_api.distribute_tensor = distribute_tensor
-    dtensor_pkg.distribute_tensor = distribute_tensor
+    _rebind_everywhere(_ORIGINAL["distribute_tensor"], distribute_tensor)
     DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
