@@ -5,9 +5,15 @@ Importing this package teaches torch's DTensor the ``RaggedShard`` placement (se
 """
 
 from . import _dtensor_bridge
+from .fully_shard import UnshardHandle, VeScaleFSDPModule, fully_shard, register_fsdp_forward_method
 from .placement import RaggedShard
 from .ragged_layout import RaggedLayout, RankSlice, flat_interval_boxes, ragged_layout, validate_ragged
 
 _dtensor_bridge.install()
 
-__all__ = ["RaggedShard", "RaggedLayout", "RankSlice", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
+__all__ = [
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "VeScaleFSDPModule",
+    "UnshardHandle",
+    "RaggedShard", "RaggedLayout", "RankSlice", "ragged_layout", "validate_ragged", "flat_interval_boxes"]

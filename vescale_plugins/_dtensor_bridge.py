@@ -8,7 +8,8 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   dispatcher on a sharding-cache miss): op rules for ragged operands. The C++ cache then
   keys on our placement's ``__hash__``/``__eq__``, so a rule runs once per layout.
 - ``OpDispatcher._custom_op_handlers`` (private dict): p-norms on ragged operands, because a
-  rank that holds no element must contribute the identity instead of failing (inf-norm).
+  rank that holds no element must contribute the identity instead of failing (inf-norm); and
+  random in-place initialisers, so sharded init draws exactly what the full tensor would.
 - ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
   ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
 - ``distribute_tensor`` (public, but placement handling is internal): ragged split. Both
@@ -17,7 +18,9 @@ interpret placements, and route a call to our code only when a RaggedShard is in
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
-``_NormPartial`` and the ``DTensor(local, spec, requires_grad=)`` constructor.
+``_NormPartial``, the ``DTensor(local, spec, requires_grad=)`` constructor and
+``DTensor._local_tensor`` (re-pointed by ``set_local_tensor``), and
+``torch._C._autograd._unsafe_set_version_counter`` (``set_version_counter``).
 """
 
 from __future__ import annotations
@@ -520,6 +523,70 @@ def _get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
+# Random in-place initialisers: the same values as on the full tensor
+# --------------------------------------------------------------------------------------
+
+_RANDOM_INPLACE = (
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # a Python keyword
+    aten.random_.to,
+)
+
+
+def _random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Fill a ragged shard with its slice of a full-tensor draw from the default generator.
+
+    Every rank draws the whole tensor with the same generator state, so sharded
+    ``reset_parameters()`` after meta-device init gives exactly the eager model's values
+    (costs one full-size temporary per call; initialisation only).
+    """
+    target = args[0]
+    if not (isinstance(target, DTensor) and _has_ragged(target.placements)):
+        return _call_torch_default(op, args, kwargs)
+    i = _ragged_mesh_dim(target._spec)
+    full = torch.empty(target.shape, dtype=target.dtype, device=target._local_tensor.device)
+    op(full, *args[1:], **kwargs)
+    target._local_tensor.copy_(target.placements[i].split_full(full, target.device_mesh.get_local_rank(i)))
+    return target
+
+
+def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Re-point a DTensor (e.g. a sharded parameter) at new local storage, keeping its identity.
+
+    ``param.data = ...`` does not reach a DTensor's local tensor, so this sets it directly
+    (FSDP2 does the same); the layout must not change.
+    """
+    if local.shape != dtensor._local_tensor.shape:
+        raise ValueError(f"new local tensor {tuple(local.shape)} does not match {tuple(dtensor._local_tensor.shape)}")
+    dtensor._local_tensor = local
+
+
+def set_version_counter(tensor: torch.Tensor, version: int) -> None:
+    """Reset ``tensor``'s autograd version counter (shared with all its views) to ``version``.
+
+    The all-gather refills the storage that the unsharded parameters (saved for backward)
+    alias, with the same values, so autograd must not see it as a modification. gloo's
+    asynchronous all-gather writes from its own thread, after the call returns, so the
+    version is restored when the collective is waited on. FSDP2 uses the same private API
+    (through ``_unsafe_preserve_version_counter``) for its copy-out.
+    """
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+
+
+def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], requires_grad: bool = False) -> DTensor:
+    """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+# --------------------------------------------------------------------------------------
 # Installation
 # --------------------------------------------------------------------------------------
 
@@ -560,6 +627,8 @@ def install() -> None:
     dispatcher_cls._propagate_op_sharding_dispatch_slow_path = _propagate_op_sharding_dispatch_slow_path
     DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = _vector_norm_handler
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
+    for op in _RANDOM_INPLACE:
+        DTensor._op_dispatcher._custom_op_handlers[op] = _random_inplace_handler
     _rebind_everywhere(_ORIGINAL["distribute_tensor"], distribute_tensor)
     DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items

@@ -1,0 +1,237 @@
+"""DBuffer: one unit's persistent flat buffers, laid out by the planner.
+
+For one dtype group of one FSDP unit, the planner gives every parameter a contiguous interval
+of a global buffer of ``world_size * shard_size`` elements with no block cut by a rank
+boundary. Rank r keeps ``[r * S, (r + 1) * S)`` as its *sharded buffer*; each parameter's
+shard is a fixed view into it. ``all_gather_into_tensor`` of the sharded buffer writes the
+global layout straight into the *unsharded buffer*, whose slices are the full parameters, and
+``reduce_scatter_tensor`` of the *unsharded gradient buffer* (same layout) writes straight
+into the *sharded gradient buffer*, whose slices are the gradients' shards. No copy-in, no
+copy-out, no interleaving, no per-parameter padding.
+
+Unsharded buffers keep one tensor object for the whole run and only grow or shrink their
+storage, so the views cut from them once stay valid (FSDP2 does the same for its params).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._dtensor_bridge import set_version_counter
+from .planner import Layout, plan_layout
+from .ragged_collectives import _all_gather_single, _reduce_scatter_single
+
+__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION"]
+
+# Profiler record-function names around the library's collective paths (tests count the
+# copies inside them; the run record times them).
+ALL_GATHER_REGION = "vescale::all_gather"
+REDUCE_SCATTER_REGION = "vescale::reduce_scatter"
+
+# Collectives and vectorised kernels like 16-byte aligned buffers; offsets are in elements.
+_ALIGNMENT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class BufferSlot:
+    """Where one parameter lives: its global interval and this rank's part of it (elements)."""
+
+    global_offset: int
+    numel: int
+    shape: torch.Size
+    local_offset: int
+    local_length: int
+    local_units: tuple[int, ...]
+    block_rows: int
+
+
+def _row_numel(shape: torch.Size) -> int:
+    return math.prod(shape[1:]) if len(shape) > 0 else 1
+
+
+def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return tuple(shape) if length else (0,)
+    return (length // _row_numel(shape), *shape[1:])
+
+
+class _StorageToggle:
+    """A flat tensor whose storage can be released and re-grown in place (views survive)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.nbytes = numel * self.tensor.element_size()
+        self.release()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor.untyped_storage().size() > 0
+
+    def allocate(self) -> torch.Tensor:
+        storage = self.tensor.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.nbytes)
+        return self.tensor
+
+    def release(self) -> None:
+        if self.tensor.device.type != "meta":
+            self.tensor.untyped_storage().resize_(0)
+
+
+class GatherHandle:
+    """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
+
+    def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None) -> None:
+        self._unsharded, self._version, self._work = unsharded, version, work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        set_version_counter(self._unsharded, self._version)
+
+
+class DBuffer:
+    """The flat buffers of one unit's parameters that share a dtype.
+
+    Args:
+        shapes: parameter shapes, in the unit's order.
+        block_rows: rows of dim 0 that must stay on one rank, per parameter.
+        dtype, device: of the sharded (and full-precision) parameters.
+        group: the process group that shards them.
+        param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
+        reduce_dtype: dtype of the reduce-scatter, default ``param_dtype``.
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        block_rows: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        *,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numels = [max(1, math.prod(s)) for s in shapes]
+        blocks = [rows * _row_numel(s) if len(s) else 1 for s, rows in zip(shapes, block_rows)]
+        self.layout: Layout = plan_layout(numels, blocks, self.world_size, alignment=max(1, _ALIGNMENT_BYTES // itemsize))
+        self.shard_size = self.layout.shard_size
+        self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
+
+        self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        self.sharded_grad = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+
+    def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
+        start, length = self.layout.rank_range(index, self.rank)
+        return BufferSlot(
+            global_offset=self.layout.offsets[index],
+            numel=math.prod(shape),
+            shape=shape,
+            local_offset=start,
+            local_length=length,
+            local_units=self.layout.local_units(index),
+            block_rows=rows,
+        )
+
+    # -- views ------------------------------------------------------------------------
+
+    def sharded_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s local shard: a view of the sharded buffer."""
+        return self._local_view(self.sharded, index)
+
+    def sharded_grad_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer."""
+        return self._local_view(self.sharded_grad, index)
+
+    def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        slot = self.slots[index]
+        return flat[slot.local_offset : slot.local_offset + slot.local_length].view(_local_shape(slot.shape, slot.local_length))
+
+    def unsharded_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index`` in full: a view of the unsharded buffer (valid while allocated)."""
+        return self._global_view(self._unsharded.tensor, index)
+
+    def unsharded_grad_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s full gradient: a view of the unsharded gradient buffer."""
+        return self._global_view(self._unsharded_grad.tensor, index)
+
+    def _global_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        slot = self.slots[index]
+        return flat[slot.global_offset : slot.global_offset + slot.numel].view(slot.shape)
+
+    # -- parameters -------------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded.allocated
+
+    def all_gather(self, async_op: bool = False) -> "GatherHandle":
+        """Gather the sharded buffer into the unsharded one, in place (cast first under MP).
+
+        Returns a handle to ``wait()`` on (already complete unless ``async_op``).
+        """
+        with torch.profiler.record_function(ALL_GATHER_REGION):
+            unsharded = self._unsharded.allocate()
+            version = unsharded._version
+            shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+            work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op)
+            handle = GatherHandle(unsharded, version, work)
+            if not async_op:
+                handle.wait()
+            return handle
+
+    def release_unsharded(self) -> None:
+        """Free the unsharded parameters' memory (their views stay, without storage)."""
+        self._unsharded.release()
+
+    # -- gradients --------------------------------------------------------------------
+
+    @property
+    def has_unsharded_grad(self) -> bool:
+        return self._unsharded_grad.allocated
+
+    def zeroed_unsharded_grad(self) -> torch.Tensor:
+        """Allocate the unsharded gradient buffer and zero it (one memset for the unit)."""
+        return self._unsharded_grad.allocate().zero_()
+
+    def reduce_scatter(self, divide_factor: float, accumulate: bool) -> None:
+        """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
+
+        Sums over the group (gloo has no AVG) and divides by ``divide_factor`` once for the
+        whole buffer. With ``accumulate`` the result is added to the existing sharded
+        gradients (gradient accumulation across optimizer steps without ``zero_grad``);
+        otherwise it lands straight in the sharded gradient buffer.
+        """
+        with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+            full = self._unsharded_grad.tensor
+            if self.reduce_dtype != full.dtype:
+                full = full.to(self.reduce_dtype)
+            in_place = not accumulate and self.reduce_dtype == self.dtype
+            out = self.sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+            _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
+            if divide_factor != 1:
+                out.div_(divide_factor)
+            if accumulate:
+                self.sharded_grad.add_(out)
+            elif not in_place:
+                self.sharded_grad.copy_(out)
+        self._unsharded_grad.release()
+
+    def release_unsharded_grad(self) -> None:
+        self._unsharded_grad.release()

@@ -1,0 +1,410 @@
+"""One FSDP unit at run time: its DBuffers, its parameters' two faces, and its hooks.
+
+A unit is what one ``fully_shard`` call manages. Between steps every managed parameter is an
+``nn.Parameter(DTensor)`` whose local tensor is a view of a DBuffer's sharded buffer. Around
+the unit's forward and backward, the modules see plain unsharded parameters that are views of
+the unsharded buffer. Gradients reach the unsharded gradient buffer by autograd's in-place
+accumulation into pre-set ``.grad`` views, and leave it by one reduce-scatter per DBuffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils import _pytree as pytree
+
+from ._dtensor_bridge import make_dtensor, set_local_tensor
+from .dbuffer import DBuffer, GatherHandle
+from .placement import RaggedShard
+
+__all__ = ["FSDPUnit", "ManagedParam"]
+
+
+@dataclass
+class ManagedParam:
+    """One parameter of a unit: where it is registered, its sharded and unsharded faces."""
+
+    fqn: str
+    owners: list[tuple[nn.Module, str]]
+    sharded: nn.Parameter
+    buffer_index: int
+    slot_index: int
+    unsharded: nn.Parameter | None = None
+    got_grad: bool = False
+
+    def register(self, param: nn.Parameter) -> None:
+        # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+
+@dataclass
+class _IterationState:
+    """What one forward/backward pass has done so far to this unit."""
+
+    pending_post_backward: int = 0
+    reduced: bool = True
+    pre_backward_done: bool = False
+
+
+class FSDPUnit:
+    """The runtime of one ``fully_shard`` call (one unit)."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]],
+        mesh: DeviceMesh,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.modules = modules
+        self.mesh = mesh
+        self.group = mesh.get_group(0)
+        self.world_size = mesh.size(0)
+        self.rank = mesh.get_local_rank(0)
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.mp_policy = mp_policy
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float = float(self.world_size)
+        self.is_last_backward = True
+        self.forward_prefetch: list[FSDPUnit] = []
+        self.backward_prefetch: list[FSDPUnit] | None = None
+        self.root: FSDPUnit | None = None
+        self._iteration = _IterationState()
+        self._pending_unshard: list[GatherHandle] = []
+        self._modules_run: set[int] = set()
+        self._root_units: list[FSDPUnit] = []
+        self._forward_order: list[FSDPUnit] = []
+        self.managed = self._build(params)
+
+    # -- construction -----------------------------------------------------------------
+
+    def _build(self, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]]) -> list[ManagedParam]:
+        """Plan and allocate one DBuffer per (dtype, requires_grad) group; shard into it."""
+        groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, (_, _, param, _) in enumerate(params):
+            groups.setdefault((param.dtype, param.requires_grad), []).append(i)
+        self.dbuffers: list[DBuffer] = []
+        managed: list[ManagedParam | None] = [None] * len(params)
+        for (dtype, requires_grad), indices in groups.items():
+            device = params[indices[0]][2].device
+            dbuffer = DBuffer(
+                [params[i][2].shape for i in indices],
+                [params[i][3] for i in indices],
+                dtype,
+                device,
+                self.group,
+                param_dtype=self.mp_policy.param_dtype if dtype.is_floating_point else None,
+                reduce_dtype=self.mp_policy.reduce_dtype if dtype.is_floating_point else None,
+            )
+            self.dbuffers.append(dbuffer)
+            for slot_index, i in enumerate(indices):
+                fqn, owners, param, _ = params[i]
+                sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
+                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index)
+        result = [m for m in managed if m is not None]
+        for m in result:
+            m.register(m.sharded)
+        return result
+
+    def _placement(self, dbuffer: DBuffer, slot_index: int) -> RaggedShard:
+        slot = dbuffer.slots[slot_index]
+        return RaggedShard((0,) if len(slot.shape) else (), slot.local_units)
+
+    def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:
+        """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor."""
+        slot = dbuffer.slots[slot_index]
+        local = dbuffer.sharded_view(slot_index)
+        if param.device.type != "meta":
+            with torch.no_grad():
+                flat = param.detach().reshape(-1)
+                start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+                local.reshape(-1).copy_(flat[start : start + slot.local_length])
+        return make_dtensor(local, self.mesh, [self._placement(dbuffer, slot_index)], slot.shape, _contiguous_stride(slot.shape))
+
+    def readopt_sharded_params(self) -> None:
+        """After ``to_empty``/``_apply`` replaced local tensors: move them back into DBuffers."""
+        for dbuffer_index, dbuffer in enumerate(self.dbuffers):
+            members = [m for m in self.managed if m.buffer_index == dbuffer_index]
+            locals_ = [m.sharded._local_tensor for m in members]
+            device = locals_[0].device if locals_ else dbuffer.device
+            if all(_same_storage(t, dbuffer.sharded_view(m.slot_index)) for t, m in zip(locals_, members)):
+                continue
+            if device != dbuffer.device or dbuffer.sharded.device.type == "meta":
+                self.dbuffers[dbuffer_index] = dbuffer = DBuffer(
+                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dbuffer.dtype, device, self.group,
+                    param_dtype=dbuffer.param_dtype, reduce_dtype=dbuffer.reduce_dtype,
+                )
+            for m, old_local in zip(members, locals_):
+                view = dbuffer.sharded_view(m.slot_index)
+                if old_local.device.type != "meta":
+                    with torch.no_grad():
+                        view.copy_(old_local)
+                set_local_tensor(m.sharded, view)
+                m.unsharded = None
+
+    # -- unshard / reshard ------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(b.is_unsharded for b in self.dbuffers)
+
+    def _check_materialized(self) -> None:
+        for m in self.managed:
+            if m.sharded.device.type == "meta":
+                raise RuntimeError(
+                    f"parameter {m.fqn!r} is still on the meta device: call module.to_empty(device=...) "
+                    "and initialise it (e.g. reset_parameters()) before running forward"
+                )
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
+        if self.is_unsharded or self._pending_unshard:
+            return
+        self._check_materialized()
+        self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
+
+    def wait_for_unshard(self) -> None:
+        for work in self._pending_unshard:
+            work.wait()
+        self._pending_unshard = []
+
+    def use_unsharded_params(self) -> None:
+        """Register the unsharded parameters (views of the unsharded buffers) in the modules."""
+        self.unshard()
+        self.wait_for_unshard()
+        for m in self.managed:
+            if m.unsharded is None:
+                dbuffer = self.dbuffers[m.buffer_index]
+                m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
+                if m.unsharded.requires_grad:
+                    m.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(m))
+            m.register(m.unsharded)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers and register the sharded parameters again."""
+        self.wait_for_unshard()
+        for m in self.managed:
+            m.register(m.sharded)
+        for b in self.dbuffers:
+            b.release_unsharded()
+
+    # -- forward ----------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._modules_run:
+            self._modules_run.add(id(module))
+            return args, kwargs
+        self._modules_run.add(id(module))
+        if self.root is None:
+            self._lazy_init_as_root()
+        root = self.root
+        if root is self:
+            root._forward_order = []
+        if torch.is_grad_enabled():
+            root._forward_order.append(self)
+        self.use_unsharded_params()
+        for unit in self.forward_prefetch:
+            unit.unshard(async_op=True)
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            self._iteration.reduced = False
+            self._iteration.pre_backward_done = False
+            args, kwargs = self._attach_post_backward((args, kwargs))
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if len(self._modules_run) < len(self.modules):
+            return output
+        self._modules_run.clear()
+        if self._reshards_after_forward():
+            self.reshard()
+        if torch.is_grad_enabled():
+            output = _register_on_tensors(output, self._pre_backward_hook)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _reshards_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return self.root is not self
+        return self.reshard_after_forward
+
+    def _lazy_init_as_root(self) -> None:
+        """The first unit to run forward is the root of every unit below its modules."""
+        units = []
+        for module in self.modules:
+            for sub in module.modules():
+                unit = getattr(sub, "_vescale_fsdp_unit", None)
+                if unit is not None and unit not in units:
+                    units.append(unit)
+        for unit in units:
+            if unit.root is not None and unit.root is not self:
+                continue
+            unit.root = self
+            unit._check_materialized()
+        self._root_units = [u for u in units if u.root is self]
+
+    # -- backward ---------------------------------------------------------------------
+
+    def _attach_post_backward(self, inputs: Any) -> Any:
+        flat, spec = pytree.tree_flatten(inputs)
+        positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if positions:
+            self._iteration.pending_post_backward += 1
+            outs = _PostBackward.apply(self, *(flat[i] for i in positions))
+            for i, out in zip(positions, outs if isinstance(outs, tuple) else (outs,)):
+                flat[i] = out
+        return pytree.tree_unflatten(flat, spec)
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        if self._iteration.pre_backward_done:
+            return
+        self._iteration.pre_backward_done = True
+        root = self.root
+        if not root._iteration_callback_queued:
+            root._iteration_callback_queued = True
+            Variable._execution_engine.queue_callback(root._final_callback)
+        self.use_unsharded_params()
+        self._prepare_gradient_buffers()
+        for unit in self._backward_prefetch_targets():
+            unit.unshard(async_op=True)
+
+    _iteration_callback_queued = False
+
+    def _backward_prefetch_targets(self) -> list[FSDPUnit]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.root._forward_order
+        if self not in order:
+            return []
+        position = order.index(self)
+        for earlier in reversed(order[:position]):
+            if earlier is not self and not earlier._iteration.pre_backward_done:
+                return [earlier]
+        return []
+
+    def _prepare_gradient_buffers(self) -> None:
+        """Point each unsharded parameter's ``.grad`` at its slice of a zeroed buffer.
+
+        Autograd then accumulates in place (``grad += new``) instead of allocating, so the
+        full gradients are born parameter-major in the buffer the reduce-scatter reads.
+        """
+        for dbuffer_index, dbuffer in enumerate(self.dbuffers):
+            members = [m for m in self.managed if m.buffer_index == dbuffer_index and m.sharded.requires_grad]
+            if not members or dbuffer.has_unsharded_grad:
+                continue
+            dbuffer.zeroed_unsharded_grad()
+            for m in members:
+                m.unsharded.grad = dbuffer.unsharded_grad_view(m.slot_index)
+                m.got_grad = False
+
+    def post_backward(self) -> None:
+        """Reduce-scatter the unit's gradients (unless accumulating without sync) and reshard."""
+        if self._iteration.reduced:
+            return
+        self._iteration.reduced = True
+        if self.requires_gradient_sync:
+            self._reduce_gradients()
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def _reduce_gradients(self) -> None:
+        for dbuffer_index, dbuffer in enumerate(self.dbuffers):
+            members = [m for m in self.managed if m.buffer_index == dbuffer_index and m.sharded.requires_grad]
+            if not members or not dbuffer.has_unsharded_grad:
+                continue
+            accumulate = any(m.sharded.grad is not None for m in members)
+            got = [m.got_grad for m in members]
+            dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate)
+            for m, received in zip(members, got):
+                m.unsharded.grad = None
+                m.got_grad = False
+                if m.sharded.grad is None and received:
+                    local = dbuffer.sharded_grad_view(m.slot_index)
+                    m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+
+    def _final_callback(self) -> None:
+        """End of backward: reduce every unit the per-input hooks did not reach, reset state."""
+        self._iteration_callback_queued = False
+        for unit in reversed(self._root_units):
+            if not unit._iteration.reduced and unit._iteration.pre_backward_done:
+                unit.post_backward()
+            unit._iteration.pending_post_backward = 0
+            unit._iteration.pre_backward_done = False
+        if self.reshard_after_backward:
+            for unit in self._root_units:
+                if unit.is_unsharded and unit._iteration.reduced:
+                    unit.reshard()
+
+    def _post_backward_from_inputs(self) -> None:
+        self._iteration.pending_post_backward -= 1
+        if self._iteration.pending_post_backward <= 0 and self._iteration.pre_backward_done:
+            self.post_backward()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: FSDPUnit, *inputs: torch.Tensor) -> Any:
+        ctx.unit = unit
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.unit._post_backward_from_inputs()
+        return (None, *grads)
+
+
+def _mark_got_grad(m: ManagedParam) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        m.got_grad = True
+
+    return hook
+
+
+def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> Any:
+    for t in pytree.tree_leaves(output):
+        if torch.is_tensor(t) and t.requires_grad:
+            t.register_hook(hook)
+    return output
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    return a.data_ptr() == b.data_ptr() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _iter_units(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
+    units: list[FSDPUnit] = []
+    for module in modules:
+        for sub in module.modules():
+            unit = getattr(sub, "_vescale_fsdp_unit", None)
+            if unit is not None and unit not in units:
+                units.append(unit)
+    return units
