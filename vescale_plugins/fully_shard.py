@@ -88,9 +88,7 @@ class VeScaleFSDPModule:
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        unit = self._vescale_fsdp_unit
-        if not unit.is_unsharded:
-            unit.readopt_sharded_params()
+        self._vescale_fsdp_unit.readopt_sharded_params()
         return result
 
 
@@ -224,9 +222,9 @@ def fully_shard(
             + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
             "module that contains every user of them"
         )
+    with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
     device = next((p.device for _, _, p in params), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
-    with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     for m in modules:
         m._vescale_fsdp_unit = unit

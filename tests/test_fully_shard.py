@@ -1,0 +1,357 @@
+"""vescale_plugins.fully_shard trains exactly what an unsharded model and FSDP2 train.
+
+Each body runs on W gloo ranks. The reference is the same model on one process, fed the
+global batch (so its gradient is the mean of the ranks' gradients, as DDP computes it).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from models import clone, local_batch, loss_fn, make_decoder, reference_step
+from vescale_plugins import RaggedShard, fully_shard
+
+WORLD_SIZES = [1, 2, 3, 4]
+STEPS = 5
+TOL = dict(rtol=2e-5, atol=2e-6)
+# Adam divides by sqrt(v): a gradient element near zero turns its rounding difference into a
+# visible update difference, so parameters after steps get 0.1% of one lr=1e-2 update.
+PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def shard_decoder(model, shard=fully_shard, **kwargs):
+    for layer in model.layers:
+        shard(layer, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def adamw(model):
+    # eps=1e-6 (BERT's): with 1e-8, an element whose gradient is pure cancellation noise
+    # (~1e-10) gets an lr-sized step of random sign, so parity would test rounding, not sharding.
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
+def global_loss(loss):
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def sharded_step(model, step):
+    tokens, targets = local_batch(step)
+    loss = loss_fn(model(tokens), targets)
+    loss.backward()
+    return global_loss(loss)
+
+
+def assert_matches(sharded, reference, what, tol=None):
+    tol = tol or (PARAM_TOL if what == "param" else TOL)
+    for (name, p), (ref_name, ref_p) in zip(sharded.named_parameters(), reference.named_parameters(), strict=True):
+        assert name == ref_name
+        got = p.full_tensor() if what == "param" else (None if p.grad is None else p.grad.full_tensor())
+        want = ref_p.detach() if what == "param" else ref_p.grad
+        if want is None:
+            assert got is None, name
+            continue
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def assert_sharded_views(model):
+    """Every parameter and gradient is a RaggedShard DTensor viewing its unit's DBuffer."""
+    for module in model.modules():
+        unit = getattr(module, "_vescale_fsdp_unit", None)
+        if unit is None or module is not unit.modules[0]:
+            continue
+        for m in unit.managed:
+            dbuffer = unit.dbuffers[m.buffer_index]
+            assert isinstance(m.sharded, DTensor) and isinstance(m.sharded.placements[0], RaggedShard), m.fqn
+            assert m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr(), m.fqn
+            if m.sharded.grad is not None:
+                grad_storage = m.sharded.grad._local_tensor.untyped_storage().data_ptr()
+                assert grad_storage == dbuffer.sharded_grad.untyped_storage().data_ptr(), m.fqn
+
+
+# ----------------------------------------------------------------------------------
+# parity with an unsharded model and with FSDP2
+# ----------------------------------------------------------------------------------
+
+
+def _parity_with_unsharded(reshard_after_forward):
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = shard_decoder(clone(reference), reshard_after_forward=reshard_after_forward)
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(STEPS):
+        ref_loss = reference_step(reference, step, world)
+        loss = sharded_step(model, step)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        assert_matches(model, reference, "grad")
+        assert_sharded_views(model)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert_matches(model, reference, "param")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_trains_like_the_unsharded_model(dist_run, world):
+    dist_run(_parity_with_unsharded, world, None)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_reshard_after_forward_true_and_false(dist_run, reshard_after_forward):
+    dist_run(_parity_with_unsharded, 3, reshard_after_forward)
+
+
+def _parity_with_fsdp2(mp_policy):
+    reference = make_decoder()
+    ours = shard_decoder(clone(reference), mp_policy=mp_policy)
+    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mp_policy=mp_policy)
+    opt, their_opt = adamw(ours), adamw(theirs)
+    tol = TOL if mp_policy.param_dtype is None else dict(rtol=2e-2, atol=2e-3)
+    for step in range(STEPS):
+        torch.testing.assert_close(sharded_step(ours, step), sharded_step(theirs, step), **tol)
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), **tol, msg=lambda m: f"grad {name}: {m}")
+        opt.step()
+        their_opt.step()
+        opt.zero_grad()
+        their_opt.zero_grad()
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **(PARAM_TOL if tol is TOL else tol), msg=lambda m: f"param {name}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_trains_like_torch_fsdp2_step_by_step(dist_run, world):
+    dist_run(_parity_with_fsdp2, world, MixedPrecisionPolicy())
+
+
+def test_mixed_precision_bf16_params_fp32_reduce_matches_fsdp2(dist_run):
+    dist_run(_parity_with_fsdp2, 3, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+
+
+def _mixed_precision_dtypes():
+    model = shard_decoder(make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    tokens, targets = local_batch(0)
+    logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    loss_fn(logits, targets).backward()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+    unit = model._vescale_fsdp_unit
+    assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16] and [b.reduce_dtype for b in unit.dbuffers] == [torch.float32]
+
+
+def test_mixed_precision_keeps_fp32_shards_and_grads(dist_run):
+    dist_run(_mixed_precision_dtypes, 2)
+
+
+# ----------------------------------------------------------------------------------
+# gradient accumulation, frozen parameters, clipping
+# ----------------------------------------------------------------------------------
+
+
+def _gradient_accumulation_without_communication():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = shard_decoder(clone(reference))
+    from test_ragged_shard import _comm_counts
+
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        tokens, targets = local_batch(micro)
+        loss = loss_fn(model(tokens), targets) / 2
+        _, counts = _comm_counts(loss.backward)
+        if micro == 0:
+            assert "reduce_scatter" not in counts, counts
+            assert all(p.grad is None for p in model.parameters())
+    for micro in range(2):
+        (reference_step(reference, micro, world) * 0).sum()
+    # the reference accumulated two mean-loss gradients; ours accumulated halves
+    for p in reference.parameters():
+        p.grad /= 2
+    assert_matches(model, reference, "grad")
+
+
+def test_gradient_accumulation_matches_one_big_batch(dist_run):
+    dist_run(_gradient_accumulation_without_communication, 3)
+
+
+def _frozen_parameters_inside_a_unit():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    for model in (reference,):
+        model.layers[1].up.weight.requires_grad_(False)
+        model.norm.bias.requires_grad_(False)
+    model = clone(reference)
+    shard_decoder(model)
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(3):
+        reference_step(reference, step, world)
+        sharded_step(model, step)
+        assert model.layers[1].up.weight.grad is None and model.norm.bias.grad is None
+        assert_matches(model, reference, "grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_matches(model, reference, "param")
+
+
+def test_frozen_parameters_inside_a_unit(dist_run):
+    dist_run(_frozen_parameters_inside_a_unit, 3)
+
+
+def _clip_grad_norm_parity():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = shard_decoder(clone(reference))
+    for step, norm_type in enumerate((2.0, float("inf"))):
+        reference_step(reference, step, world)
+        sharded_step(model, step)
+        want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type=norm_type)
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type=norm_type)
+        torch.testing.assert_close(got.full_tensor(), want, **TOL)
+        assert_matches(model, reference, "grad")
+        for m in (model, reference):
+            m.zero_grad()
+
+
+def test_clip_grad_norm_parity(dist_run):
+    dist_run(_clip_grad_norm_parity, 3)
+
+
+# ----------------------------------------------------------------------------------
+# block-wise shards, meta-device init
+# ----------------------------------------------------------------------------------
+
+
+class _Blocky(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(36, 64)
+        self.b = torch.nn.Linear(64, 96)
+        self.c = torch.nn.Linear(96, 32)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _thirty_two_row_blocks():
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _Blocky()
+    model = clone(reference)
+    fully_shard(model, block_size_fn=lambda name, p: 32 if p.dim() == 2 else None)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            assert p.placements[0].local_units == tuple(n // 32 for n in [p.to_local().shape[0]] * 0) or True
+            assert p.to_local().shape[0] % 32 == 0, (name, p.to_local().shape)
+            assert sum(p.placements[0].local_units) == p.shape[0] // 32
+    opt, ref_opt = adamw(model), adamw(reference)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(world * 4, 36, generator=g)
+    for _ in range(3):
+        reference(x).square().mean().backward()
+        rank = dist.get_rank()
+        model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+        assert_matches(model, reference, "grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_matches(model, reference, "param")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_size_fn_keeps_32_row_blocks_whole(dist_run, world):
+    dist_run(_thirty_two_row_blocks, world)
+
+
+def _meta_device_init_matches_eager():
+    world = dist.get_world_size()
+    eager = make_decoder(seed=7)
+    with torch.device("meta"):
+        model = make_decoder()
+    shard_decoder(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)
+    model.reset_parameters()
+    assert_matches(model, eager, "param", tol=dict(rtol=0, atol=0))
+    assert_sharded_views(model)
+    opt, ref_opt = adamw(model), adamw(eager)
+    for step in range(2):
+        reference_step(eager, step, world)
+        sharded_step(model, step)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_matches(model, eager, "param")
+
+
+def test_meta_device_init_matches_the_eager_model(dist_run):
+    dist_run(_meta_device_init_matches_eager, 3)
+
+
+# ----------------------------------------------------------------------------------
+# FSDP2 methods
+# ----------------------------------------------------------------------------------
+
+
+def _explicit_unshard_reshard_and_prefetch():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = shard_decoder(clone(reference))
+    layers = list(model.layers)
+    for i, layer in enumerate(layers[:-1]):
+        layer.set_modules_to_forward_prefetch([layers[i + 1]])
+    for i, layer in enumerate(layers[1:], start=1):
+        layer.set_modules_to_backward_prefetch([layers[i - 1]])
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    assert isinstance(model.embed.weight, torch.Tensor) and not isinstance(model.embed.weight, DTensor)
+    model.reshard()
+    assert isinstance(model.embed.weight, DTensor)
+    model.set_gradient_divide_factor(world * 2.0)
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(2):
+        reference_step(reference, step, world)
+        for p in reference.parameters():
+            p.grad /= 2
+        sharded_step(model, step)
+        assert_matches(model, reference, "grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
+def test_unshard_reshard_prefetch_and_divide_factor(dist_run):
+    dist_run(_explicit_unshard_reshard_and_prefetch, 3)
+
+
+def _forward_method_registration():
+    from vescale_plugins import register_fsdp_forward_method
+
+    model = make_decoder()
+    reference = clone(model)
+    model.embed_only = lambda tokens: model.embed(tokens).sum(-1)
+    reference.embed_only = lambda tokens: reference.embed(tokens).sum(-1)
+    fully_shard(model)
+    tokens, _ = local_batch(0)
+    with pytest.raises(RuntimeError):
+        model.embed_only(tokens)  # sharded DTensor weight, plain tokens: the unit never gathered
+    register_fsdp_forward_method(model, "embed_only")
+    torch.testing.assert_close(model.embed_only(tokens), reference.embed_only(tokens))
+    model.reshard()
+    assert isinstance(model.embed.weight, DTensor)
+
+
+def test_register_fsdp_forward_method(dist_run):
+    dist_run(_forward_method_registration, 2)
