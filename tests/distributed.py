@@ -10,6 +10,7 @@ every rank is killed and the pool is rebuilt for the next test.
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 import os
 import queue
 import threading
@@ -58,7 +59,10 @@ def _worker(rank: int, world_size: int, port: int, parent_pid: int, tasks: Any, 
         task_id, fn, args, kwargs = task
         try:
             torch.manual_seed(SEED)
-            results.put((task_id, rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            # Pickle here, not in the queue's feeder thread, so a bad result is a failure, not a hang.
+            _ForkingPickler.dumps(value)
+            results.put((task_id, rank, True, value))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
     dist.destroy_process_group()

@@ -112,10 +112,12 @@ def block_size(shape: Shape, rows_per_block: int) -> int:
 
 
 def _norm(name: str, size: int) -> Param:
+    """An RMSNorm weight."""
     return (f"{name}.weight", (size,))
 
 
 def _linear(name: str, out_features: int, in_features: int, bias: bool = False) -> list[Param]:
+    """An ``nn.Linear``: weight ``[out, in]``, then the optional bias."""
     params = [(f"{name}.weight", (out_features, in_features))]
     if bias:
         params.append((f"{name}.bias", (out_features,)))
@@ -154,7 +156,11 @@ def _mla_attention(c: dict) -> list[Param]:
     return params
 
 
-def _gated_mlp(prefix: str, hidden: int, intermediate: int, names=("gate_proj", "up_proj", "down_proj")) -> list[Param]:
+def _gated_mlp(
+    prefix: str, hidden: int, intermediate: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> list[Param]:
+    """Gate, up and down projections (the order the modules register them)."""
     gate, up, down = names
     return (
         _linear(f"{prefix}.{gate}", intermediate, hidden)
@@ -164,10 +170,11 @@ def _gated_mlp(prefix: str, hidden: int, intermediate: int, names=("gate_proj", 
 
 
 def _block(attention: list[Param], mlp: list[Param], hidden: int) -> tuple[Param, ...]:
-    """A pre-norm decoder block in module order: norm, attention, norm, MLP."""
+    """A decoder block in registration order: attention, MLP, then the two norms (the
+    Hugging Face decoder layers create their norms after ``self_attn`` and ``mlp``)."""
     return tuple(
-        [_norm("input_layernorm", hidden)] + attention
-        + [_norm("post_attention_layernorm", hidden)] + mlp
+        attention + mlp
+        + [_norm("input_layernorm", hidden), _norm("post_attention_layernorm", hidden)]
     )
 
 
@@ -180,6 +187,7 @@ def _ends(c: dict, blocks: list[Unit]) -> tuple[Unit, ...]:
 
 
 def _llama(name: str) -> ModelUnits:
+    """Llama 3 / 3.1: GQA attention and a SwiGLU MLP."""
     c = CONFIGS[name]
     hidden = c["hidden_size"]
     block = _block(_gqa_attention(c), _gated_mlp("mlp", hidden, c["intermediate_size"]), hidden)
@@ -187,32 +195,41 @@ def _llama(name: str) -> ModelUnits:
 
 
 def _mixtral() -> ModelUnits:
+    """Mixtral: router, then 8 experts of w1, w3, w2 (``block_sparse_moe``)."""
     c = CONFIGS["Mixtral-8x7B"]
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     moe = _linear("block_sparse_moe.gate", c["num_local_experts"], hidden)
     for e in range(c["num_local_experts"]):
         moe += _gated_mlp(f"block_sparse_moe.experts.{e}", hidden, inter, ("w1", "w3", "w2"))
     block = _block(_gqa_attention(c), moe, hidden)
-    return ModelUnits("Mixtral-8x7B", _ends(c, [Unit("decoder_layer", c["num_hidden_layers"], block)]))
+    blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
+    return ModelUnits("Mixtral-8x7B", _ends(c, blocks))
 
 
 def _qwen3_moe() -> ModelUnits:
+    """Qwen3 MoE: GQA with per-head q/k norms, router, then 128 experts."""
     c = CONFIGS["Qwen3-30B-A3B"]
     hidden = c["hidden_size"]
     moe = _linear("mlp.gate", c["num_experts"], hidden)
     for e in range(c["num_experts"]):
         moe += _gated_mlp(f"mlp.experts.{e}", hidden, c["moe_intermediate_size"])
     block = _block(_gqa_attention(c, qk_norm=True), moe, hidden)
-    return ModelUnits("Qwen3-30B-A3B", _ends(c, [Unit("decoder_layer", c["num_hidden_layers"], block)]))
+    blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
+    return ModelUnits("Qwen3-30B-A3B", _ends(c, blocks))
 
 
 def _deepseek_v3() -> ModelUnits:
+    """DeepSeek-V3: MLA attention; 3 dense layers, then MoE layers of 256 routed experts,
+    the router (its ``e_score_correction_bias`` is a parameter in DeepSeek's own modeling
+    code) and one shared expert, in that registration order."""
     c = CONFIGS["DeepSeek-V3-671B"]
     hidden, experts = c["hidden_size"], c["n_routed_experts"]
     dense = _block(_mla_attention(c), _gated_mlp("mlp", hidden, c["intermediate_size"]), hidden)
-    moe = _linear("mlp.gate", experts, hidden) + [("mlp.gate.e_score_correction_bias", (experts,))]
+    moe = []
     for e in range(experts):
         moe += _gated_mlp(f"mlp.experts.{e}", hidden, c["moe_intermediate_size"])
+    moe += _linear("mlp.gate", experts, hidden)
+    moe.append(("mlp.gate.e_score_correction_bias", (experts,)))
     moe += _gated_mlp(
         "mlp.shared_experts", hidden, c["n_shared_experts"] * c["moe_intermediate_size"]
     )
@@ -225,9 +242,12 @@ def _deepseek_v3() -> ModelUnits:
 
 
 def _gpt_oss() -> ModelUnits:
+    """GPT-OSS: biased GQA with attention sinks, a biased router and fused experts
+    (``gate_up_proj [experts, hidden, 2 * intermediate]``). ``sinks`` is the attention
+    module's own parameter, so ``named_parameters()`` yields it before the projections."""
     c = CONFIGS["GPT-OSS-120B"]
     hidden, inter, experts = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
-    attention = _gqa_attention(c, bias=True) + [("self_attn.sinks", (c["num_attention_heads"],))]
+    attention = [("self_attn.sinks", (c["num_attention_heads"],))] + _gqa_attention(c, bias=True)
     moe = _linear("mlp.router", experts, hidden, bias=True) + [
         ("mlp.experts.gate_up_proj", (experts, hidden, 2 * inter)),
         ("mlp.experts.gate_up_proj_bias", (experts, 2 * inter)),
@@ -235,7 +255,8 @@ def _gpt_oss() -> ModelUnits:
         ("mlp.experts.down_proj_bias", (experts, hidden)),
     ]
     block = _block(attention, moe, hidden)
-    return ModelUnits("GPT-OSS-120B", _ends(c, [Unit("decoder_layer", c["num_hidden_layers"], block)]))
+    blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
+    return ModelUnits("GPT-OSS-120B", _ends(c, blocks))
 
 
 CATALOG: dict[str, ModelUnits] = {

@@ -2,19 +2,31 @@
 
 Pure Python (no torch, no process group). Sizes are in elements unless a name says bytes.
 
-* :func:`plan_layout` plans one buffer (the paper's problem) and returns a :class:`Layout`.
+* :func:`plan_layout` plans one buffer (the paper's problem) and returns a :class:`Layout`:
+  offsets, one shard size for every rank, and each rank's part of each tensor.
 * :func:`padding_lower_bound` / :func:`shard_size_lower_bound`: what no single buffer beats.
 * :func:`plan_unit` may split a unit into several buffers when a cost model says the padding
   saved pays for the extra collectives; it returns a :class:`UnitPlan`.
+  :func:`unit_plan_options` gives the least-padding plan for every buffer budget.
+
+Guarantees, for every valid input: no block straddles a rank boundary; every tensor is one
+contiguous interval and tensors do not overlap; every rank owns exactly ``shard_size``
+elements; the same input gives the same layout on every rank, run and hash seed.
 """
 
 from .bounds import padding_lower_bound, shard_size_lower_bound
 from .layout import Layout
-from .search import plan_layout
+from .search import clear_plan_cache, plan_layout
+from .split import CostModel, UnitPlan, plan_unit, unit_plan_options
 
 __all__ = [
+    "CostModel",
     "Layout",
+    "UnitPlan",
+    "clear_plan_cache",
     "padding_lower_bound",
     "plan_layout",
+    "plan_unit",
     "shard_size_lower_bound",
+    "unit_plan_options",
 ]

@@ -84,7 +84,8 @@ class AdmissibleShardSizes:
             candidate = self._next_meeting_forced(candidate)
             if candidate % multiple:
                 # Still meets the forced rule: past a threshold fewer tensors are forced.
-                candidate = round_up(candidate, math.lcm(self.required_multiple(candidate), multiple))
+                lcm = math.lcm(self.required_multiple(candidate), multiple)
+                candidate = round_up(candidate, lcm)
             fix = self._first_violation_fix(candidate)
             if fix is None:
                 return candidate

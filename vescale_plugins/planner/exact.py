@@ -3,7 +3,9 @@
 Exponential: only for small instances (a handful of tensors), where it measures how far the
 heuristic in :mod:`.search` is from optimal. Exact because, for a fixed order and shard size,
 earliest-start placement is optimal (see :mod:`.placement`), so a shard size is feasible iff
-some order of the tensors fits; the shard sizes are scanned upward from the lower bound.
+some order of the tensors fits. Every multiple of the alignment is scanned upward from the
+plain volume bound, deliberately not from :mod:`.bounds`' sharper one, so that comparing the
+two tests the sharper bound.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
+from .bounds import aligned_payload, round_up
 from .layout import check_plan_inputs
 from .placement import earliest_start
 
@@ -32,10 +34,8 @@ def exact_min_shard_size(
         raise ValueError(
             f"exhaustive search is for at most {MAX_EXACT_TENSORS} tensors, got {len(numels)}"
         )
-    admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
-    shard = lower_bound_from_parts(
-        aligned_payload(numels, alignment), max(block_sizes), world_size, admissible
-    )
+    by_volume = -(-aligned_payload(numels, alignment) // world_size)
+    shard = round_up(max(by_volume, max(block_sizes)), alignment)
     # Identical tensors are interchangeable: search orders of distinct (numel, block) kinds.
     kinds: dict[tuple[int, int], int] = {}
     for key in zip(numels, block_sizes):
@@ -44,7 +44,7 @@ def exact_min_shard_size(
              for (numel, block), count in kinds.items()]
     while not _some_order_fits(items, shard, world_size, alignment):
         # Terminates: at shard >= the aligned payload everything fits in rank 0.
-        shard = admissible.next_admissible(shard + 1)
+        shard += alignment
     return shard
 
 

@@ -167,7 +167,7 @@ class Layout:
         return tuple(sorted(range(len(self.offsets)), key=lambda i: (self.offsets[i], i)))
 
     def tensor_slice(self, index: int) -> tuple[int, int]:
-        """Tensor ``index``'s global interval ``(start, stop)``: ``[offsets[i], offsets[i]+numels[i])``."""
+        """Tensor ``index``'s global interval ``(start, stop)`` in the buffer, elements."""
         start = self.offsets[index]
         return start, start + self.numels[index]
 

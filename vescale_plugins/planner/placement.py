@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = [
+    "Placement",
     "TensorClass",
+    "back_to_back",
     "earliest_start",
     "group_classes",
+    "order_states",
     "place_best_fit",
+    "place_exact",
     "place_in_order",
 ]
 
@@ -178,6 +182,7 @@ def place_best_fit(
     taken = [0] * len(classes)
     cursor = 0
     while active:
+        # Unspent slack shared over the rank boundaries still ahead.
         fair_gap = max(0, limit - cursor - payload) * shard // max(shard, limit - cursor)
         choice, start = _first_within(classes, divisible, active, cursor, fair_gap, shard,
                                       alignment)

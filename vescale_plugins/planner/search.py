@@ -2,7 +2,8 @@
 
 The search (sizes in elements, ``S`` the shard size, ``W`` the world size):
 
-1. Start at the lower bound ``S_lb`` (:mod:`.bounds`); it is often feasible.
+1. Try the lower bound ``S_lb`` (:mod:`.bounds`), often feasible, then the first sizes at
+   or above it where a heavy block size tiles the shard (see step 4): a quick ceiling.
 2. Ascend: run every strategy at ``S``; if none fits in ``W * S``, the best end ``P`` says
    how much room was missing, so jump to the next admissible size ``>= P / W`` (plus a
    growing minimum step, so pathological inputs cannot crawl).
@@ -19,6 +20,7 @@ in a fixed order, so the result is identical on every rank, run and hash seed.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -34,10 +36,14 @@ from .placement import (
     place_in_order,
 )
 
-__all__ = ["plan_layout"]
+__all__ = ["clear_plan_cache", "plan_layout"]
 
+# Plans kept by the cache (a few per distinct unit and world size).
+_CACHED_PLANS = 1024
 # Ascent steps before the minimum step starts doubling (keeps the search O(log) long).
 _PATIENT_ASCENT_STEPS = 4
+# Tries per heavy block size when climbing over the sizes it tiles.
+_MAX_TILED_TRIES = 8
 _MAX_BISECTION_STEPS = 24
 # Bisection stops once the interval is below shard / 2**14 (< 0.01 %): finer is noise.
 _BISECTION_RESOLUTION_BITS = 14
@@ -66,9 +72,25 @@ def plan_layout(
 
     Returns a :class:`Layout` with no block cut by a rank boundary, contiguous
     non-overlapping tensors and ``world_size`` equal shards. Raises ``ValueError`` on bad
-    input, naming the tensor index and values.
+    input, naming the tensor index and values. Plans are cached per process by their
+    arguments (:func:`clear_plan_cache` empties the cache).
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
+    return _plan_layout(numels, block_sizes, world_size, alignment)
+
+
+def clear_plan_cache() -> None:
+    """Forget cached plans (to time planning from cold, or to free memory)."""
+    _plan_layout.cache_clear()
+
+
+@functools.lru_cache(maxsize=_CACHED_PLANS)
+def _plan_layout(
+    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
+) -> Layout:
+    """:func:`plan_layout` on validated input, cached: a model's identical blocks (and the
+    subsets :func:`plan_unit` revisits) are planned once per process. ``Layout`` is
+    immutable, so sharing one is safe."""
     admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
     lower = lower_bound_from_parts(
         aligned_payload(numels, alignment), max(block_sizes), world_size, admissible
@@ -85,7 +107,9 @@ def _strategies(
 
     Fixed orders: by block size, largest first (big blocks go where alignment is cheap,
     small tensors are left to fill gaps), and the input order (the paper's default).
-    Best-fit: classes of identical tensors, picking whichever wastes least at each step.
+    Best-fit (:func:`place_best_fit`): classes of identical tensors in priority order (by
+    block size, or by numel), detouring to the class leaving the smallest gap whenever the
+    next one would waste more than its share of the slack.
     Exact (``None`` when the unit has too many distinct tensors): the best of all orders,
     which makes the answer optimal for every shard size it is run at.
     """
@@ -166,11 +190,19 @@ def _search(
     block_sizes: tuple[int, ...],
 ) -> tuple[int, list[int]]:
     """Smallest feasible shard size found (see the module docstring) and its offsets."""
-    failed, found = _ascend(heuristics, admissible, lower, world_size)
-    if failed is None:
-        return found
     heavy = _heavy_block_sizes(numels, block_sizes)
-    shard, offsets = _refine(heuristics, admissible, failed, found, world_size, heavy, lower)
+    best = None
+    for candidate in sorted({lower, *(admissible.next_admissible(lower, b) for b in heavy)}):
+        placement = _try(heuristics, candidate, world_size)
+        if placement.offsets is not None:
+            best = (candidate, placement.offsets)
+            break
+    if best is not None and best[0] == lower:
+        return best
+    failed, found = _ascend(heuristics, admissible, lower, world_size,
+                            ceiling=None if best is None else best[0])
+    shard, offsets = _refine(heuristics, admissible, failed, found or best, world_size, heavy,
+                             lower)
     if exact is not None and (shard - lower) * _EXACT_ABOVE_GAP > lower:
         everything = [*heuristics, exact]
         placement = _try(everything, lower, world_size)
@@ -194,7 +226,7 @@ def _refine(
     shard, offsets = _bisect(strategies, admissible, failed, *found, world_size)
     for block in heavy_blocks:
         _, tiled = _ascend(strategies, admissible, lower, world_size, multiple=block,
-                           ceiling=shard)
+                           ceiling=shard, max_tries=_MAX_TILED_TRIES)
         if tiled is not None:
             shard, offsets = tiled
     return shard, offsets
@@ -208,22 +240,27 @@ def _ascend(
     *,
     multiple: int = 1,
     ceiling: int | None = None,
-) -> tuple[int | None, tuple[int, list[int]] | None]:
+    max_tries: int | None = None,
+) -> tuple[int, tuple[int, list[int]] | None]:
     """Climb from ``shard`` over admissible multiples of ``multiple`` to the first feasible
-    size below ``ceiling``; return the last failure too (``None`` if the first try fit)."""
-    failed, min_step = None, 1
-    for attempt in range(1, 1 << 62):
+    size below ``ceiling`` (``None`` if none within ``max_tries``); also return the last
+    size that failed (``shard`` itself if nothing was tried)."""
+    failed, min_step, attempt = shard, 1, 0
+    while max_tries is None or attempt < max_tries:
+        attempt += 1
         shard = admissible.next_admissible(shard, multiple)
         if ceiling is not None and shard >= ceiling:
-            return failed, None
+            break
         placement = _try(strategies, shard, world_size)
         if placement.offsets is not None:
             return failed, (shard, placement.offsets)
         failed = shard
         if attempt > _PATIENT_ASCENT_STEPS:
-            min_step *= 2
+            # The estimates keep falling short: grow the step geometrically from 1/4096 of
+            # the shard so that any gap is crossed in a few dozen tries.
+            min_step = max(2 * min_step, shard >> 12)
         shard = max(-(-placement.end // world_size), shard + min_step)
-    raise AssertionError("unreachable: a shard size of the whole payload always fits")
+    return failed, None
 
 
 def _bisect(

@@ -28,7 +28,7 @@ Defaults: 20 us per collective (NCCL all-gather latency at scale is tens of micr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .bounds import padding_lower_bound
 from .layout import Layout, check_plan_inputs
@@ -162,7 +162,8 @@ class _PartitionSearch:
                             for i in atom))
 
     def best_plan(self, parts: int) -> UnitPlan:
-        """The least-padding partition into exactly ``parts`` buffers, fully planned."""
+        """The least-padding partition into exactly ``parts`` buffers (to within
+        ``PARTITION_TOLERANCE``), every buffer planned."""
         full = (1 << len(self.atoms)) - 1
         tolerance = int(PARTITION_TOLERANCE * sum(self.numels))
         best_planned: tuple[int, list[int]] | None = None
@@ -222,7 +223,9 @@ def _atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[tuple[
     return sorted([*by_weight[:MAX_ATOMS - 1], rest])
 
 
-def _best_partition(full: int, parts: int, padding) -> tuple[int, list[int]]:
+def _best_partition(
+    full: int, parts: int, padding: Callable[[int], int]
+) -> tuple[int, list[int]]:
     """Least total padding of a split of ``full`` into ``parts`` non-empty subsets, and it.
 
     Dynamic programming over (parts, mask); the subset holding the lowest atom of ``mask``
