@@ -10,6 +10,7 @@ accumulation into pre-set ``.grad`` views, and leave it by one reduce-scatter pe
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -39,6 +40,9 @@ class ManagedParam:
     slot_index: int
     unsharded: nn.Parameter | None = None
     got_grad: bool = False
+    # The parameter fully_shard replaced, weakly: a module outside the unit still holding it
+    # (a tied weight) is a parameter shared across units, which the outer unit must refuse.
+    original: Any = None
 
     def register(self, param: nn.Parameter) -> None:
         # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
@@ -111,7 +115,7 @@ class FSDPUnit:
             for slot_index, i in enumerate(indices):
                 fqn, owners, param, _ = params[i]
                 sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
-                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index)
+                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param))
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)

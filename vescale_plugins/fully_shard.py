@@ -144,6 +144,9 @@ def _collect_params(
             if unit is not None:
                 for m in unit.managed:
                     managed_below[id(m.sharded)] = m.fqn
+                    original = m.original() if m.original is not None else None
+                    if original is not None:
+                        managed_below[id(original)] = m.fqn
     found: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
     shared_with_child: list[str] = []
     for root in modules:

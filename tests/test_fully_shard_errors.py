@@ -1,0 +1,75 @@
+"""Bad input to fully_shard: a clear error on every rank, before any collective, module intact."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+
+from models import local_batch, make_decoder
+from vescale_plugins import fully_shard
+
+
+def _untouched(model, before):
+    """The failed call left the module as it was: same class, plain parameters, same values."""
+    assert type(model) is before["class"]
+    for name, p in model.named_parameters():
+        assert not isinstance(p, DTensor), name
+        assert torch.equal(p, before["params"][name]), name
+
+
+def _snapshot(model):
+    return {"class": type(model), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _expect(error, match, fn):
+    with pytest.raises(error, match=match):
+        fn()
+
+
+def _every_bad_input():
+    world = dist.get_world_size()
+
+    model = make_decoder()
+    fully_shard(model.layers[0])
+    _expect(ValueError, "already applied", lambda: fully_shard(model.layers[0]))
+
+    model = make_decoder()
+    fully_shard(model.head)  # the head's weight is tied to the embedding, outside the head
+    _expect(ValueError, r"shared between this unit and a unit inside it: 'embed.weight'", lambda: fully_shard(model))
+    assert type(model).__name__ == "Decoder" and getattr(model, "_vescale_fsdp_unit", None) is None
+    assert not isinstance(model.embed.weight, DTensor)
+
+    model = make_decoder()
+    before = _snapshot(model)
+    mesh_2d = init_device_mesh("cpu", (1, world))
+    _expect(NotImplementedError, "2-D mesh: hybrid sharding", lambda: fully_shard(model, mesh=mesh_2d))
+    _untouched(model, before)
+
+    _expect(
+        ValueError,
+        r"block_size_fn\('up.weight'\) asks for blocks of 32 rows, but the parameter has 97 rows",
+        lambda: fully_shard(model.layers[0], block_size_fn=lambda name, p: 32 if name == "up.weight" else None),
+    )
+    _untouched(model, before)
+
+    _expect(ValueError, "ModuleList", lambda: fully_shard(model.layers))
+    _untouched(model, before)
+    _expect(NotImplementedError, "reshard_after_forward=2", lambda: fully_shard(model, reshard_after_forward=2))
+    _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
+    _untouched(model, before)
+    fully_shard(model, offload_policy=OffloadPolicy())  # FSDP2's "no offload" default is accepted
+
+    with torch.device("meta"):
+        meta_model = make_decoder()
+    fully_shard(meta_model)
+    tokens, _ = local_batch(0)
+    _expect(RuntimeError, "still on the meta device: call module.to_empty", lambda: meta_model(tokens))
+
+    dist.barrier()  # every rank got here: no rank was left waiting in a collective
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_fails_clearly_before_any_collective(dist_run, world):
+    dist_run(_every_bad_input, world)
