@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import record as run_record
 from ._dtensor_bridge import set_version_counter
 from .planner import Layout, plan_layout
 from .ragged_collectives import _all_gather_single, _reduce_scatter_single
@@ -86,14 +87,19 @@ class _StorageToggle:
 class GatherHandle:
     """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
 
-    def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None) -> None:
-        self._unsharded, self._version, self._work = unsharded, version, work
+    def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None, event: Any = None) -> None:
+        self._unsharded, self._version, self._work, self._event = unsharded, version, work, event
 
     def wait(self) -> None:
+        record = run_record.ACTIVE
+        wait_started = record.now() if record is not None else 0.0
         if self._work is not None:
             self._work.wait()
             self._work = None
         set_version_counter(self._unsharded, self._version)
+        if self._event is not None and record is not None:
+            record.collective_done(self._event, wait_started)
+            self._event = None
 
 
 class DBuffer:
@@ -120,6 +126,7 @@ class DBuffer:
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
+        self.label = "unit"  # the unit's module name, set when the root initialises (run record)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.dtype, self.device = dtype, torch.device(device)
@@ -186,18 +193,25 @@ class DBuffer:
 
         Returns a handle to ``wait()`` on (already complete unless ``async_op``).
         """
+        record = run_record.ACTIVE
         with torch.profiler.record_function(ALL_GATHER_REGION):
+            if record is not None and not self._unsharded.allocated:
+                record.buffer_allocated("unsharded_params", self._unsharded.nbytes)
             unsharded = self._unsharded.allocate()
             version = unsharded._version
             shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+            event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
             work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op)
-            handle = GatherHandle(unsharded, version, work)
+            handle = GatherHandle(unsharded, version, work, event)
             if not async_op:
                 handle.wait()
             return handle
 
     def release_unsharded(self) -> None:
         """Free the unsharded parameters' memory (their views stay, without storage)."""
+        record = run_record.ACTIVE
+        if record is not None and self._unsharded.allocated:
+            record.buffer_freed("unsharded_params", self._unsharded.nbytes)
         self._unsharded.release()
 
     # -- gradients --------------------------------------------------------------------
@@ -208,6 +222,9 @@ class DBuffer:
 
     def zeroed_unsharded_grad(self) -> torch.Tensor:
         """Allocate the unsharded gradient buffer and zero it (one memset for the unit)."""
+        record = run_record.ACTIVE
+        if record is not None and not self._unsharded_grad.allocated:
+            record.buffer_allocated("unsharded_grads", self._unsharded_grad.nbytes)
         return self._unsharded_grad.allocate().zero_()
 
     def reduce_scatter(self, divide_factor: float, accumulate: bool) -> None:
@@ -218,20 +235,33 @@ class DBuffer:
         gradients (gradient accumulation across optimizer steps without ``zero_grad``);
         otherwise it lands straight in the sharded gradient buffer.
         """
+        record = run_record.ACTIVE
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             full = self._unsharded_grad.tensor
             if self.reduce_dtype != full.dtype:
                 full = full.to(self.reduce_dtype)
             in_place = not accumulate and self.reduce_dtype == self.dtype
             out = self.sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+            temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
+            if record is not None:
+                record.buffer_allocated("comm_buffers", temp_bytes)
+                event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
+                wait_started = record.now()
             _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
+            if record is not None:
+                record.collective_done(event, wait_started)
             if divide_factor != 1:
                 out.div_(divide_factor)
             if accumulate:
                 self.sharded_grad.add_(out)
             elif not in_place:
                 self.sharded_grad.copy_(out)
-        self._unsharded_grad.release()
+            if record is not None:
+                record.buffer_freed("comm_buffers", temp_bytes)
+        self.release_unsharded_grad()
 
     def release_unsharded_grad(self) -> None:
+        record = run_record.ACTIVE
+        if record is not None and self._unsharded_grad.allocated:
+            record.buffer_freed("unsharded_grads", self._unsharded_grad.nbytes)
         self._unsharded_grad.release()

@@ -259,6 +259,12 @@ class FSDPUnit:
             unit.root = self
             unit._check_materialized()
         self._root_units = [u for u in units if u.root is self]
+        for root_module in self.modules:
+            for name, module in root_module.named_modules():
+                unit = getattr(module, "_vescale_fsdp_unit", None)
+                if unit in self._root_units and module is unit.modules[0]:
+                    for dbuffer in unit.dbuffers:
+                        dbuffer.label = name or "<root>"
 
     # -- backward ---------------------------------------------------------------------
 

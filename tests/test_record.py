@@ -1,0 +1,72 @@
+"""The run record: sharding, precision, memory and every collective of a recorded run."""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from models import LAYERS, local_batch, loss_fn, make_decoder
+from test_fully_shard import adamw, shard_decoder
+from vescale_plugins import record as run_record
+from vescale_plugins.record import record_run
+
+
+def _train(model, opt, steps, record=None):
+    for step in range(steps):
+        tokens, targets = local_batch(step)
+        loss_fn(model(tokens), targets).backward()
+        opt.step()
+        opt.zero_grad()
+        if record is not None:
+            record.mark_step()
+
+
+def _recorded_run():
+    world = dist.get_world_size()
+    model = shard_decoder(make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = adamw(model)
+    _train(model, opt, 1)
+    with record_run(model, opt) as record:
+        _train(model, opt, 2, record)
+    d = record.to_dict()
+    units = LAYERS + 1
+
+    s = d["sharding"]
+    assert s["group_size"] == world and s["group_ranks"] == list(range(world)) and s["backend"] == "gloo"
+    assert [u["modules"] for u in s["units"]] == [[""]] + [[f"layers.{i}"] for i in range(LAYERS)]
+    assert sum(u["parameters"] for u in s["units"]) == sum(p.numel() for p in model.parameters())
+    assert all(u["largest_unsharded_bytes"] > 0 and 0 <= u["padding_ratio"] < 1 for u in s["units"])
+
+    p = d["precision"]
+    assert p["sharded_parameters"] == ["float32"] and p["all_gather"] == ["bfloat16"]
+    assert p["reduce_scatter"] == ["float32"] and p["optimizer_state"] == ["float32"]
+
+    c = d["communication"]["summary"]
+    # Each block is gathered for forward and again for backward; the root stays gathered.
+    assert c["all_gather"]["count_per_step"] == 2 * LAYERS + 1, c
+    assert c["reduce_scatter"]["count_per_step"] == units, c
+    assert c["reduce_scatter"]["bytes_per_step"] > 0 and c["all_gather"]["bytes_per_step"] > 0
+    events = d["communication"]["events"]
+    assert {e["unit"] for e in events} == {"<root>", *(f"layers.{i}" for i in range(LAYERS))}
+    assert all(e["end_s"] >= e["start_s"] and 0 <= e["overlap_ratio"] <= 1 for e in events)
+    assert {e["step"] for e in events} == {0, 1}
+
+    m = d["memory"]
+    assert m["peak_bytes_by_kind"]["unsharded_params"] > 0 and m["peak_bytes_by_kind"]["unsharded_grads"] > 0
+    assert m["sharded_state_bytes"]["optimizer_state"] > 0
+    z = d["zero_stages"]
+    assert math.isclose(z["model_bytes_per_parameter"]["ZeRO-3 / FSDP"], 16 / world)
+    assert "run record" in record.summary()
+
+    # Closed: nothing is collected any more.
+    assert run_record.ACTIVE is None
+    before = len(record.events)
+    _train(model, opt, 1)
+    assert len(record.events) == before
+    return record.summary() if dist.get_rank() == 0 else ""
+
+
+def test_record_of_a_sharded_run(dist_run):
+    summary = dist_run(_recorded_run, 3)[0]
+    assert "all_gather" in summary and "reduce_scatter" in summary

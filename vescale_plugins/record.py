@@ -1,0 +1,259 @@
+"""The run record: what a sharded run did, so a user can trust it.
+
+``with record_run(model, optimizer) as record: ...train...`` collects, for every all-gather
+and reduce-scatter, its unit, bytes, start and end, and how much of it was hidden behind
+compute; the memory of each kind of buffer over time; and a static view of the sharding and
+precision. ``record.to_dict()`` is JSON-ready and ``record.summary()`` is for people.
+
+Off, it costs one global lookup per collective (``ACTIVE is None``): nothing is timed or
+stored unless a record is open.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["RunRecord", "record_run", "CollectiveEvent"]
+
+ACTIVE: "RunRecord | None" = None
+
+
+@dataclass
+class CollectiveEvent:
+    """One collective. Times in seconds since the record opened; ``exposed_s`` is the part the
+    training thread spent waiting for it (the rest overlapped with compute)."""
+
+    kind: str
+    unit: str
+    bytes: int
+    dtype: str
+    start_s: float
+    end_s: float = math.nan
+    exposed_s: float = math.nan
+    step: int = 0
+
+    @property
+    def overlap_ratio(self) -> float:
+        duration = self.end_s - self.start_s
+        return 0.0 if duration <= 0 else max(0.0, 1.0 - self.exposed_s / duration)
+
+
+@dataclass
+class _MemoryKinds:
+    """Bytes of live library buffers by kind, and the peak of their sum (with its split)."""
+
+    live: dict[str, int] = field(default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0})
+    peak: dict[str, int] = field(default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0})
+    at_peak_total: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.live[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
+        if sum(self.live.values()) > sum(self.at_peak_total.values() or [0]):
+            self.at_peak_total = dict(self.live)
+
+
+class RunRecord:
+    """Collects collectives and buffer memory while open; see :func:`record_run`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.events: list[CollectiveEvent] = []
+        self.memory = _MemoryKinds()
+        self.step = 0
+        self._t0 = time.perf_counter()
+
+    # -- called by the runtime (only while open) --------------------------------------
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def collective_issued(self, kind: str, unit: str, nbytes: int, dtype: torch.dtype) -> CollectiveEvent:
+        event = CollectiveEvent(kind, unit, nbytes, str(dtype).removeprefix("torch."), self.now(), step=self.step)
+        self.events.append(event)
+        return event
+
+    def collective_done(self, event: CollectiveEvent, wait_started_s: float) -> None:
+        event.end_s = self.now()
+        event.exposed_s = event.end_s - wait_started_s
+
+    def buffer_allocated(self, kind: str, nbytes: int) -> None:
+        self.memory.add(kind, nbytes)
+
+    def buffer_freed(self, kind: str, nbytes: int) -> None:
+        self.memory.live[kind] -= nbytes
+
+    def mark_step(self) -> None:
+        """Call once per optimizer step so events are grouped by step."""
+        self.step += 1
+
+    # -- the record ---------------------------------------------------------------------
+
+    def _units(self) -> list[Any]:
+        units = []
+        for module in self.model.modules():
+            unit = getattr(module, "_vescale_fsdp_unit", None)
+            if unit is not None and unit not in units:
+                units.append(unit)
+        return units
+
+    def sharding(self) -> dict[str, Any]:
+        units = self._units()
+        group = units[0].group if units else None
+        rows = []
+        for unit in units:
+            names = [_module_name(self.model, m) for m in unit.modules]
+            params = sum(s.numel for b in unit.dbuffers for s in b.slots)
+            rows.append(
+                {
+                    "modules": names,
+                    "parameters": params,
+                    "largest_unsharded_bytes": max((b.layout.buffer_size * _itemsize(b.param_dtype) for b in unit.dbuffers), default=0),
+                    "padding_elements": sum(b.layout.padding for b in unit.dbuffers),
+                    "padding_ratio": sum(b.layout.padding for b in unit.dbuffers) / max(params, 1),
+                    "shard_elements_per_rank": [b.shard_size for b in unit.dbuffers],
+                    "buffers": len(unit.dbuffers),
+                }
+            )
+        return {
+            "backend": dist.get_backend(group) if group is not None else None,
+            "group_size": dist.get_world_size(group) if group is not None else 1,
+            "group_ranks": dist.get_process_group_ranks(group) if group is not None else [0],
+            "units": rows,
+        }
+
+    def precision(self) -> dict[str, Any]:
+        units = self._units()
+        buffers = [b for u in units for b in u.dbuffers]
+        state_dtypes = sorted(
+            {str(v.dtype).removeprefix("torch.") for s in (self.optimizer.state.values() if self.optimizer else []) for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+        )
+        def names(dtypes):
+            return sorted({str(d).removeprefix("torch.") for d in dtypes})
+        return {
+            "sharded_parameters": names(b.dtype for b in buffers),
+            "all_gather": names(b.param_dtype for b in buffers),
+            "gradients": names(b.param_dtype for b in buffers),
+            "reduce_scatter": names(b.reduce_dtype for b in buffers),
+            "sharded_gradients": names(b.dtype for b in buffers),
+            "optimizer_state": state_dtypes,
+        }
+
+    def sharded_state_bytes(self) -> dict[str, int]:
+        buffers = [b for u in self._units() for b in u.dbuffers]
+        optimizer_bytes = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        local = getattr(value, "_local_tensor", value)
+                        optimizer_bytes += local.numel() * local.element_size()
+        return {
+            "parameters": sum(b.sharded.numel() * b.sharded.element_size() for b in buffers),
+            "gradients": sum(b.sharded_grad.numel() * b.sharded_grad.element_size() for b in buffers),
+            "optimizer_state": optimizer_bytes,
+        }
+
+    def communication(self) -> dict[str, Any]:
+        done = [e for e in self.events if not math.isnan(e.end_s)]
+        steps = max(1, len({e.step for e in done}))
+        by_kind = {}
+        for kind in ("all_gather", "reduce_scatter"):
+            mine = [e for e in done if e.kind == kind]
+            busy = sum(e.end_s - e.start_s for e in mine)
+            hidden = sum((e.end_s - e.start_s) - e.exposed_s for e in mine)
+            by_kind[kind] = {
+                "count": len(mine),
+                "count_per_step": len(mine) / steps,
+                "bytes_per_step": sum(e.bytes for e in mine) / steps,
+                "seconds": busy,
+                "overlap_ratio": hidden / busy if busy > 0 else 0.0,
+            }
+        return {"summary": by_kind, "events": [asdict(e) | {"overlap_ratio": e.overlap_ratio} for e in done]}
+
+    def zero_stages(self) -> dict[str, Any]:
+        """Bytes per parameter by ZeRO stage at this group size, with bf16 compute and fp32
+        Adam (2 weight + 2 grad + 4 master + 8 moments = 16), against what was measured."""
+        n = max(1, self.sharding()["group_size"])
+        model = {"DDP": 16.0, "ZeRO-1": 4 + 12 / n, "ZeRO-2": 2 + 14 / n, "ZeRO-3 / FSDP": 16 / n}
+        params = sum(r["parameters"] for r in self.sharding()["units"])
+        measured = sum(self.sharded_state_bytes().values()) / max(params, 1)
+        return {"group_size": n, "model_bytes_per_parameter": model, "measured_sharded_bytes_per_parameter": measured}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sharding": self.sharding(),
+            "precision": self.precision(),
+            "memory": {
+                "sharded_state_bytes": self.sharded_state_bytes(),
+                "peak_bytes_by_kind": dict(self.memory.peak),
+                "split_at_peak_of_library_buffers": dict(self.memory.at_peak_total),
+            },
+            "communication": self.communication(),
+            "zero_stages": self.zero_stages(),
+        }
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    def summary(self) -> str:
+        d = self.to_dict()
+        s, c, m = d["sharding"], d["communication"]["summary"], d["memory"]
+        lines = [f"veScale-FSDP run record: {s['backend']} group of {s['group_size']} ranks {s['group_ranks']}"]
+        for u in s["units"]:
+            lines.append(
+                f"  unit {', '.join(u['modules']) or '<root>'}: {u['parameters']:,} params, largest unsharded "
+                f"{_mib(u['largest_unsharded_bytes'])}, padding {u['padding_ratio']:.2%}"
+            )
+        p = d["precision"]
+        lines.append(f"  precision: params {p['sharded_parameters']}, all-gather {p['all_gather']}, grads {p['gradients']}, reduce-scatter {p['reduce_scatter']}, optimizer {p['optimizer_state']}")
+        st = m["sharded_state_bytes"]
+        lines.append(f"  sharded state per rank: params {_mib(st['parameters'])}, grads {_mib(st['gradients'])}, optimizer {_mib(st['optimizer_state'])}")
+        pk = m["peak_bytes_by_kind"]
+        lines.append(f"  peak library buffers: unsharded params {_mib(pk['unsharded_params'])}, unsharded grads {_mib(pk['unsharded_grads'])}, comm {_mib(pk['comm_buffers'])}")
+        for kind, v in c.items():
+            lines.append(f"  {kind}: {v['count_per_step']:.1f}/step, {_mib(v['bytes_per_step'])}/step, {v['seconds'] * 1e3:.1f} ms total, {v['overlap_ratio']:.0%} overlapped")
+        z = d["zero_stages"]
+        model = ", ".join(f"{k} {v:.2f}" for k, v in z["model_bytes_per_parameter"].items())
+        lines.append(f"  bytes/param (16-byte model, W={z['group_size']}): {model}; measured sharded state {z['measured_sharded_bytes_per_parameter']:.2f}")
+        return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    return type(target).__name__
+
+
+@contextmanager
+def record_run(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[RunRecord]:
+    """Record what ``model``'s veScale-FSDP units do inside the block (one record at a time)."""
+    global ACTIVE
+    if ACTIVE is not None:
+        raise RuntimeError("a run record is already open; close it before opening another")
+    record = RunRecord(model, optimizer)
+    ACTIVE = record
+    try:
+        yield record
+    finally:
+        ACTIVE = None
