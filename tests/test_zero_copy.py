@@ -61,7 +61,8 @@ class _LibraryOps(TorchDispatchMode):
 
 def _record_library_paths(recorder, monkeypatch_targets):
     """Wrap DBuffer's collective paths and the collectives they call."""
-    originals = {name: getattr(obj, name) for obj, name in monkeypatch_targets}
+    originals = {name: getattr(obj, name) for obj, name in monkeypatch_targets if name != "wait"}
+    originals.update({f"{obj.__name__}.wait": obj.wait for obj, name in monkeypatch_targets if name == "wait"})
 
     def path(name, fn):
         def wrapped(*args, **kwargs):
@@ -86,8 +87,11 @@ def _record_library_paths(recorder, monkeypatch_targets):
     DBuffer = dbuffer_module.DBuffer
     DBuffer.all_gather = path("all_gather", originals["all_gather"])
     DBuffer.reduce_scatter = path("reduce_scatter", originals["reduce_scatter"])
+    dbuffer_module.GatherHandle.wait = path("all_gather", originals["GatherHandle.wait"])
+    dbuffer_module.ReduceScatterHandle.wait = path("reduce_scatter", originals["ReduceScatterHandle.wait"])
     dbuffer_module._all_gather_single = collective(originals["_all_gather_single"])
     dbuffer_module._reduce_scatter_single = collective(originals["_reduce_scatter_single"])
+    dbuffer_module._wait_collective = collective(originals["_wait_collective"])
     return originals
 
 
@@ -100,14 +104,16 @@ def _ours_copy_nothing():
     _train_step(model, opt, 0)
     recorder = _LibraryOps()
     targets = [(dbuffer_module.DBuffer, "all_gather"), (dbuffer_module.DBuffer, "reduce_scatter"),
-               (dbuffer_module, "_all_gather_single"), (dbuffer_module, "_reduce_scatter_single")]
+               (dbuffer_module.GatherHandle, "wait"), (dbuffer_module.ReduceScatterHandle, "wait"),
+               (dbuffer_module, "_all_gather_single"), (dbuffer_module, "_reduce_scatter_single"),
+               (dbuffer_module, "_wait_collective")]
     originals = _record_library_paths(recorder, targets)
     try:
         with recorder:
             _train_step(model, opt, 1)
     finally:
         for obj, name in targets:
-            setattr(obj, name, originals[name])
+            setattr(obj, name, originals[f"{obj.__name__}.wait" if name == "wait" else name])
     assert set(recorder.ops) == {"all_gather", "reduce_scatter"}, recorder.ops
     for path, ops in recorder.ops.items():
         assert not ops & COPY_OPS, (path, sorted(ops))

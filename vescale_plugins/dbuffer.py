@@ -27,7 +27,7 @@ from ._dtensor_bridge import set_version_counter
 from .planner import Layout, plan_layout
 from .ragged_collectives import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION"]
+__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
@@ -84,6 +84,11 @@ class _StorageToggle:
             self.tensor.untyped_storage().resize_(0)
 
 
+def _wait_collective(work: dist.Work) -> None:
+    """Complete an issued collective (gloo finishes some of its work here, on this thread)."""
+    work.wait()
+
+
 class GatherHandle:
     """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
 
@@ -94,12 +99,45 @@ class GatherHandle:
         record = run_record.ACTIVE
         wait_started = record.now() if record is not None else 0.0
         if self._work is not None:
-            self._work.wait()
+            _wait_collective(self._work)
             self._work = None
         set_version_counter(self._unsharded, self._version)
         if self._event is not None and record is not None:
             record.collective_done(self._event, wait_started)
             self._event = None
+
+
+class ReduceScatterHandle:
+    """An issued reduce-scatter: ``wait()`` completes it, scales, and frees the full gradients."""
+
+    def __init__(self, dbuffer: "DBuffer", work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, divide_factor: float, accumulate: bool, in_place: bool, event: Any, temp_bytes: int) -> None:
+        self._dbuffer, self._work, self._full, self._out = dbuffer, work, full, out
+        self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
+        self._event, self._temp_bytes = event, temp_bytes
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        record = run_record.ACTIVE
+        wait_started = record.now() if record is not None else 0.0
+        with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+            if self._work is not None:
+                _wait_collective(self._work)
+            if self._event is not None and record is not None:
+                record.collective_done(self._event, wait_started)
+            out, sharded_grad = self._out, self._dbuffer.sharded_grad
+            if self._divide_factor != 1:
+                out.div_(self._divide_factor)
+            if self._accumulate:
+                sharded_grad.add_(out)
+            elif not self._in_place:
+                sharded_grad.copy_(out)
+            if record is not None:
+                record.buffer_freed("comm_buffers", self._temp_bytes)
+        self._full = self._out = None
+        self._dbuffer.release_unsharded_grad()
+        self.done = True
 
 
 class DBuffer:
@@ -227,13 +265,14 @@ class DBuffer:
             record.buffer_allocated("unsharded_grads", self._unsharded_grad.nbytes)
         return self._unsharded_grad.allocate().zero_()
 
-    def reduce_scatter(self, divide_factor: float, accumulate: bool) -> None:
+    def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False) -> "ReduceScatterHandle":
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
 
         Sums over the group (gloo has no AVG) and divides by ``divide_factor`` once for the
         whole buffer. With ``accumulate`` the result is added to the existing sharded
-        gradients (gradient accumulation across optimizer steps without ``zero_grad``);
-        otherwise it lands straight in the sharded gradient buffer.
+        gradients (accumulation across optimizer steps without ``zero_grad``); otherwise it
+        lands straight in the sharded gradient buffer. With ``async_op`` the caller must
+        ``wait()`` on the handle before reading the gradients.
         """
         record = run_record.ACTIVE
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
@@ -243,22 +282,15 @@ class DBuffer:
             in_place = not accumulate and self.reduce_dtype == self.dtype
             out = self.sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
+            event = None
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)
                 event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
-                wait_started = record.now()
-            _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group)
-            if record is not None:
-                record.collective_done(event, wait_started)
-            if divide_factor != 1:
-                out.div_(divide_factor)
-            if accumulate:
-                self.sharded_grad.add_(out)
-            elif not in_place:
-                self.sharded_grad.copy_(out)
-            if record is not None:
-                record.buffer_freed("comm_buffers", temp_bytes)
-        self.release_unsharded_grad()
+            work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        handle = ReduceScatterHandle(self, work, full, out, divide_factor, accumulate, in_place, event, temp_bytes)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def release_unsharded_grad(self) -> None:
         record = run_record.ACTIVE

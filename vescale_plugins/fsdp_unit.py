@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils import _pytree as pytree
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
-from .dbuffer import DBuffer, GatherHandle
+from .dbuffer import DBuffer, GatherHandle, ReduceScatterHandle
 from .placement import RaggedShard
 
 __all__ = ["FSDPUnit", "ManagedParam"]
@@ -89,6 +89,7 @@ class FSDPUnit:
         self._modules_run: set[int] = set()
         self._root_units: list[FSDPUnit] = []
         self._forward_order: list[FSDPUnit] = []
+        self._reduces_in_flight: list[ReduceScatterHandle] = []
         self.managed = self._build(params)
 
     # -- construction -----------------------------------------------------------------
@@ -331,13 +332,22 @@ class FSDPUnit:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
+        """Issue this unit's reduce-scatters asynchronously (at most one unit in flight).
+
+        Waiting for the previous unit's first bounds the full-gradient buffers alive at once
+        to two units, as FSDP2 does; the root waits for the last ones at the end of backward.
+        """
+        root = self.root
+        for handle in root._reduces_in_flight:
+            handle.wait()
+        root._reduces_in_flight = []
         for dbuffer_index, dbuffer in enumerate(self.dbuffers):
             members = [m for m in self.managed if m.buffer_index == dbuffer_index and m.sharded.requires_grad]
             if not members or not dbuffer.has_unsharded_grad:
                 continue
             accumulate = any(m.sharded.grad is not None for m in members)
             got = [m.got_grad for m in members]
-            dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate)
+            root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
             for m, received in zip(members, got):
                 m.unsharded.grad = None
                 m.got_grad = False
@@ -346,13 +356,17 @@ class FSDPUnit:
                     m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
 
     def _final_callback(self) -> None:
-        """End of backward: reduce every unit the per-input hooks did not reach, reset state."""
+        """End of backward: reduce every unit the per-input hooks did not reach, wait for
+        every reduce-scatter (gradients are final when ``backward()`` returns), reset state."""
         self._iteration_callback_queued = False
         for unit in reversed(self._root_units):
             if not unit._iteration.reduced and unit._iteration.pre_backward_done:
                 unit.post_backward()
             unit._iteration.pending_post_backward = 0
             unit._iteration.pre_backward_done = False
+        for handle in self._reduces_in_flight:
+            handle.wait()
+        self._reduces_in_flight = []
         if self.reshard_after_backward:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:
