@@ -282,9 +282,11 @@ def _optimizers_match_dense():
     factories = {
         "AdamW": lambda ps, fe: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=fe),
         "SGD-momentum": lambda ps, fe: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=fe),
+        "AdamW-fused": lambda ps, fe: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        "SGD-fused": lambda ps, fe: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
     }
     for name, factory in factories.items():
-        for foreach in (True, False):
+        for foreach in (True, False) if "fused" not in name else (None,):
             mesh, ragged, dense = _param_sets(world)
             opt_r, opt_d = factory(ragged, foreach), factory(dense, foreach)
             for step in range(3):
@@ -293,7 +295,12 @@ def _optimizers_match_dense():
                 opt_d.step()
             for r, d in zip(ragged, dense):
                 assert isinstance(r.data, DTensor) and isinstance(r.placements[0], RaggedShard)
-                assert torch.equal(r.full_tensor(), d.detach()), (name, foreach)
+                if "fused" in name:
+                    # The fused CPU kernels vectorise by length: a shard's SIMD/tail split differs
+                    # from the full tensor's, so results agree to rounding, not bit for bit.
+                    torch.testing.assert_close(r.full_tensor(), d.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+                else:
+                    assert torch.equal(r.full_tensor(), d.detach()), (name, foreach)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

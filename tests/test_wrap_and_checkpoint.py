@@ -2,6 +2,7 @@
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from models import Block, Decoder, make_decoder, reference_step
 from test_fully_shard import adamw, assert_matches, sharded_step
@@ -42,6 +43,15 @@ def _shard_model_then_checkpoint(path):
     other = shard_model(make_decoder(seed=4))
     load_full_model_state_dict(other, reference.state_dict())
     assert_matches(other, reference, "param")
+
+    # Only rank 0 holds the full weights; torch broadcasts and each rank keeps its row box.
+    broadcast = shard_model(make_decoder(seed=6))
+    set_model_state_dict(
+        broadcast,
+        reference.state_dict() if dist.get_rank() == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    assert_matches(broadcast, reference, "param")
 
     resumed = shard_model(make_decoder(seed=5))
     resumed_opt = adamw(resumed)

@@ -15,6 +15,8 @@ interpret placements, and route a call to our code only when a RaggedShard is in
 - ``distribute_tensor`` (public, but placement handling is internal): ragged split. Both
   it and ``redistribute_local_tensor`` are rebound in every module already imported.
 - ``DTensor.from_local`` (public): validate a ragged layout and demand the global shape.
+- ``_utils.compute_local_shape_and_global_offset`` (private; bound by name in
+  ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
@@ -33,6 +35,7 @@ import torch
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
+import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -195,9 +198,13 @@ _LAYOUT_PRESERVING = {
 _FULL_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum"}
 
 
+# Fused optimizer kernels are elementwise over lists of same-layout tensors, like _foreach_.
+_FUSED_OPTIMIZER_PREFIXES = ("aten::_foreach_", "aten::_fused_adam", "aten::_fused_sgd", "aten::_fused_adagrad")
+
+
 def _is_layout_preserving(op: torch._ops.OpOverload) -> bool:
     return op in _LAYOUT_PRESERVING or torch.Tag.pointwise in op.tags or (
-        op.name().startswith("aten::_foreach_") and op not in (aten._foreach_norm.Scalar, aten._foreach_max.default)
+        op.name().startswith(_FUSED_OPTIMIZER_PREFIXES) and op not in (aten._foreach_norm.Scalar, aten._foreach_max.default)
     )
 
 
@@ -471,6 +478,31 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
     return _ORIGINAL["from_local"](local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, **kwargs)
 
 
+def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], skip_offset: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch's local-shape-and-offset query, answered for a ragged shard that is one box.
+
+    Row-wise shards (the runtime's) are one box of whole rows; an element-wise shard is
+    generally several boxes, which this single-box API cannot describe: refuse rather than lie.
+    """
+    if not _has_ragged(placements):
+        return _ORIGINAL["compute_local_shape_and_global_offset"](global_shape, mesh, placements, skip_offset)
+    _check_spec(tuple(placements), mesh, global_shape)
+    i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+    layout = placements[i].layout(global_shape)
+    rank_slice = layout.slices[mesh.get_local_rank(i)]
+    boxes = flat_interval_boxes(global_shape, rank_slice.offset, rank_slice.length)
+    if len(boxes) > 1:
+        raise ValueError(
+            f"{placements[i]!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
+            "not one; use a row-wise RaggedShard (dims=(0,)) where a single local box is required"
+        )
+    if not boxes:
+        empty = (0, *global_shape[1:]) if len(global_shape) else (0,)
+        return empty, (0,) * len(global_shape)
+    offsets, sizes = boxes[0]
+    return tuple(sizes), tuple(offsets)
+
+
 # --------------------------------------------------------------------------------------
 # torch.distributed.checkpoint: a ragged shard as a few regular boxes, no communication
 # --------------------------------------------------------------------------------------
@@ -619,6 +651,7 @@ def install() -> None:
         propagate_non_cached=propagator_cls.propagate_op_sharding_non_cached,
         distribute_tensor=dtensor_api.distribute_tensor,
         from_local=DTensor.from_local,
+        compute_local_shape_and_global_offset=dtensor_utils.compute_local_shape_and_global_offset,
         __create_write_items__=DTensor.__create_write_items__,
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
@@ -630,6 +663,7 @@ def install() -> None:
     for op in _RANDOM_INPLACE:
         DTensor._op_dispatcher._custom_op_handlers[op] = _random_inplace_handler
     _rebind_everywhere(_ORIGINAL["distribute_tensor"], distribute_tensor)
+    _rebind_everywhere(_ORIGINAL["compute_local_shape_and_global_offset"], compute_local_shape_and_global_offset)
     DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
