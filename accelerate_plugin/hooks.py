@@ -1,0 +1,183 @@
+"""Where Accelerate is taught veScale-FSDP. Every Accelerate internal we touch is here.
+
+Accelerate has no extension point for a sharding engine: ``distributed_type`` is a closed
+enum, and the FSDP2 code path never asks its plugin to wrap. The hooks below stay dormant
+unless a :class:`VeScaleFSDPPlugin` is in use (or ``ACCELERATE_USE_VESCALE_FSDP`` asks for
+one), so importing this package changes nothing for anyone else:
+
+- ``Accelerator.__init__`` (wrapped): picks the plugin (with the environment variable set, the
+  stock plugin Accelerate builds from ``FSDP_*`` variables, or the one ``transformers.Trainer``
+  passes, becomes a ``VeScaleFSDPPlugin`` with the same settings), refuses options veScale
+  cannot honour before Accelerate initialises anything, and runs on CPU when the machine has
+  no accelerator.
+- ``AcceleratorState.__init__`` (wrapped): turns the ``MULTI_CPU`` state Accelerate picks on
+  CPU into ``FSDP``, exactly as it does itself for GPUs, before ``Accelerator`` reads it; so
+  gloo runs take the same code path as NCCL ones.
+- ``fsdp2_prepare_model`` (rebound by name where Accelerate imported it): shards with
+  veScale-FSDP instead of ``torch.distributed.fsdp.fully_shard``.
+- ``load_fsdp_model`` / ``load_fsdp_optimizer`` (rebound likewise, and in ``transformers.trainer``
+  if it was imported first): for ``FULL_STATE_DICT`` only, see ``full_state`` for why.
+
+Everything else is Accelerate's own FSDP2 code running on RaggedShard DTensors: ``prepare``
+re-pointing the optimizer by parameter name, ``no_sync``/``accumulate`` through
+``set_requires_gradient_sync``, ``clip_grad_norm_``, ``get_state_dict``/``save_model``,
+``save_state`` and sharded ``load_state`` (so checkpoints have FSDP2's layout, and tools that
+read FSDP2 checkpoints read ours).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from typing import Any, Callable
+
+import accelerate.accelerator
+import accelerate.utils
+import accelerate.utils.fsdp_utils
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, parse_flag_from_env
+from torch.distributed.fsdp import StateDictType
+
+from .full_state import load_model_file, load_optimizer_file
+from .plugin import VeScaleFSDPPlugin
+from .prepare import prepare_model
+
+__all__ = ["USE_VESCALE_ENV", "install", "is_requested", "has_collective_device"]
+
+USE_VESCALE_ENV = "ACCELERATE_USE_VESCALE_FSDP"
+
+# Modules that bind the replaced helpers by name at import time (transformers.trainer binds
+# the load helpers too, but only when it is imported; see ``install``).
+_HELPER_HOLDERS = (accelerate.accelerator, accelerate.utils, accelerate.utils.fsdp_utils)
+_original_prepare_model = accelerate.utils.fsdp_utils.fsdp2_prepare_model
+_original_load_model = accelerate.utils.fsdp_utils.load_fsdp_model
+_original_load_optimizer = accelerate.utils.fsdp_utils.load_fsdp_optimizer
+_original_init = Accelerator.__init__
+_init_signature = inspect.signature(_original_init)
+_original_state_init = AcceleratorState.__init__
+_state_init_signature = inspect.signature(_original_state_init)
+
+
+def is_requested() -> bool:
+    """Whether ``ACCELERATE_USE_VESCALE_FSDP`` asks every Accelerator in this process to use veScale-FSDP."""
+    return parse_flag_from_env(USE_VESCALE_ENV, default=False)
+
+
+def install() -> None:
+    """Put the hooks in place (idempotent). Importing ``accelerate_plugin`` calls this."""
+    if getattr(Accelerator.__init__, "_vescale_hook", False):
+        return
+    Accelerator.__init__ = _accelerator_init
+    AcceleratorState.__init__ = _accelerator_state_init
+    replacements: dict[str, Callable[..., Any]] = {
+        "fsdp2_prepare_model": _fsdp2_prepare_model,
+        "load_fsdp_model": _load_fsdp_model,
+        "load_fsdp_optimizer": _load_fsdp_optimizer,
+    }
+    trainer = sys.modules.get("transformers.trainer")
+    for module in (*_HELPER_HOLDERS, trainer):
+        for name, replacement in replacements.items():
+            if module is not None and hasattr(module, name):
+                setattr(module, name, replacement)
+
+
+def _fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Module:
+    if isinstance(getattr(accelerator.state, "fsdp_plugin", None), VeScaleFSDPPlugin):
+        return prepare_model(accelerator, model)
+    return _original_prepare_model(accelerator, model)
+
+
+def _loads_full_state(fsdp_plugin: Any) -> bool:
+    return isinstance(fsdp_plugin, VeScaleFSDPPlugin) and fsdp_plugin.state_dict_type == StateDictType.FULL_STATE_DICT
+
+
+def _load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str, model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> Any:
+    if not _loads_full_state(fsdp_plugin):
+        return _original_load_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
+    return load_model_file(accelerator, model, input_dir, model_index, strict=not adapter_only)
+
+
+def _load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: torch.nn.Module, input_dir: str, optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
+    if not _loads_full_state(fsdp_plugin):
+        return _original_load_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp)
+    return load_optimizer_file(accelerator, optimizer, model, input_dir, optimizer_index)
+
+
+@functools.wraps(_original_init)
+def _accelerator_init(self: Accelerator, *args: Any, **kwargs: Any) -> None:
+    bound = _init_signature.bind(self, *args, **kwargs)
+    plugin = _resolve_plugin(bound.arguments.get("fsdp_plugin"))
+    if plugin is None:
+        _original_init(self, *args, **kwargs)
+        return
+    plugin.check_accelerator_options(_mixed_precision(bound.arguments), _parallelism_config(bound.arguments))
+    bound.arguments["fsdp_plugin"] = plugin
+    if not has_collective_device():
+        # Under torchrun (accelerate launch with an FSDP config) Accelerate only looks for
+        # accelerators; without one it would silently fall back to a single process.
+        bound.arguments["cpu"] = True
+    _original_init(*bound.args, **bound.kwargs)
+
+
+_accelerator_init._vescale_hook = True  # type: ignore[attr-defined]
+
+
+@functools.wraps(_original_state_init)
+def _accelerator_state_init(self: AcceleratorState, *args: Any, **kwargs: Any) -> None:
+    _original_state_init(self, *args, **kwargs)
+    plugin = _state_init_signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+    if isinstance(plugin, VeScaleFSDPPlugin) and self.distributed_type == DistributedType.MULTI_CPU:
+        _promote_cpu_state(self, plugin)
+
+
+def has_collective_device() -> bool:
+    """Whether this machine has an accelerator with collectives; if not, veScale runs on CPU (gloo)."""
+    # MPS has no collective backend: a laptop's multi-process run is a gloo run on CPU.
+    if not torch.accelerator.is_available():
+        return False
+    return torch.accelerator.current_accelerator().type != "mps"
+
+
+def _resolve_plugin(given: Any) -> VeScaleFSDPPlugin | None:
+    if isinstance(given, VeScaleFSDPPlugin):
+        return given
+    if not is_requested():
+        return None
+    if given is None:
+        return VeScaleFSDPPlugin()
+    if isinstance(given, FullyShardedDataParallelPlugin):
+        return VeScaleFSDPPlugin.from_fsdp_plugin(given)
+    return None  # not a plugin at all: Accelerate raises its own TypeError
+
+
+def _mixed_precision(arguments: dict[str, Any]) -> str:
+    value = arguments.get("mixed_precision")
+    if value is None:
+        value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    return str(getattr(value, "value", value)).lower()
+
+
+def _parallelism_config(arguments: dict[str, Any]) -> Any:
+    """The ParallelismConfig Accelerate is about to use, built the way ``Accelerator`` builds it."""
+    if arguments.get("parallelism_config") is not None:
+        return arguments["parallelism_config"]
+    if arguments.get("torch_tp_plugin") is not None:
+        return ParallelismConfig(tp_size=arguments["torch_tp_plugin"].tp_size)
+    if parse_flag_from_env("ACCELERATE_USE_PARALLELISM_CONFIG", default=False):
+        return ParallelismConfig()
+    return None
+
+
+def _promote_cpu_state(state: AcceleratorState, plugin: VeScaleFSDPPlugin) -> None:
+    """What ``AcceleratorState.__init__`` does for a plugin on GPUs, done for a gloo run."""
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+

@@ -1,0 +1,129 @@
+"""``VeScaleFSDPPlugin``: Accelerate's FSDP2 plugin, with veScale-FSDP doing the sharding.
+
+Every field inherited from :class:`accelerate.FullyShardedDataParallelPlugin` keeps its FSDP2
+meaning and its ``FSDP_*`` environment variable (so an ``accelerate launch`` FSDP2 config
+fills it exactly as it fills the stock plugin). veScale adds one field, ``block_size_fn``.
+Options veScale-FSDP does not implement are refused here, when the plugin is built, so a bad
+configuration fails before any process group or collective exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+import torch.nn as nn
+from accelerate import FullyShardedDataParallelPlugin
+from accelerate.utils.dataclasses import get_module_class_from_name
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+__all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "SUPPORTED_MIXED_PRECISION"]
+
+BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
+
+# ``FSDP_*`` is Accelerate's prefix for plugin fields; ours follows it so configs read alike.
+BLOCK_SIZE_FN_ENV = "FSDP_VESCALE_BLOCK_SIZE_FN"
+SUPPORTED_MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@dataclass
+class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
+    """Configure veScale-FSDP through Accelerate: ``Accelerator(fsdp_plugin=VeScaleFSDPPlugin(...))``.
+
+    The inherited fields mean what they mean for FSDP2: ``auto_wrap_policy`` with
+    ``transformer_cls_names_to_wrap`` or ``min_num_params`` chooses the sharding units (no
+    policy: the root is the only unit), ``reshard_after_forward``, ``mixed_precision_policy``,
+    ``state_dict_type`` (sharded DCP or full checkpoints), ``activation_checkpointing``,
+    ``ignored_modules`` and ``cpu_ram_efficient_loading``. ``fsdp_version`` defaults to 2 and
+    must be 2: veScale-FSDP implements FSDP2's ``fully_shard`` API.
+
+    ``block_size_fn(name, param)`` is veScale's own: the number of leading rows that must stay
+    together on one rank (e.g. a block-wise quantiser's block), or ``None`` for one row. It may
+    be a callable or a ``"package.module:function"`` string; the ``FSDP_VESCALE_BLOCK_SIZE_FN``
+    environment variable supplies the string when the field is left unset.
+    """
+
+    block_size_fn: BlockSizeFn | str | None = field(
+        default=None,
+        metadata={"help": "veScale: rows per block that must not straddle two ranks, as a callable (name, param) -> int | None or 'module:function'."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.fsdp_version is None:
+            self.fsdp_version = int(os.environ.get("FSDP_VERSION", "2"))
+        if self.fsdp_version != 2:
+            raise ValueError(
+                f"fsdp_version={self.fsdp_version}: veScale-FSDP implements FSDP2 (fully_shard); set "
+                "fsdp_version: 2 (`accelerate to-fsdp2 --config_file <yaml> --output_file <new yaml>` "
+                "converts an FSDP1 config)"
+            )
+        super().__post_init__()
+        if isinstance(self.cpu_offload, CPUOffloadPolicy):
+            raise NotImplementedError(
+                "cpu_offload (fsdp_offload_params) is not supported by veScale-FSDP yet; set it to false"
+            )
+        if self.block_size_fn is None:
+            self.block_size_fn = os.environ.get(BLOCK_SIZE_FN_ENV) or None
+        if isinstance(self.block_size_fn, str):
+            self.block_size_fn = _import_callable(self.block_size_fn)
+        if self.block_size_fn is not None and not callable(self.block_size_fn):
+            raise TypeError(f"block_size_fn must be a callable (name, param) -> int | None, got {self.block_size_fn!r}")
+
+    @classmethod
+    def from_fsdp_plugin(cls, plugin: FullyShardedDataParallelPlugin) -> "VeScaleFSDPPlugin":
+        """The veScale plugin with every setting of a stock plugin (e.g. one ``transformers.Trainer`` built)."""
+        if isinstance(plugin, cls):
+            return plugin
+        return cls(**{f.name: getattr(plugin, f.name) for f in fields(FullyShardedDataParallelPlugin)})
+
+    def set_auto_wrap_policy(self, model: nn.Module) -> None:
+        """Accelerate's policy resolution, after checking every named layer class exists in ``model``."""
+        names = self.transformer_cls_names_to_wrap
+        if names:
+            missing = [name for name in names if get_module_class_from_name(model, name) is None]
+            if missing:
+                present = sorted({type(m).__name__ for m in model.modules()})
+                raise ValueError(
+                    f"transformer_cls_names_to_wrap (fsdp_transformer_layer_cls_to_wrap) names {missing}, "
+                    f"but {type(model).__name__} has no module of that class; its module classes are {present}"
+                )
+        super().set_auto_wrap_policy(model)
+
+    def check_accelerator_options(self, mixed_precision: str, parallelism_config: Any) -> None:
+        """Refuse Accelerator options veScale-FSDP cannot honour; called before Accelerate starts.
+
+        ``mixed_precision`` is the resolved string (argument or ``ACCELERATE_MIXED_PRECISION``);
+        ``parallelism_config`` is Accelerate's ``ParallelismConfig`` or ``None``.
+        """
+        if mixed_precision not in SUPPORTED_MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision={mixed_precision!r} is not supported with veScale-FSDP; use one of "
+                f"{list(SUPPORTED_MIXED_PRECISION)}"
+            )
+        if parallelism_config is None:
+            return
+        extra = {
+            "dp_replicate_size": parallelism_config.dp_replicate_size,
+            "tp_size": parallelism_config.tp_size,
+            "cp_size": parallelism_config.cp_size,
+            "sp_size": getattr(parallelism_config, "sp_size", 1),
+        }
+        extra = {name: size for name, size in extra.items() if size and size > 1}
+        if extra:
+            raise NotImplementedError(
+                f"parallelism_config asks for a multi-dimensional mesh ({extra}): veScale-FSDP shards "
+                "over a 1-D mesh only (no hybrid sharding, tensor or context parallelism yet); keep "
+                "only dp_shard_size"
+            )
+
+
+def _import_callable(path: str) -> Callable[..., Any]:
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"block_size_fn {path!r}: expected 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"block_size_fn {path!r} cannot be imported: {error}") from error

@@ -1,0 +1,363 @@
+"""``VeScaleFSDPFabricStrategy``: veScale-FSDP for Lightning Fabric, registered as ``"vescale_fsdp"``.
+
+``fabric.setup(model, optimizer)`` / ``setup_module`` shard the model in place through the
+core (the same units and arguments as the Trainer strategy); an optimizer set up together
+with the model is pointed at the sharded parameters. ``no_backward_sync`` switches the
+units' gradient reduction off, ``clip_gradients`` clips by the global norm of the DTensor
+gradients, ``save`` / ``load`` write and read sharded or full checkpoints.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from vescale_plugins.checkpoint import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+from vescale_plugins.fully_shard import BlockSizeFn
+from vescale_plugins.wrap import is_sharded
+
+from . import checkpoints, processes
+from .model_setup import (
+    gradient_sync_disabled,
+    has_meta_tensors,
+    parameter_names,
+    rebind_optimizers,
+    reshard_all,
+    shard_for_training,
+)
+from .options import (
+    DeviceMeshRequest,
+    ShardingOptions,
+    StateDictType,
+    WrapPolicy,
+    build_device_mesh,
+    check_device_mesh,
+    check_state_dict_type,
+)
+from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
+
+__all__ = ["VeScaleFSDPFabricStrategy"]
+
+
+class VeScaleFSDPFabricStrategy(ParallelStrategy):
+    """Fully sharded data parallel training with veScale-FSDP, for Fabric.
+
+    Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
+    (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
+    ``state_dict_type``, ``device_mesh``). Call the model's ``forward`` (``model(x)``): that is
+    where each unit gathers its parameters.
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        auto_wrap_policy: WrapPolicy = None,
+        reshard_after_forward: Optional[bool] = None,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        block_size_fn: Optional[BlockSizeFn] = None,
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: DeviceMeshRequest = None,
+    ) -> None:
+        # Validate first: a bad configuration fails in Fabric(...), before any process starts.
+        self._sharding = ShardingOptions.from_arguments(
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
+        )
+        check_state_dict_type(state_dict_type)
+        check_device_mesh(device_mesh)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._state_dict_type = state_dict_type
+        self._device_mesh_request = device_mesh
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._backward_sync_control = _NoBackwardSync()
+
+    # -- configuration -------------------------------------------------------------------
+
+    @property
+    def precision(self) -> VeScaleFSDPFabricPrecision:
+        if self._precision is None:
+            self._precision = VeScaleFSDPFabricPrecision()
+        return self._precision  # type: ignore[return-value]
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        # Fabric builds a stock plugin from `precision=` and sets it here: translate it (or fail).
+        self._precision = None if precision is None else as_vescale_precision(precision, VeScaleFSDPFabricPrecision)
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The mixed-precision policy units are sharded with: the explicit one, else the precision's."""
+        return self._sharding.mp_policy or self.precision.mp_policy
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are launched (fabric.launch())")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            processes.STRATEGY_NAME, cls, description=processes.STRATEGY_DESCRIPTION, override=True
+        )
+
+    # -- processes -----------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        processes.set_world_ranks(
+            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
+        )
+        assert self.cluster_environment is not None
+        self._process_group_backend = processes.init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
+        )
+        self._device_mesh = build_device_mesh(self._device_mesh_request, self.world_size, self.root_device)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        processes.barrier(self.root_device)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return processes.broadcast(obj, src)
+
+    def all_reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        return processes.all_reduce(tensor, group, reduce_op)
+
+    # -- the model -----------------------------------------------------------------------
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return shard_for_training(
+            module, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
+        )
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+        """Shard the model, then point the optimizers (built over the unsharded parameters) at the shards."""
+        names = parameter_names(module)
+        module = self.setup_module(module)
+        rebind_optimizers(optimizers, names, module)
+        return module, optimizers, scheduler
+
+    def module_to_device(self, module: nn.Module) -> None:
+        if not has_meta_tensors(module):  # meta tensors are materialised on the device after sharding
+            module.to(self.root_device)
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        # With empty_init the model is built on the meta device; setup shards it, then each rank
+        # allocates and initialises only its shards.
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta") if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global norm over all ranks' shards; returns that norm as a plain tensor."""
+        norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Union[nn.Module, Optimizer, Any]],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Sharded: a directory (shards through DCP, other entries in ``meta.pt``). Full: one file from rank 0.
+
+        ``state`` holds one sharded model, its optimizers and any picklable or stateful metadata.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
+        path = Path(self.broadcast(path))  # every rank writes to rank 0's path
+        module_key, module = _sharded_module(state)
+        reshard_all(module)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+        metadata = {
+            key: _state_of(obj) for key, obj in state.items() if key != module_key and key not in optimizers
+        }
+        if self._state_dict_type == "sharded":
+            if filter is not None:
+                raise NotImplementedError(
+                    "filter= needs state_dict_type='full': a sharded checkpoint stores whole state dicts"
+                )
+            optimizer = checkpoints.single_optimizer(list(optimizers.values()))
+            checkpoints.save_sharded_checkpoint(
+                path, module, optimizer, metadata, is_global_zero=self.is_global_zero, broadcast=self.broadcast
+            )
+            return
+        full: dict[str, Any] = {module_key: full_model_state_dict(module)}
+        full.update({key: full_optimizer_state_dict(module, optimizer) for key, optimizer in optimizers.items()})
+        full.update(metadata)
+        for key, keep in (filter or {}).items():
+            if isinstance(full.get(key), dict):
+                full[key] = {name: value for name, value in full[key].items() if keep(name, value)}
+        checkpoints.save_full_checkpoint(path, full, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Union[nn.Module, Optimizer, Any]]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Load either format into the objects in ``state`` (in place); return what was not asked for.
+
+        ``state`` may also be a bare module (``fabric.load_raw``): the file must then be a full
+        model state dict, e.g. saved from a plain model.
+        """
+        path = Path(self.broadcast(path))
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "load an optimizer together with its model: fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+        if isinstance(state, nn.Module):
+            if not checkpoints.is_full_checkpoint(path):
+                raise ValueError(f"load_raw needs a file holding a full model state dict; {str(path)!r} is not a file")
+            reshard_all(state)
+            load_full_model_state_dict(state, checkpoints.load_file(path, weights_only), strict=strict)
+            return {}
+        if not state:
+            raise ValueError(
+                "pass the objects to load into: fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
+            )
+        module_key, module = _sharded_module(state)
+        reshard_all(module)
+        optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+        if checkpoints.is_sharded_checkpoint(path):
+            optimizer = checkpoints.single_optimizer(list(optimizers.values()))
+            metadata = checkpoints.load_sharded_checkpoint(path, module, optimizer, weights_only)
+        elif checkpoints.is_full_checkpoint(path):
+            metadata = checkpoints.load_file(path, weights_only)
+            load_full_model_state_dict(module, metadata.pop(module_key), strict=strict)
+            for key, optimizer in optimizers.items():
+                state_of_optimizer = metadata.pop(key)
+                checkpoints.check_optimizer_state_keys(state_of_optimizer)
+                load_full_optimizer_state_dict(module, optimizer, state_of_optimizer)
+        else:
+            raise FileNotFoundError(
+                f"{str(path)!r} is not a checkpoint: expected a sharded checkpoint directory or a full checkpoint file"
+            )
+        return _restore_metadata(state, metadata, exclude={module_key, *optimizers}, strict=strict)
+
+
+class _NoBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: accumulate gradients locally, reduce on the next synced backward."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return gradient_sync_disabled(module) if enabled else nullcontext()
+
+
+def _sharded_module(state: dict[str, Any]) -> tuple[str, nn.Module]:
+    found = [(key, obj) for key, obj in state.items() if isinstance(obj, nn.Module) and is_sharded(obj)]
+    if len(found) != 1:
+        raise ValueError(
+            "the checkpoint state must hold exactly one model set up with the vescale_fsdp strategy, found "
+            f"{len(found)}{': ' + ', '.join(key for key, _ in found) if found else ''}; "
+            "save each sharded model to its own path"
+        )
+    return found[0]
+
+
+def _state_of(obj: Any) -> Any:
+    """Metadata entries: stateful objects (e.g. an LR scheduler, a plain module) by their state dict."""
+    return obj.state_dict() if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict") else obj
+
+
+def _restore_metadata(
+    state: dict[str, Any], metadata: dict[str, Any], exclude: set[str], strict: bool
+) -> dict[str, Any]:
+    """Put each requested metadata entry back into ``state``; return the entries nobody asked for."""
+    requested = [key for key in state if key not in exclude]
+    missing = [key for key in requested if key not in metadata]
+    if missing and strict:
+        raise KeyError(f"the checkpoint has no entry for {missing}; pass strict=False to load the rest")
+    for key in requested:
+        if key not in metadata:
+            continue
+        value = metadata.pop(key)
+        target = state[key]
+        if hasattr(target, "load_state_dict") and hasattr(target, "state_dict"):
+            target.load_state_dict(value)
+        else:
+            state[key] = value
+    return metadata

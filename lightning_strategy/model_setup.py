@@ -1,0 +1,148 @@
+"""What both strategies do to the user's model: shard it through the core, and live with that.
+
+``fully_shard`` works in place: the module keeps its identity (the LightningModule stays the
+LightningModule) but its parameters are replaced by ``nn.Parameter(DTensor)`` objects. So an
+optimizer built before sharding must be pointed at the new parameters, meta-device tensors
+are materialised after sharding (each rank allocates only its shards), and gradient sync is
+switched off through the FSDP2 method the sharded modules carry.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from vescale_plugins import VeScaleFSDPModule
+from vescale_plugins.wrap import is_sharded, shard_model
+
+from .options import ShardingOptions
+
+__all__ = [
+    "shard_for_training",
+    "materialize",
+    "parameter_names",
+    "rebind_optimizers",
+    "reshard_all",
+    "gradient_sync_disabled",
+    "has_meta_tensors",
+]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def shard_for_training(
+    module: nn.Module,
+    options: ShardingOptions,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+) -> nn.Module:
+    """Shard ``module`` on ``mesh`` and leave it on ``device``, ready to train; returns it.
+
+    Nothing sharded yet: the policy's units, then the root. The user already sharded some
+    modules (e.g. in ``configure_model``): their choice of units stands, only the root is
+    added if missing. Meta-device tensors are materialised after sharding.
+    """
+    if not isinstance(module, VeScaleFSDPModule):  # the root is not sharded yet
+        # Resolve (and validate) the units before touching the module or the device.
+        units = [] if is_sharded(module) else options.units(module)
+        if not has_meta_tensors(module):
+            # Shard where the model will live: the DBuffers are allocated on the parameters' device.
+            module.to(device)
+        shard_model(
+            module,
+            unit_fn=lambda _: units,
+            mesh=mesh,
+            reshard_after_forward=options.reshard_after_forward,
+            mp_policy=mp_policy,
+            block_size_fn=options.block_size_fn,
+        )
+    materialize(module, device)
+    return module
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate meta-device tensors on ``device`` and initialise them with ``reset_parameters()``.
+
+    Same rule as Lightning's FSDP and ModelParallel strategies: every submodule that holds
+    parameters or buffers of its own and defines ``reset_parameters`` is reset, parents first.
+    On a sharded module each rank allocates and initialises only its shards.
+    """
+    if not has_meta_tensors(module):
+        return
+    module.to_empty(device=device)
+    uninitialised = set()
+    for submodule in module.modules():
+        if next(itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False)), None) is None:
+            continue
+        reset = getattr(submodule, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialised.add(type(submodule).__name__)
+    if uninitialised:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            "These modules were built on the meta device but define no reset_parameters(), so their parameters "
+            f"and buffers hold uninitialised memory (load a checkpoint into them): {', '.join(sorted(uninitialised))}"
+        )
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``, taken before sharding to find each parameter's replacement after it."""
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def rebind_optimizers(optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], module: nn.Module) -> None:
+    """Point optimizers built before sharding at the sharded parameters that replaced their parameters."""
+    current = dict(module.named_parameters(remove_duplicate=False))
+    for optimizer in optimizers:
+        if optimizer.state:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} already has state (it took a step before setup); set up the model "
+                "and optimizer before training, or create the optimizer after setting up the model"
+            )
+        for group in optimizer.param_groups:
+            try:
+                group["params"] = [current[names[id(p)]] for p in group["params"]]
+            except KeyError:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a parameter that is not in the model being set up; "
+                    "set up each optimizer together with the model whose parameters it updates"
+                ) from None
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Free every unit's gathered parameters so the module exposes its sharded DTensors again.
+
+    The root unit keeps its parameters gathered after a forward without grad (evaluation), and
+    while gathered its modules hold plain full tensors: state dicts must not see those.
+    """
+    for submodule in module.modules():
+        if isinstance(submodule, VeScaleFSDPModule):
+            submodule.reshard()
+
+
+@contextmanager
+def gradient_sync_disabled(module: nn.Module) -> Iterator[None]:
+    """Backward accumulates gradients locally, without any reduce-scatter, inside this context."""
+    sharded = [m for m in module.modules() if isinstance(m, VeScaleFSDPModule)]
+    if not sharded:
+        raise TypeError(f"{type(module).__name__} is not sharded: set it up with the vescale_fsdp strategy first")
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)

@@ -1,0 +1,194 @@
+"""The arguments both strategies share, checked when the strategy is built.
+
+Everything here is validated in the strategy's constructor, before any process is launched or
+any collective runs, so a bad configuration fails at ``Trainer(...)`` / ``Fabric(...)`` with a
+message that says what to change. The only check that has to wait for the model is whether a
+wrap policy names a module that exists (:meth:`ShardingOptions.units`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from vescale_plugins.fully_shard import BlockSizeFn
+from vescale_plugins.wrap import default_units, units_of_classes
+
+__all__ = [
+    "WrapPolicy",
+    "StateDictType",
+    "DeviceMeshRequest",
+    "ShardingOptions",
+    "check_state_dict_type",
+    "check_device_mesh",
+    "build_device_mesh",
+]
+
+UnitFn = Callable[[nn.Module], list[nn.Module]]
+# The layer classes (types or class names) to shard as units, as Lightning's FSDPStrategy accepts
+# them (a set of classes or torch's ModuleWrapPolicy), or a function that returns the units.
+WrapPolicy = Union[Iterable[Union[type[nn.Module], str]], type[nn.Module], str, UnitFn, None]
+StateDictType = Literal["sharded", "full"]
+# A 1-D mesh over every rank: None (the default), the mesh itself, or its shape ``(world_size,)``.
+DeviceMeshRequest = Union[DeviceMesh, tuple[int, ...], None]
+
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How a strategy asks the core's ``shard_model`` to shard a model.
+
+    ``unit_classes`` / ``unit_fn`` pick the units (default: every block of every ``nn.ModuleList``),
+    the rest are ``fully_shard``'s arguments. ``mp_policy`` is None when the precision setting
+    decides it.
+    """
+
+    unit_classes: tuple[Union[type[nn.Module], str], ...] | None = None
+    unit_fn: UnitFn | None = None
+    reshard_after_forward: bool | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    block_size_fn: BlockSizeFn | None = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        auto_wrap_policy: WrapPolicy,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy | None,
+        block_size_fn: BlockSizeFn | None,
+    ) -> "ShardingOptions":
+        """Check a strategy's sharding arguments and normalise the wrap policy."""
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward!r}: use True (free gathered parameters after each "
+                "unit's forward), False (keep them until backward) or None (True for every unit but the root)"
+            )
+        if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                "mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+                f"{type(mp_policy).__name__}; to train in bf16, pass precision='bf16-mixed' or 'bf16-true' to the "
+                "Trainer / Fabric instead"
+            )
+        if block_size_fn is not None and not callable(block_size_fn):
+            raise TypeError(f"block_size_fn must be a function (name, param) -> rows or None, got {block_size_fn!r}")
+        unit_classes, unit_fn = _normalise_wrap_policy(auto_wrap_policy)
+        return cls(unit_classes, unit_fn, reshard_after_forward, mp_policy, block_size_fn)
+
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """The modules to shard before the root; raises if the policy names no module of ``model``."""
+        if self.unit_fn is not None:
+            units = list(self.unit_fn(model))
+            inside = {id(m) for m in model.modules() if m is not model}
+            strays = [type(u).__name__ for u in units if id(u) not in inside]
+            if strays:
+                raise ValueError(
+                    f"auto_wrap_policy returned modules that are not submodules of {type(model).__name__}: {strays}; "
+                    "return modules of the model it is given (not the model itself)"
+                )
+            return units
+        if self.unit_classes is None:
+            return default_units(model)
+        try:
+            units = units_of_classes(model, self.unit_classes)
+        except ValueError:  # the core refuses class names that match nothing; say so with the classes there are
+            units = []
+        if not units:
+            names = sorted(c if isinstance(c, str) else c.__name__ for c in self.unit_classes)
+            present = sorted({type(m).__name__ for m in model.modules() if m is not model})
+            raise ValueError(
+                f"auto_wrap_policy names {names}, but {type(model).__name__} contains no module of these classes "
+                f"(it contains: {present}); name the classes of the model's blocks"
+            )
+        return units
+
+
+def _normalise_wrap_policy(policy: Any) -> tuple[tuple[Any, ...] | None, UnitFn | None]:
+    if policy is None:
+        return None, None
+    if isinstance(policy, ModuleWrapPolicy):
+        # Lightning's FSDPStrategy turns a set of classes into this; accept it as it is.
+        return tuple(policy._module_classes), None
+    if isinstance(policy, (type, str)):
+        policy = (policy,)
+    if isinstance(policy, Iterable):
+        classes = tuple(policy)
+        bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
+        if bad or not classes:
+            raise TypeError(
+                f"auto_wrap_policy must name nn.Module classes (types or class names), got {bad or 'nothing'}"
+            )
+        return classes, None
+    if callable(policy):
+        if _required_positional_arguments(policy) != 1:
+            raise TypeError(
+                "auto_wrap_policy as a function takes the model and returns the modules to shard as units; "
+                "FSDP1-style predicates (module, recurse, nonwrapped_numel) -> bool are not supported: "
+                "pass the layer classes instead, e.g. auto_wrap_policy={Block}"
+            )
+        return None, policy
+    raise TypeError(
+        f"auto_wrap_policy must be None, a set of nn.Module classes or class names, or a function "
+        f"model -> list of modules; got {type(policy).__name__}"
+    )
+
+
+def _required_positional_arguments(fn: Callable[..., Any]) -> int:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def check_state_dict_type(state_dict_type: Any) -> None:
+    """``"sharded"`` (a DCP directory, no gathering) or ``"full"`` (one file from rank 0)."""
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(
+            f"state_dict_type={state_dict_type!r}: use 'sharded' (each rank writes its shards to a directory, "
+            "loadable at any world size) or 'full' (rank 0 writes one file a plain model can load)"
+        )
+
+
+def check_device_mesh(device_mesh: Any) -> None:
+    """Only a 1-D mesh: veScale-FSDP shards over every rank and does not replicate (no HSDP)."""
+    if device_mesh is None:
+        return
+    if isinstance(device_mesh, DeviceMesh):
+        ndim = device_mesh.ndim
+    elif isinstance(device_mesh, tuple) and all(isinstance(n, int) and n > 0 for n in device_mesh):
+        ndim = len(device_mesh)
+    else:
+        raise TypeError(
+            f"device_mesh must be a DeviceMesh, a shape tuple like (world_size,), or None; got {device_mesh!r}"
+        )
+    if ndim != 1:
+        raise NotImplementedError(
+            f"device_mesh with {ndim} dimensions: hybrid sharding (replicate x shard, a 2-D mesh) is not supported "
+            "by veScale-FSDP yet; leave device_mesh=None to shard over all ranks"
+        )
+
+
+def build_device_mesh(device_mesh: DeviceMeshRequest, world_size: int, device: torch.device) -> DeviceMesh:
+    """The 1-D mesh the strategy shards over; needs the process group."""
+    if isinstance(device_mesh, DeviceMesh):
+        mesh = device_mesh
+    else:
+        shape = device_mesh if device_mesh is not None else (world_size,)
+        if shape != (world_size,):
+            raise ValueError(f"device_mesh={shape} does not cover the {world_size} processes; leave it None")
+        mesh = init_device_mesh(device.type, shape)
+    if mesh.size() != world_size:
+        raise ValueError(
+            f"the device mesh has {mesh.size()} ranks but the job has {world_size}; veScale-FSDP shards over all ranks"
+        )
+    return mesh

@@ -1,0 +1,393 @@
+"""``VeScaleFSDPStrategy``: veScale-FSDP for Lightning's Trainer, registered as ``"vescale_fsdp"``.
+
+A thin adapter, modelled on Lightning's ``ModelParallelStrategy`` (FSDP2) but without asking
+the user to write ``configure_model``: ``setup`` shards the LightningModule in place through
+``vescale_plugins.wrap.shard_model`` (every block of every ``nn.ModuleList``, or the layer
+classes named in ``auto_wrap_policy``, then the LightningModule itself as the root unit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from vescale_plugins.checkpoint import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+from vescale_plugins.fully_shard import BlockSizeFn
+from vescale_plugins.wrap import is_sharded
+
+from . import checkpoints, processes
+from .model_setup import gradient_sync_disabled, reshard_all, shard_for_training
+from .options import (
+    DeviceMeshRequest,
+    ShardingOptions,
+    StateDictType,
+    WrapPolicy,
+    build_device_mesh,
+    check_device_mesh,
+    check_state_dict_type,
+)
+from .precision import VeScaleFSDPPrecision, as_vescale_precision
+
+__all__ = ["VeScaleFSDPStrategy"]
+
+
+class VeScaleFSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel training with veScale-FSDP (RaggedShard parameters, flat buffers).
+
+    Args:
+        auto_wrap_policy: Which modules become units. ``None``: every block of every
+            ``nn.ModuleList``. A set of layer classes (types or class names; torch's
+            ``ModuleWrapPolicy`` too), as Lightning's ``FSDPStrategy`` takes, or a function
+            ``model -> list[nn.Module]``. The LightningModule is always the root unit. If
+            ``configure_model`` already applied ``vescale_plugins.fully_shard``, those units stand.
+        reshard_after_forward: ``fully_shard``'s argument: free each unit's gathered parameters
+            after its forward (``None``: every unit but the root).
+        mp_policy: ``fully_shard``'s mixed-precision policy; by default derived from the
+            Trainer's ``precision`` ("32-true", "bf16-mixed" or "bf16-true").
+        block_size_fn: ``fully_shard``'s ``(name, param) -> rows``: keep blocks of rows whole on one rank.
+        state_dict_type: ``"sharded"``: checkpoints are directories each rank writes its shards
+            into, loadable at any world size. ``"full"``: rank 0 writes one file with full
+            tensors that a plain, unsharded model loads.
+        device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``);
+            default: one is built. Hybrid sharding (2-D meshes) is not supported.
+        process_group_backend, timeout: as for Lightning's other distributed strategies.
+    """
+
+    strategy_name = processes.STRATEGY_NAME
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        auto_wrap_policy: WrapPolicy = None,
+        reshard_after_forward: Optional[bool] = None,
+        mp_policy: Optional[MixedPrecisionPolicy] = None,
+        block_size_fn: Optional[BlockSizeFn] = None,
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: DeviceMeshRequest = None,
+    ) -> None:
+        # Validate first: a bad configuration fails in Trainer(...), before any process starts.
+        self._sharding = ShardingOptions.from_arguments(
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
+        )
+        check_state_dict_type(state_dict_type)
+        check_device_mesh(device_mesh)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._state_dict_type = state_dict_type
+        self._device_mesh_request = device_mesh
+        self._device_mesh: Optional[DeviceMesh] = None
+
+    # -- configuration -------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> VeScaleFSDPPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = VeScaleFSDPPrecision()
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # The Trainer builds a stock plugin from `precision=` and sets it here: translate it (or fail).
+        self._precision_plugin = None if plugin is None else as_vescale_precision(plugin, VeScaleFSDPPrecision)
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The mixed-precision policy units are sharded with: the explicit one, else the precision's."""
+        return self._sharding.mp_policy or self.precision_plugin.mp_policy
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._state_dict_type
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are set up (Trainer.fit / validate / ...)")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by the Trainer for custom strategies: enables the DistributedSampler and sync_dist.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints are loaded into the sharded model and its optimizer, so after setup.
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer state itself
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            processes.STRATEGY_NAME, cls, description=processes.STRATEGY_DESCRIPTION, override=True
+        )
+
+    # -- processes -----------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = processes.init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
+        )
+        self._device_mesh = build_device_mesh(self._device_mesh_request, self.world_size, self.root_device)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
+
+    def set_world_ranks(self) -> None:
+        processes.set_world_ranks(
+            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
+        )
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        processes.barrier(self.root_device)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return processes.broadcast(obj, src)
+
+    def reduce(
+        self,
+        tensor: Union[torch.Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Any:
+        return processes.all_reduce(tensor, group, reduce_op)
+
+    # -- the model -----------------------------------------------------------------------
+
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        if not is_overridden("configure_model", model) and not is_sharded(model):
+            # The model is complete already: check the wrap policy before any process group exists.
+            self._sharding.units(model)
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = shard_for_training(
+            self.model, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
+        )
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        # A model set up again (fit, then test) gets fresh optimizers over its sharded parameters.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # With empty_init the model is built on the meta device; setup shards it, then each rank
+        # allocates and initialises only its shards.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: backward keeps gradients local, no reduce-scatter."""
+        assert self.model is not None
+        with gradient_sync_disabled(self.model):
+            yield
+
+    # The LightningModule is the root unit, but the loops call its *_step methods, not forward.
+    # Route them through forward (Lightning's forward redirection, as for its FSDP1/DeepSpeed
+    # wrappers) so the root's hooks gather its parameters and set up its backward.
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.train_step_context():
+            return self._through_root_forward("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.val_step_context():
+            return self._through_root_forward("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.test_step_context():
+            return self._through_root_forward("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.predict_step_context():
+            return self._through_root_forward("predict_step", *args, **kwargs)
+
+    def _through_root_forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, method_name, *args, **kwargs)
+
+    # Without grad the root keeps its parameters gathered after forward; free them after evaluation.
+
+    def on_validation_end(self) -> None:
+        assert self.model is not None
+        reshard_all(self.model)
+
+    def on_test_end(self) -> None:
+        assert self.model is not None
+        reshard_all(self.model)
+
+    def on_predict_end(self) -> None:
+        assert self.model is not None
+        reshard_all(self.model)
+
+    def teardown(self) -> None:
+        # Not Strategy.teardown: it would move the sharded model to the CPU.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: the DTensor state dict (no communication). Full: full CPU tensors on rank 0, {} elsewhere."""
+        assert self.model is not None
+        reshard_all(self.model)
+        if self._state_dict_type == "full":
+            return full_model_state_dict(self.model)
+        return self.model.state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Sharded: this rank's optimizer state (save_checkpoint writes it through DCP). Full: gathered on rank 0."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        if self._state_dict_type == "full":
+            return full_optimizer_state_dict(self.model, optimizer)
+        return optimizer.state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the model already
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint loaded the optimizer already
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Sharded: a directory (shards through DCP + ``meta.pt``). Full: one file from rank 0."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
+        path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
+        if self._state_dict_type == "full":
+            checkpoints.save_full_checkpoint(
+                path,
+                checkpoint,
+                is_global_zero=self.is_global_zero,
+                broadcast=self.broadcast,
+                write=self.checkpoint_io.save_checkpoint,
+            )
+            return
+        assert self.model is not None
+        # The state dicts in `checkpoint` are rank-local views; DCP writes the shards from the objects.
+        metadata = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+        # A weights-only checkpoint (ModelCheckpoint(save_weights_only=True)) has no optimizer states.
+        optimizer = checkpoints.single_optimizer(self.optimizers) if "optimizer_states" in checkpoint else None
+        checkpoints.save_sharded_checkpoint(
+            path, self.model, optimizer, metadata, is_global_zero=self.is_global_zero, broadcast=self.broadcast
+        )
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load either format into the sharded model (and, when fitting, its optimizer); return the rest."""
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None and self.lightning_module is not None
+        reshard_all(self.model)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if checkpoints.is_sharded_checkpoint(path):
+            optimizer = checkpoints.single_optimizer(self.optimizers) if fitting else None
+            return checkpoints.load_sharded_checkpoint(path, self.model, optimizer, weights_only)
+        if not checkpoints.is_full_checkpoint(path):
+            raise FileNotFoundError(
+                f"{str(path)!r} is not a checkpoint: expected a sharded checkpoint directory or a full checkpoint file"
+            )
+        checkpoint = checkpoints.load_file(path, weights_only)
+        strict = self.lightning_module.strict_loading
+        load_full_model_state_dict(self.model, checkpoint.pop("state_dict"), strict=strict)
+        optimizer_states = checkpoint.get("optimizer_states")
+        if fitting and optimizer_states is not None:
+            if len(optimizer_states) != len(self.optimizers):
+                raise RuntimeError(
+                    f"the checkpoint holds {len(optimizer_states)} optimizer states but the LightningModule "
+                    f"configures {len(self.optimizers)} optimizers"
+                )
+            for optimizer, state in zip(self.optimizers, optimizer_states):
+                checkpoints.check_optimizer_state_keys(state)
+                load_full_optimizer_state_dict(self.model, optimizer, state)
+        return checkpoint

@@ -1,0 +1,47 @@
+"""The examples run end to end under real launchers, on 2 CPU processes.
+
+``examples/lightning_train.py`` under Lightning's own launcher (``devices=2``: it re-runs the
+script as a second process), then again resuming its sharded checkpoint;
+``examples/fabric_train.py`` under ``torchrun``. Each run is its own process group (session)
+so that a timeout kills every process it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 150
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children too
+        output, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(args)} did not finish within {TIMEOUT_S}s:\n{output[-4000:]}") from None
+    assert proc.returncode == 0, f"{' '.join(args)} exited with {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def test_lightning_example_trains_and_resumes_under_lightnings_launcher(tmp_path):
+    script = str(REPO / "examples" / "lightning_train.py")
+    first = _run([sys.executable, script, "--max-steps", "4", "--output-dir", "out"], tmp_path)
+    assert "finished at step 4" in first
+    assert (tmp_path / "out" / "last.ckpt" / "meta.pt").is_file()  # a sharded checkpoint directory
+    resumed = _run([sys.executable, script, "--max-steps", "6", "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
+    assert "finished at step 6" in resumed
+
+
+def test_fabric_example_trains_under_torchrun(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]  # a free port
+    output = _run([*torchrun, str(REPO / "examples" / "fabric_train.py"), "--steps", "3", "--checkpoint", "ckpt"], tmp_path)
+    assert "step 3: loss" in output
+    assert (tmp_path / "ckpt" / ".metadata").is_file()

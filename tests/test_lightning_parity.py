@@ -1,0 +1,247 @@
+"""Lightning's Trainer and Fabric train exactly what a plain loop with veScale-FSDP trains.
+
+Each body runs on W gloo ranks and trains the same decoder three ways on the same batches
+(a DistributedSampler over one dataset): a plain loop over ``shard_model``, a Trainer with
+``strategy="vescale_fsdp"``, and Fabric with ``strategy="vescale_fsdp"``; with gradient
+accumulation (no communication on accumulating steps) and clipping by global norm. Losses
+must agree step for step and parameters at the end. Both add a shuffled DistributedSampler
+themselves, which the plain loop spells out. The helpers here are shared by the other
+``test_lightning_*`` files.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule, Trainer
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import lightning_strategy  # noqa: F401  (registers "vescale_fsdp")
+from models import SEQ, VOCAB, loss_fn, make_decoder
+from test_fully_shard import adamw
+from test_ragged_shard import _comm_counts
+from vescale_plugins.wrap import shard_model
+
+LAYERS = 2
+PER_RANK = 2
+MICRO_BATCHES = 6  # per epoch and rank
+ACCUMULATE = 2
+CLIP = 0.5  # the gradient norm is ~5-40 here, so every step clips
+# The three engines run the same ops in the same order on the same layouts: bit-for-bit equal,
+# in bf16 as in fp32.
+EXACT = dict(rtol=0, atol=0)
+
+
+class Tokens(Dataset):
+    """``size`` fixed token sequences; item i is (tokens, next-token targets)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def dataset(world: int, micro_batches: int = MICRO_BATCHES, per_rank: int = PER_RANK) -> Tokens:
+    return Tokens(world * per_rank * micro_batches)
+
+
+class LitDecoder(LightningModule):
+    """A plain LightningModule around the test decoder: no sharding code at all."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = make_decoder(seed=0, layers=layers)
+        self.losses: list[float] = []  # this rank's loss per micro-batch
+        self.global_losses: list[float] = []  # the mean over ranks, per micro-batch
+        self.backward_reduce_scatters: list[int] = []  # per micro-batch
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = loss_fn(self(tokens), targets)
+        self.log("train_loss", loss, sync_dist=True)
+        self.losses.append(loss.item())
+        self.global_losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens, targets = batch
+        self.log("val_loss", loss_fn(self(tokens), targets), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        tokens, targets = batch
+        self.log("test_loss", loss_fn(self(tokens), targets), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        tokens, _ = batch
+        return self(tokens).argmax(-1)
+
+    def configure_optimizers(self):
+        return adamw(self)
+
+    def backward(self, loss, *args, **kwargs):
+        # Instrumentation only: count the gradient reduce-scatters each backward issues.
+        self.backward_reduce_scatters.append(reduce_scatters(lambda: super(LitDecoder, self).backward(loss, *args, **kwargs)))
+
+
+def reduce_scatters(fn) -> int:
+    """How many reduce-scatters ``fn()`` issued (the gradient sync of a backward)."""
+    return _comm_counts(fn)[1].get("reduce_scatter", 0)
+
+
+@contextmanager
+def launched_by_harness():
+    """Tell Lightning the processes exist already (as under torchrun): LOCAL_RANK is this rank.
+
+    Workers are reused across tests, so the environment is restored afterwards.
+    """
+    saved = {key: os.environ.get(key) for key in ("LOCAL_RANK", "NODE_RANK")}
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def make_trainer(root: str, strategy="vescale_fsdp", **kwargs) -> Trainer:
+    """A quiet Trainer on this harness's gloo ranks (call inside ``launched_by_harness``)."""
+    defaults = dict(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, **defaults)
+
+
+def make_fabric(**kwargs) -> Fabric:
+    fabric = Fabric(strategy="vescale_fsdp", accelerator="cpu", devices=dist.get_world_size(), **kwargs)
+    fabric.launch()
+    return fabric
+
+
+def loader(data: Dataset, per_rank: int = PER_RANK) -> DataLoader:
+    """A DataLoader with no distributed sampler: the Trainer and Fabric must add one."""
+    return DataLoader(data, batch_size=per_rank, shuffle=True)
+
+
+def full_params(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every parameter gathered (a collective: call on every rank), names without ``prefix``."""
+    return {name.removeprefix(prefix): p.full_tensor().detach().float() for name, p in model.named_parameters()}
+
+
+def assert_same_params(got: dict, want: dict, tol: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tol, msg=lambda m: f"parameter {name}: {m}")
+
+
+_MP_POLICIES = {
+    "32-true": MixedPrecisionPolicy(),
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16-true": MixedPrecisionPolicy(),
+}
+
+
+def plain_loop(data: Dataset, precision: str, accumulate: int, clip: float | None):
+    """The reference: shard_model and a hand-written loop, as a plain-torch user would write it."""
+    model = make_decoder(seed=0, layers=LAYERS)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    model = shard_model(model, mp_policy=_MP_POLICIES[precision])
+    optimizer = adamw(model)
+    # What the Trainer and Fabric put in place of a DataLoader's sampler: shuffled, seed 0, epoch 0.
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
+    losses = []
+    for i, (tokens, targets) in enumerate(DataLoader(data, batch_size=PER_RANK, sampler=sampler)):
+        last = (i + 1) % accumulate == 0
+        model.set_requires_gradient_sync(last)
+        loss = loss_fn(model(tokens), targets)
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if last:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, full_params(model)
+
+
+def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | None):
+    """The same loop written for Fabric, as its docs show (setup, no_backward_sync, clip_gradients)."""
+    fabric = make_fabric(precision=precision)
+    model = make_decoder(seed=0, layers=LAYERS)
+    model, optimizer = fabric.setup(model, adamw(model))  # optimizer built before sharding, as with DDP
+    losses, synced = [], []
+    for i, (tokens, targets) in enumerate(fabric.setup_dataloaders(loader(data))):
+        last = (i + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            loss = loss_fn(model(tokens), targets)
+            synced.append(reduce_scatters(lambda: fabric.backward(loss / accumulate)))
+        losses.append(loss.item())
+        if last:
+            if clip is not None:
+                norm = fabric.clip_gradients(model, optimizer, max_norm=clip)
+                assert not isinstance(norm, torch.distributed.tensor.DTensor) and norm > clip
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, full_params(model.module), synced
+
+
+def trainer_loop(root: str, data: Dataset, precision: str, accumulate: int, clip: float | None):
+    module = LitDecoder()
+    trainer = make_trainer(root, precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    trainer.fit(module, loader(data))
+    return module.losses, full_params(module, prefix="model."), module.backward_reduce_scatters
+
+
+def _three_ways(root, precision, accumulate, clip):
+    data = dataset(dist.get_world_size())
+    with launched_by_harness():
+        want_losses, want_params = plain_loop(data, precision, accumulate, clip)
+        fabric_losses, fabric_params, fabric_synced = fabric_loop(data, precision, accumulate, clip)
+        trainer_losses, trainer_params, trainer_synced = trainer_loop(root, data, precision, accumulate, clip)
+    assert len(want_losses) == MICRO_BATCHES
+    torch.testing.assert_close(torch.tensor(fabric_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Fabric losses: {m}")
+    torch.testing.assert_close(torch.tensor(trainer_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Trainer losses: {m}")
+    assert_same_params(fabric_params, want_params, EXACT)
+    assert_same_params(trainer_params, want_params, EXACT)
+    # Accumulating micro-batches communicate nothing; the last one of each step reduces every unit.
+    for synced in (fabric_synced, trainer_synced):
+        assert [n > 0 for n in synced] == [(i + 1) % accumulate == 0 for i in range(MICRO_BATCHES)], synced
+    return want_losses
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_trainer_and_fabric_match_a_plain_loop_with_accumulation_and_clipping(dist_run, tmp_path, world):
+    losses = dist_run(_three_ways, world, str(tmp_path), "32-true", ACCUMULATE, CLIP, timeout=180)
+    assert losses[0] != losses[1]  # each rank saw its own batches
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_trainer_and_fabric_match_a_plain_loop_in_bf16(dist_run, tmp_path, precision):
+    dist_run(_three_ways, 2, str(tmp_path), precision, 1, None, timeout=180)
