@@ -355,3 +355,26 @@ def _forward_method_registration():
 
 def test_register_fsdp_forward_method(dist_run):
     dist_run(_forward_method_registration, 2)
+
+
+def _eval_forward_then_state_dict_and_dtype_change():
+    model = shard_decoder(make_decoder())
+    tokens, _ = local_batch(0)
+    with torch.no_grad():
+        model(tokens)
+    assert all(isinstance(v, DTensor) for k, v in model.state_dict().items() if k != "position_scale")
+    model.unshard()  # explicitly gathered: state_dict() still reports the sharded parameters
+    assert isinstance(model.state_dict()["embed.weight"], DTensor)
+
+    reference = make_decoder().to(torch.bfloat16)
+    model.to(torch.bfloat16)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p.dtype == torch.bfloat16 and p._local_tensor.dtype == torch.bfloat16, name
+        assert torch.equal(p.full_tensor(), q), name
+    assert_sharded_views(model)
+    loss_fn(model(tokens), local_batch(0)[1]).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_eval_forward_state_dict_and_dtype_change(dist_run):
+    dist_run(_eval_forward_then_state_dict_and_dtype_change, 3)

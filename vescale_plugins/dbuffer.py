@@ -150,6 +150,7 @@ class DBuffer:
         group: the process group that shards them.
         param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
         reduce_dtype: dtype of the reduce-scatter, default ``param_dtype``.
+        layout: reuse this plan instead of planning (rebuilding in another device or dtype).
     """
 
     def __init__(
@@ -162,6 +163,7 @@ class DBuffer:
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.group = group
         self.label = "unit"  # the unit's module name, set when the root initialises (run record)
@@ -173,7 +175,8 @@ class DBuffer:
         itemsize = torch.empty((), dtype=dtype).element_size()
         numels = [max(1, math.prod(s)) for s in shapes]
         blocks = [rows * _row_numel(s) if len(s) else 1 for s, rows in zip(shapes, block_rows)]
-        self.layout: Layout = plan_layout(numels, blocks, self.world_size, alignment=max(1, _ALIGNMENT_BYTES // itemsize))
+        # A given layout is kept (a rebuild after module.to() must not move any shard).
+        self.layout: Layout = layout or plan_layout(numels, blocks, self.world_size, alignment=max(1, _ALIGNMENT_BYTES // itemsize))
         self.shard_size = self.layout.shard_size
         self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
 

@@ -143,13 +143,20 @@ class FSDPUnit:
             members = [m for m in self.managed if m.buffer_index == dbuffer_index]
             locals_ = [m.sharded._local_tensor for m in members]
             device = locals_[0].device if locals_ else dbuffer.device
-            if all(_same_storage(t, dbuffer.sharded_view(m.slot_index)) for t, m in zip(locals_, members)):
+            dtype = locals_[0].dtype if locals_ else dbuffer.dtype
+            if all(_same_storage(t, dbuffer.sharded_view(m.slot_index)) and t.dtype == dbuffer.dtype for t, m in zip(locals_, members)):
                 continue
-            if device != dbuffer.device or dbuffer.sharded.device.type == "meta":
+            if device != dbuffer.device or dtype != dbuffer.dtype or dbuffer.sharded.device.type == "meta":
+                label = dbuffer.label
+                # module.to(device or dtype) / to_empty: new buffers in the new device and dtype;
+                # mixed-precision dtypes follow a dtype change unless the policy fixed them.
                 self.dbuffers[dbuffer_index] = dbuffer = DBuffer(
-                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dbuffer.dtype, device, self.group,
-                    param_dtype=dbuffer.param_dtype, reduce_dtype=dbuffer.reduce_dtype,
+                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dtype, device, self.group,
+                    param_dtype=self.mp_policy.param_dtype if dtype.is_floating_point else None,
+                    reduce_dtype=self.mp_policy.reduce_dtype if dtype.is_floating_point else None,
+                    layout=dbuffer.layout,
                 )
+                self.dbuffers[dbuffer_index].label = label
             for m, old_local in zip(members, locals_):
                 view = dbuffer.sharded_view(m.slot_index)
                 if old_local.device.type != "meta":
@@ -195,6 +202,13 @@ class FSDPUnit:
                 if m.unsharded.requires_grad:
                     m.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(m))
             m.register(m.unsharded)
+
+    def register_state_dict_hooks(self) -> None:
+        """Reshard before ``state_dict()``/``load_state_dict()`` so both see the sharded params."""
+        owners = {id(module): module for m in self.managed for module, _ in m.owners}
+        for module in owners.values():
+            module.register_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
 
     def reshard(self) -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
@@ -242,6 +256,8 @@ class FSDPUnit:
         return output
 
     def _reshards_after_forward(self) -> bool:
+        if not torch.is_grad_enabled():
+            return True  # no backward will need the parameters (evaluation, inference)
         if self.reshard_after_forward is None:
             return self.root is not self
         return self.reshard_after_forward

@@ -229,6 +229,7 @@ def fully_shard(
     device = next((p.device for _, _, p in params), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
+    unit.register_state_dict_hooks()
     for m in modules:
         m._vescale_fsdp_unit = unit
         m.__class__ = _fsdp_class(type(m))

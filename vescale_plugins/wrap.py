@@ -49,8 +49,10 @@ def units_of_classes(model: nn.Module, classes: Iterable[type[nn.Module] | str])
         if isinstance(module, types) or type(module).__name__ in names:
             units.append(module)
             inside.update(id(m) for m in module.modules())
-    if names and not units:
-        raise ValueError(f"no module of class {sorted(names)} in {type(model).__name__}; check the layer class names")
+    if wanted and not units:
+        present = sorted({type(m).__name__ for m in model.modules() if m is not model})
+        asked = sorted(c if isinstance(c, str) else c.__name__ for c in wanted)
+        raise ValueError(f"no module of class {asked} in {type(model).__name__}; it contains {present}")
     return units
 
 
