@@ -1,4 +1,4 @@
-# Two entry points for a newcomer: `make test` (and, later, `make bench`).
+# Two entry points for a newcomer: `make bench` (the main job) and `make test`.
 # Both bootstrap .venv from nothing; torch is pinned so pip takes the local CPU wheel
 # instead of several GB of CUDA packages.
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test setup
+.PHONY: test bench setup
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,3 +22,7 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The side-by-side benchmark against torch's FSDP2 (CPU: 2 gloo ranks; CUDA: every GPU).
+bench: $(STAMP)
+	$(PY) -m vescale_plugins.bench $(BENCH_ARGS)

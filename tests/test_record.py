@@ -50,6 +50,9 @@ def _recorded_run():
     events = d["communication"]["events"]
     assert {e["unit"] for e in events} == {"<root>", *(f"layers.{i}" for i in range(LAYERS))}
     assert all(e["end_s"] >= e["start_s"] and 0 <= e["overlap_ratio"] <= 1 for e in events)
+    # The first all-gather of a step is synchronous: nothing hides it.
+    first_gathers = [next(e for e in events if e["step"] == s and e["kind"] == "all_gather") for s in (0, 1)]
+    assert all(e["overlap_ratio"] == 0 for e in first_gathers), first_gathers
     assert {e["step"] for e in events} == {0, 1}
 
     m = d["memory"]

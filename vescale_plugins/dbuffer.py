@@ -16,8 +16,9 @@ storage, so the views cut from them once stay valid (FSDP2 does the same for its
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,8 @@ class GatherHandle:
 
     def wait(self) -> None:
         record = run_record.ACTIVE
-        wait_started = record.now() if record is not None else 0.0
+        # A synchronous collective (no work to wait on) kept the caller waiting throughout.
+        wait_started = (record.now() if self._work is not None else self._event.start_s) if self._event is not None and record is not None else 0.0
         if self._work is not None:
             _wait_collective(self._work)
             self._work = None
@@ -110,8 +112,8 @@ class GatherHandle:
 class ReduceScatterHandle:
     """An issued reduce-scatter: ``wait()`` completes it, scales, and frees the full gradients."""
 
-    def __init__(self, dbuffer: "DBuffer", work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, divide_factor: float, accumulate: bool, in_place: bool, event: Any, temp_bytes: int) -> None:
-        self._dbuffer, self._work, self._full, self._out = dbuffer, work, full, out
+    def __init__(self, dbuffer: "DBuffer", work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, sharded_grad: torch.Tensor, divide_factor: float, accumulate: bool, in_place: bool, event: Any, temp_bytes: int) -> None:
+        self._dbuffer, self._work, self._full, self._out, self._sharded_grad = dbuffer, work, full, out, sharded_grad
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
         self._event, self._temp_bytes = event, temp_bytes
         self.done = False
@@ -120,13 +122,13 @@ class ReduceScatterHandle:
         if self.done:
             return
         record = run_record.ACTIVE
-        wait_started = record.now() if record is not None else 0.0
+        wait_started = (record.now() if self._work is not None else self._event.start_s) if self._event is not None and record is not None else 0.0
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             if self._work is not None:
                 _wait_collective(self._work)
             if self._event is not None and record is not None:
                 record.collective_done(self._event, wait_started)
-            out, sharded_grad = self._out, self._dbuffer.sharded_grad
+            out, sharded_grad = self._out, self._sharded_grad
             if self._divide_factor != 1:
                 out.div_(self._divide_factor)
             if self._accumulate:
@@ -135,7 +137,7 @@ class ReduceScatterHandle:
                 sharded_grad.copy_(out)
             if record is not None:
                 record.buffer_freed("comm_buffers", self._temp_bytes)
-        self._full = self._out = None
+        self._full = self._out = self._sharded_grad = None
         self._dbuffer.release_unsharded_grad()
         self.done = True
 
@@ -183,7 +185,9 @@ class DBuffer:
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
         self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
-        self.sharded_grad = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
+        # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
+        self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -203,9 +207,21 @@ class DBuffer:
         """Parameter ``index``'s local shard: a view of the sharded buffer."""
         return self._local_view(self.sharded, index)
 
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The sharded gradient buffer, while any gradient view of it is alive (else ``None``)."""
+        return self._sharded_grad_ref()
+
+    def _sharded_grad_for_reduce(self) -> torch.Tensor:
+        buffer = self._sharded_grad_ref()
+        if buffer is None:
+            buffer = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+            self._sharded_grad_ref = weakref.ref(buffer)
+        return buffer
+
     def sharded_grad_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer."""
-        return self._local_view(self.sharded_grad, index)
+        return self._local_view(self._sharded_grad_for_reduce(), index)
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
@@ -283,14 +299,15 @@ class DBuffer:
             if self.reduce_dtype != full.dtype:
                 full = full.to(self.reduce_dtype)
             in_place = not accumulate and self.reduce_dtype == self.dtype
-            out = self.sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+            sharded_grad = self._sharded_grad_for_reduce()
+            out = sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
             event = None
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)
                 event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
             work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        handle = ReduceScatterHandle(self, work, full, out, divide_factor, accumulate, in_place, event, temp_bytes)
+        handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes)
         if not async_op:
             handle.wait()
         return handle

@@ -362,6 +362,11 @@ class FSDPUnit:
             if not members or not dbuffer.has_unsharded_grad:
                 continue
             accumulate = any(m.sharded.grad is not None for m in members)
+            if accumulate:
+                # Gradients set to None since the last step restart from zero in the buffer.
+                for m in members:
+                    if m.sharded.grad is None:
+                        dbuffer.sharded_grad_view(m.slot_index).zero_()
             got = [m.got_grad for m in members]
             root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
             for m, received in zip(members, got):

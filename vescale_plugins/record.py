@@ -160,7 +160,7 @@ class RunRecord:
                         optimizer_bytes += local.numel() * local.element_size()
         return {
             "parameters": sum(b.sharded.numel() * b.sharded.element_size() for b in buffers),
-            "gradients": sum(b.sharded_grad.numel() * b.sharded_grad.element_size() for b in buffers),
+            "gradients": sum(b.shard_size * _itemsize(b.dtype) for b in buffers if b.sharded_grad is not None),
             "optimizer_state": optimizer_bytes,
         }
 

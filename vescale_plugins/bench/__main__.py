@@ -1,0 +1,104 @@
+"""``python -m vescale_plugins.bench``: veScale-FSDP and FSDP2 side by side on this machine.
+
+Defaults finish in a few minutes on a 2-core CPU (gloo, 2 ranks) and use every GPU when
+CUDA is available (NCCL, one rank per GPU). Prints a table, writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import torch
+
+from .engines import ENGINES, FRONTENDS, BenchSettings
+from .llama import PRESETS, LlamaConfig
+from .report import environment, parity_line, render_table, summarize, write_json, write_plot
+from .runner import launch, settings_dict
+
+
+def _bool_or_none(text: str) -> bool | None:
+    return {"true": True, "false": False, "default": None}[text.lower()]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench", description=__doc__)
+    parser.add_argument("--model", default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs if CUDA, else 2)")
+    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32", help="bf16-mixed: bf16 params and all-gather, fp32 reduce")
+    parser.add_argument("--reshard-after-forward", type=_bool_or_none, default=None, metavar="{true,false,default}")
+    parser.add_argument("--block-rows", type=int, default=None, help="veScale: keep blocks of this many rows whole on one rank")
+    parser.add_argument("--frontend", choices=FRONTENDS, default="plain", help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2, help="steps per engine before timing")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per engine (interleaved)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", default="", metavar="PATH", help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before every rank is stopped")
+    parser.add_argument("--json", default="bench_result.json", help="where to write every figure and the environment")
+    parser.add_argument("--plot", default="bench_result.png", help="where to write the plot ('' for none)")
+    return parser.parse_args(argv)
+
+
+def _model_config(name: str) -> LlamaConfig:
+    if name in PRESETS:
+        return PRESETS[name]
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise SystemExit(f"--model {name!r} is not a preset ({', '.join(PRESETS)}) and transformers is not installed")
+    hf = AutoConfig.from_pretrained(name)
+    return LlamaConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=getattr(hf, "rope_theta", 10000.0),
+        tie_word_embeddings=getattr(hf, "tie_word_embeddings", False),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    args = parse_args(argv)
+    world = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    config = _model_config(args.model)
+    if args.seq_len > config.max_position_embeddings:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    settings = BenchSettings(config, args.batch_size, args.seq_len, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, args.frontend, args.seed)
+    console = Console()
+    total = len(ENGINES) * (args.warmup + args.steps + 1)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{args.model} on {world} ranks", total=total)
+        try:
+            results = launch(settings, world, args.warmup, args.steps, args.timeout, lambda _: progress.advance(task), record_steps=2 if args.record else 0)
+        except (RuntimeError, TimeoutError) as error:
+            console.print(f"[red]benchmark failed, no ratios reported:[/red] {error}")
+            return 1
+    summary = summarize(results, tokens_per_step=world * args.batch_size * args.seq_len)
+    console.print(render_table(summary))
+    console.print(f"verdict: {summary['verdict']}")
+    console.print(parity_line(summary))
+    if args.record:
+        records = [r.pop("record") for r in results]
+        write_json(args.record, {"ranks": [r["record"] for r in records]})
+        console.print(records[0]["summary"])
+        console.print(f"wrote {args.record}")
+    record = {"settings": settings_dict(settings), "environment": environment(world), "summary": summary, "ranks": results}
+    write_json(args.json, record)
+    console.print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(args.plot, summary)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The two engines under test, built the same way on the same model, data and seed.
+
+``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``vescale`` is ours, driven by a front
+end: plain ``fully_shard`` calls, Lightning Fabric, or Accelerate. Sizes are bytes per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from .. import fully_shard
+from ..planner import clear_plan_cache
+from .llama import Llama, LlamaConfig
+
+ENGINES = ("fsdp2", "vescale")
+FRONTENDS = ("plain", "fabric", "accelerate")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one run compares (shared by both engines)."""
+
+    config: LlamaConfig
+    batch_size: int
+    seq_len: int
+    mixed_precision: bool
+    reshard_after_forward: bool | None
+    block_rows: int | None
+    frontend: str
+    seed: int
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        if self.mixed_precision:
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+
+@dataclass
+class Engine:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    planner_seconds: float = 0.0
+
+
+def build_model(settings: BenchSettings, device: torch.device) -> Llama:
+    torch.manual_seed(settings.seed)
+    return Llama(settings.config).to(device)
+
+
+def _units(model: Llama) -> list[Any]:
+    """torchtitan's units: the embedding, each block, the final norm with the head, the root.
+
+    The embedding and the head are used at opposite ends of the step, so one unit holding
+    both would keep the embedding's gradients (and parameters) alive through all of backward.
+    """
+    return [model.embed_tokens, *model.layers, [model.norm, model.lm_head], model]
+
+
+def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any]) -> None:
+    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward)
+    if shard is fully_shard and settings.block_rows:
+        rows = settings.block_rows
+        kwargs["block_size_fn"] = lambda name, p: rows if p.dim() == 2 and p.shape[0] % rows == 0 else None
+    for unit in _units(model):
+        shard(unit, **kwargs)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+
+
+def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device) -> Engine:
+    """One engine, ready to step: the model, sharded by ``name`` through the front end."""
+    model = build_model(settings, device)
+    if name == "fsdp2":
+        _shard_plain(model, settings, mesh, torch_fully_shard)
+        optimizer = _optimizer(model)
+        return Engine(name, model, optimizer, _plain_step(model, optimizer))
+    clear_plan_cache()
+    start = time.perf_counter()
+    if settings.frontend == "plain":
+        _shard_plain(model, settings, mesh, fully_shard)
+        optimizer = _optimizer(model)
+        engine = Engine(name, model, optimizer, _plain_step(model, optimizer))
+    elif settings.frontend == "fabric":
+        engine = _fabric_engine(model, settings)
+    else:
+        engine = _accelerate_engine(model, settings)
+    engine.planner_seconds = time.perf_counter() - start
+    return engine
+
+
+def _fabric_engine(model: Llama, settings: BenchSettings) -> Engine:
+    from lightning.fabric import Fabric
+
+    from lightning_strategy import VeScaleFSDPFabricStrategy
+
+    strategy = VeScaleFSDPFabricStrategy(reshard_after_forward=settings.reshard_after_forward)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), precision="bf16-mixed" if settings.mixed_precision else "32-true")
+    fabric.launch()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(_optimizer(model))
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model(tokens), targets)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Engine("vescale", model, optimizer, step)
+
+
+def _accelerate_engine(model: Llama, settings: BenchSettings) -> Engine:
+    from accelerate import Accelerator
+
+    from accelerate_plugin import VeScaleFSDPPlugin
+
+    plugin = VeScaleFSDPPlugin(reshard_after_forward=settings.reshard_after_forward is not False)
+    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True)
+    model, optimizer = accelerator.prepare(model, _optimizer(model))
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model(tokens), targets)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Engine("vescale", model, optimizer, step)
+
+
+def batches(settings: BenchSettings, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` (tokens, targets) batches for this rank, the same for both engines."""
+    g = torch.Generator().manual_seed(settings.seed * 1000 + rank)
+    data = torch.randint(0, settings.config.vocab_size, (count, settings.batch_size, settings.seq_len + 1), generator=g)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+# -- static figures of a sharded model (bytes per rank) -----------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def sharded_state_bytes(engine: Engine) -> int:
+    """Parameters + gradients + optimizer state held by this rank (sharded)."""
+    params = sum(_local(p).numel() * _local(p).element_size() for p in engine.model.parameters())
+    state = sum(_local(v).numel() * _local(v).element_size() for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return 2 * params + state
+
+
+def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, int]:
+    """Padding bytes per rank (fp32 shards), and all-gather / reduce-scatter bytes per step."""
+    world = dist.get_world_size()
+    gather_itemsize = 2 if settings.mixed_precision else 4
+    reduce_itemsize = 4
+    units = [u if isinstance(u, list) else [u] for u in _units(engine.model)]  # ..., the root last
+    if engine.name == "vescale":
+        buffers = [group[0]._vescale_fsdp_unit.dbuffers for group in units]
+        padding = sum(b.layout.padding for dbuffers in buffers for b in dbuffers) // world
+        unit_elements = [sum(b.layout.buffer_size for b in dbuffers) for dbuffers in buffers]
+    else:
+        padding, unit_elements = 0, []
+        for group in units:
+            params = [p for unit in group for name, p in unit.named_parameters() if not _in_child_unit(unit, name)]
+            padded = sum(math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) if p.dim() else world for p in params)
+            padding += (padded - sum(p.numel() for p in params)) // world
+            unit_elements.append(padded)
+    # Non-root units are gathered for forward and again for backward (unless
+    # reshard_after_forward is False); the root keeps its parameters (FSDP2's default).
+    gathers = 1 if settings.reshard_after_forward is False else 2
+    gathered = (sum(unit_elements[:-1]) * gathers + unit_elements[-1]) * gather_itemsize
+    reduced = sum(unit_elements) * reduce_itemsize
+    # Collective buffer sizes (all-gather output, reduce-scatter input), summed over a step.
+    return {"padding_bytes": padding * 4, "all_gather_bytes_per_step": gathered, "reduce_scatter_bytes_per_step": reduced}
+
+
+def _in_child_unit(unit: nn.Module, param_name: str) -> bool:
+    """Whether ``unit.<param_name>`` lives in a nested unit (counted there, not here)."""
+    module = unit
+    for part in param_name.split(".")[:-1]:
+        module = getattr(module, part)
+        if module is not unit and (hasattr(module, "_get_fsdp_state") or getattr(module, "_vescale_fsdp_unit", None) is not None):
+            return True
+    return False
+
+
+# FSDP2's copy-in / copy-out ops; veScale-FSDP has none of them (tests/test_zero_copy.py).
+_REORDERING_COPIES = ("aten::split_with_sizes_copy", "aten::_chunk_cat", "aten::cat")
+
+
+def _inside(event: Any, predicate: Callable[[str], bool]) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if predicate(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """CPU ms of one step spent in the copies that reorder data around the collectives.
+
+    Counted: split/chunk-cat/cat and any copy inside a ``*copy_in*``/``*copy_out*`` region of
+    the engine's collective path (FSDP2 labels them so). Not counted: casts, and what the
+    backend does inside its own collective calls.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step(tokens, targets)
+    total_us = 0.0
+    for event in prof.events():
+        in_library = _inside(event, lambda n: n.startswith(("FSDP::", "vescale::")))
+        if not in_library or _inside(event, lambda n: n.startswith("c10d::")):
+            continue
+        reordering = event.name in _REORDERING_COPIES
+        staged = event.name == "aten::copy_" and _inside(event, lambda n: "copy_in" in n or "copy_out" in n) and not _inside(event, lambda n: n in _REORDERING_COPIES)
+        if reordering or staged:
+            total_us += event.cpu_time_total
+    return total_us / 1e3

@@ -1,0 +1,135 @@
+"""Turn every rank's measurements into figures, a verdict, a table, JSON and a plot.
+
+A step's time is the slowest rank's (the step is done when every rank is). Ratios are
+veScale / FSDP2. The verdict is honest by construction: no ratio from runs that did not both
+complete, and no winner called when the spread of the two engines' step times overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .engines import ENGINES
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, Any]:
+    """Per engine: step-time median and IQR (ms), tokens/s, memory, sharded state, traffic."""
+    engines: dict[str, dict[str, Any]] = {}
+    for name in ENGINES:
+        per_step = [max(r["seconds"][name][i] for r in results) for i in range(len(results[0]["seconds"][name]))]
+        q1, median, q3 = _quantiles(per_step)
+        figures = {k: max(r["engines"][name][k] for r in results) for k in results[0]["engines"][name]}
+        engines[name] = {
+            "step_ms": {"median": median * 1e3, "q1": q1 * 1e3, "q3": q3 * 1e3, "samples": [s * 1e3 for s in per_step]},
+            "tokens_per_s": tokens_per_step / median,
+            **figures,
+        }
+    a, b = engines["vescale"], engines["fsdp2"]
+    overlap = a["step_ms"]["q1"] <= b["step_ms"]["q3"] and b["step_ms"]["q1"] <= a["step_ms"]["q3"]
+    ratio_time = a["step_ms"]["median"] / b["step_ms"]["median"]
+    verdict = "too noisy to call a winner (the step-time IQRs overlap)" if overlap else ("veScale-FSDP is faster" if ratio_time < 1 else "FSDP2 is faster")
+    return {
+        "engines": engines,
+        "ratios": {
+            "step_time": ratio_time,
+            "peak_memory": a["peak_bytes"] / b["peak_bytes"],
+            "sharded_state": a["sharded_state_bytes"] / b["sharded_state_bytes"],
+            "padding": (a["padding_bytes"] / b["padding_bytes"]) if b["padding_bytes"] else None,
+        },
+        "verdict": verdict,
+        "parity": {
+            "loss": {name: results[0]["loss"][name] for name in ENGINES},
+            "max_param_diff": max(r["max_param_diff"] for r in results),
+        },
+    }
+
+
+def environment(world: int) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": "nccl" if cuda else "gloo",
+        "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+        "world_size": world,
+        "cpu_count": __import__("os").cpu_count(),
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def render_table(summary: dict[str, Any]) -> Any:
+    """A rich Table of the figures, both engines side by side, and the ratio."""
+    from rich.table import Table
+
+    e, r = summary["engines"], summary["ratios"]
+    table = Table(title="veScale-FSDP vs FSDP2 (same model, data, seed; interleaved steps)")
+    table.add_column("figure")
+    table.add_column("FSDP2", justify="right")
+    table.add_column("veScale-FSDP", justify="right")
+    table.add_column("veScale / FSDP2", justify="right")
+
+    def row(label: str, key: Any, fmt: Any, ratio: float | None = None) -> None:
+        values = [key(e[name]) for name in ("fsdp2", "vescale")]
+        table.add_row(label, fmt(values[0]), fmt(values[1]), "" if ratio is None else f"{ratio:.3f}")
+
+    row("step time, median (ms)", lambda x: x["step_ms"]["median"], lambda v: f"{v:.1f}", r["step_time"])
+    row("step time, IQR (ms)", lambda x: (x["step_ms"]["q1"], x["step_ms"]["q3"]), lambda v: f"{v[0]:.1f}-{v[1]:.1f}")
+    row("tokens/s", lambda x: x["tokens_per_s"], lambda v: f"{v:,.0f}", 1 / r["step_time"])
+    row("peak tensor memory (MiB)", lambda x: x["peak_bytes"], _mib, r["peak_memory"])
+    row("sharded state per rank (MiB)", lambda x: x["sharded_state_bytes"], _mib, r["sharded_state"])
+    row("padding per rank (MiB)", lambda x: x["padding_bytes"], _mib, r["padding"])
+    row("all-gather per step (MiB)", lambda x: x["all_gather_bytes_per_step"], _mib)
+    row("reduce-scatter per step (MiB)", lambda x: x["reduce_scatter_bytes_per_step"], _mib)
+    row("copy-in/out around collectives (ms/step)", lambda x: x["copy_ms_per_step"], lambda v: f"{v:.2f}")
+    row("planner + sharding time (ms)", lambda x: x["planner_seconds"] * 1e3, lambda v: f"{v:.1f}" if v else "-")
+    return table
+
+
+def parity_line(summary: dict[str, Any]) -> str:
+    p = summary["parity"]
+    return f"parity: final loss FSDP2 {p['loss']['fsdp2']:.6f} vs veScale {p['loss']['vescale']:.6f}; max |param diff| {p['max_param_diff']:.2e}"
+
+
+def write_json(path: str, record: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+
+
+def write_plot(path: str, summary: dict[str, Any]) -> None:
+    """Step times per step (both engines) and peak memory, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e = summary["engines"]
+    fig, (steps_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, label in (("fsdp2", "FSDP2"), ("vescale", "veScale-FSDP")):
+        steps_ax.plot(e[name]["step_ms"]["samples"], marker="o", label=f"{label} (median {e[name]['step_ms']['median']:.1f} ms)")
+    steps_ax.set_xlabel("measured step")
+    steps_ax.set_ylabel("step time (ms, slowest rank)")
+    steps_ax.legend()
+    steps_ax.set_title(f"step time: ratio {summary['ratios']['step_time']:.3f}")
+    names = ["FSDP2", "veScale-FSDP"]
+    mem_ax.bar(names, [e["fsdp2"]["peak_bytes"] / 2**20, e["vescale"]["peak_bytes"] / 2**20], color=["tab:blue", "tab:orange"])
+    mem_ax.set_ylabel("peak tensor memory per rank (MiB)")
+    mem_ax.set_title(f"memory: ratio {summary['ratios']['peak_memory']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,167 @@
+"""Run the comparison on W processes and collect every rank's measurements.
+
+Each rank builds both engines on the same model, data and seed, warms both up, then steps
+them alternately (A B A B ...) so machine noise hits both alike, timing each step between
+barriers. Peak memory is measured per engine in a fresh process-local tracker around
+building and a steady-state step. Progress events stream to the parent for the bar.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import time
+import traceback
+from dataclasses import asdict
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, sharded_state_bytes
+from .memory import AllocationTracker
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list) -> int:
+    """Peak live tensor bytes of one engine: build, one warm step, one measured step."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        engine = build_engine(name, settings, mesh, device)
+        for tokens, targets in data[:2]:
+            engine.step(tokens.to(device), targets.to(device))
+        return torch.cuda.max_memory_allocated(device) - base
+    with AllocationTracker() as tracker:
+        engine = build_engine(name, settings, mesh, device)
+        engine.step(*data[0])
+        with tracker.region("step"):
+            engine.step(*data[1])
+    del engine
+    return tracker.region_memory("step").peak_bytes
+
+
+def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, Any]:
+    """The run record of a few more veScale-FSDP steps (sharding, memory, every collective)."""
+    from ..record import record_run
+
+    with record_run(engine.model, engine.optimizer) as record:
+        for tokens, targets in data:
+            engine.step(tokens.to(device), targets.to(device))
+            record.mark_step()
+    return {"record": record.to_dict(), "summary": record.summary()}
+
+
+def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None], record_steps: int = 0) -> dict[str, Any]:
+    """Everything one rank measures; returns plain data."""
+    device = _device()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    data = batches(settings, dist.get_rank(), warmup + steps)
+    engines = {name: build_engine(name, settings, mesh, device) for name in ENGINES}
+    for tokens, targets in data[:warmup]:
+        for engine in engines.values():
+            engine.step(tokens.to(device), targets.to(device))
+            progress("warmup")
+    seconds: dict[str, list[float]] = {name: [] for name in ENGINES}
+    losses: dict[str, float] = {}
+    for i, (tokens, targets) in enumerate(data[warmup:]):
+        order = ENGINES if i % 2 == 0 else tuple(reversed(ENGINES))
+        for name in order:
+            _synchronize(device)
+            start = time.perf_counter()
+            loss = engines[name].step(tokens.to(device), targets.to(device))
+            _synchronize(device)
+            seconds[name].append(time.perf_counter() - start)
+            losses[name] = loss.item()
+            progress(name)
+    params = {name: dict(engines[name].model.named_parameters()) for name in ENGINES}
+    max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
+    result: dict[str, Any] = {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "engines": {}}
+    tokens, targets = data[-1]
+    for name, engine in engines.items():
+        result["engines"][name] = {
+            "copy_ms_per_step": copy_ms(engine, tokens.to(device), targets.to(device)),
+            "sharded_state_bytes": sharded_state_bytes(engine),
+            "planner_seconds": engine.planner_seconds,
+            **padding_and_traffic(engine, settings),
+        }
+    if record_steps:
+        result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
+    del engines, params
+    for name in ENGINES:
+        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data)
+        progress("memory")
+    return result
+
+
+def _worker(rank: int, world: int, port: int, settings: BenchSettings, warmup: int, steps: int, record_steps: int, events: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        result = run_rank(settings, warmup, steps, lambda what: events.put(("progress", rank, what)) if rank == 0 else None, record_steps)
+        events.put(("done", rank, result))
+    except BaseException:
+        events.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None], record_steps: int = 0) -> list[dict[str, Any]]:
+    """Run every rank; return their results, or raise with the first failing rank's traceback."""
+    context = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    events = context.Queue()
+    processes = [context.Process(target=_worker, args=(r, world, store.port, settings, warmup, steps, record_steps, events), daemon=True) for r in range(world)]
+    for p in processes:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the benchmark did not finish within {timeout_s:.0f} s")
+            try:
+                kind, rank, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                if any(not p.is_alive() and i not in results for i, p in enumerate(processes)):
+                    raise RuntimeError("a benchmark rank died without reporting")
+                continue
+            if kind == "progress":
+                on_progress(payload)
+            elif kind == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            else:
+                results[rank] = payload
+    finally:
+        for p in processes:
+            p.join(timeout=10 if len(results) == world else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return [results[r] for r in range(world)]
+
+
+def settings_dict(settings: BenchSettings) -> dict[str, Any]:
+    d = asdict(settings)
+    d["config"] = settings.config.to_dict()
+    return d
