@@ -6,7 +6,6 @@ final parameters must equal an uninterrupted unsharded run that saw the same bat
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,

@@ -11,7 +11,6 @@ Two detectors:
   which NCCL does not; FSDP2 on gloo pays that too, on top of its own copies.
 """
 
-import torch
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -9,13 +9,11 @@ accumulation into pre-set ``.grad`` views, and leave it by one reduce-scatter pe
 
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh

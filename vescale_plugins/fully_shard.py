@@ -7,7 +7,7 @@ and before any collective runs, so bad input leaves the module as it was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, overload
+from typing import Any, Callable, overload
 
 import torch
 import torch.nn as nn

@@ -13,7 +13,6 @@ import statistics
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .engines import ENGINES
 
