@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,3 +37,16 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     assert plot.stat().st_size > 1000
     ranks = json.loads(record.read_text())["ranks"]
     assert len(ranks) == 2 and ranks[0]["communication"]["summary"]["reduce_scatter"]["count"] > 0
+
+
+@pytest.mark.parametrize("frontend", ["fabric", "accelerate"])
+def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
+    result_json = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "2", "--seq-len", "32",
+               "--warmup", "1", "--steps", "2", "--frontend", frontend, "--json", str(result_json), "--plot", ""]
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads(result_json.read_text())
+    assert data["settings"]["frontend"] == frontend
+    parity = data["summary"]["parity"]
+    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5

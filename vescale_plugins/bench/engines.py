@@ -186,9 +186,15 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     reduce_itemsize = 4
     units = [u if isinstance(u, list) else [u] for u in _units(engine.model)]  # ..., the root last
     if engine.name == "vescale":
-        buffers = [group[0]._vescale_fsdp_unit.dbuffers for group in units]
-        padding = sum(b.layout.padding for dbuffers in buffers for b in dbuffers) // world
-        unit_elements = [sum(b.layout.buffer_size for b in dbuffers) for dbuffers in buffers]
+        # Whatever units the front end chose (its own wrap policy), the root last.
+        found = []
+        for module in engine.model.modules():
+            unit = getattr(module, "_vescale_fsdp_unit", None)
+            if unit is not None and unit not in found:
+                found.append(unit)
+        found.sort(key=lambda unit: unit.root is unit)
+        padding = sum(b.layout.padding for unit in found for b in unit.dbuffers) // world
+        unit_elements = [sum(b.layout.buffer_size for b in unit.dbuffers) for unit in found]
     else:
         padding, unit_elements = 0, []
         for group in units:
@@ -249,3 +255,16 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
         if reordering or staged:
             total_us += event.cpu_time_total
     return total_us / 1e3
+
+
+_WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.")
+
+
+def parameter_names(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters by their name in the user's model (front-end wrappers' prefixes removed)."""
+    named = {}
+    for name, param in model.named_parameters():
+        while name.startswith(_WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        named[name] = param
+    return named

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, sharded_state_bytes
+from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes
 from .memory import AllocationTracker
 
 
@@ -90,7 +90,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             seconds[name].append(time.perf_counter() - start)
             losses[name] = loss.item()
             progress(name)
-    params = {name: dict(engines[name].model.named_parameters()) for name in ENGINES}
+    params = {name: parameter_names(engines[name].model) for name in ENGINES}
     max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
     result: dict[str, Any] = {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "engines": {}}
     tokens, targets = data[-1]
