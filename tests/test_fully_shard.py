@@ -378,3 +378,27 @@ def _eval_forward_then_state_dict_and_dtype_change():
 
 def test_eval_forward_state_dict_and_dtype_change(dist_run):
     dist_run(_eval_forward_then_state_dict_and_dtype_change, 3)
+
+
+def _synchronous_reduce_scatter_gives_the_same_gradients():
+    import vescale_plugins.dbuffer as dbuffer_module
+
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = shard_decoder(clone(reference))
+    original = dbuffer_module.DBuffer.reduce_scatter
+    dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False: original(self, factor, accumulate, async_op=False)
+    try:
+        for step in range(2):
+            reference_step(reference, step, world)
+            sharded_step(model, step)
+            assert_matches(model, reference, "grad")
+            assert_sharded_views(model)
+            for m in (model, reference):
+                m.zero_grad()
+    finally:
+        dbuffer_module.DBuffer.reduce_scatter = original
+
+
+def test_synchronous_reduce_scatter_gives_the_same_gradients(dist_run):
+    dist_run(_synchronous_reduce_scatter_gives_the_same_gradients, 3)

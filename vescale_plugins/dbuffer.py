@@ -137,7 +137,9 @@ class ReduceScatterHandle:
                 sharded_grad.copy_(out)
             if record is not None:
                 record.buffer_freed("comm_buffers", self._temp_bytes)
-        self._full = self._out = self._sharded_grad = None
+        # Keep the sharded gradient buffer: it is held weakly by the DBuffer, so this handle is
+        # what keeps it alive until the caller has made the gradients' views of it.
+        self._full = self._out = None
         self._dbuffer.release_unsharded_grad()
         self.done = True
 

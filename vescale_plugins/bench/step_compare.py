@@ -307,12 +307,12 @@ def profile_steps(engine: Engine, batches: Batches, steps: int, top_ops: int) ->
 
 def _is_gloo_wait_copy(n: Any) -> bool:
     """Gloo's reduce-scatter ends in ``wait()`` on the caller's thread: it chunks its
-    all-reduced buffer and copies this rank's chunk out, right after the ``c10d::`` op."""
+    all-reduced buffer and copies this rank's chunk out (an ``aten::chunk`` then this copy)."""
     if n.parent is None:
         return False
     siblings = sorted(n.parent.children, key=lambda c: c.start_time_ns)
     i = next(k for k, c in enumerate(siblings) if c.id == n.id)
-    return i >= 2 and siblings[i - 1].name == "aten::chunk" and siblings[i - 2].name.startswith("c10d::")
+    return i >= 1 and siblings[i - 1].name == "aten::chunk"
 
 
 def _is_grad_fill(n: Any) -> bool:
