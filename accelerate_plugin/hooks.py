@@ -15,8 +15,6 @@ one), so importing this package changes nothing for anyone else:
   gloo runs take the same code path as NCCL ones.
 - ``fsdp2_prepare_model`` (rebound by name where Accelerate imported it): shards with
   veScale-FSDP instead of ``torch.distributed.fsdp.fully_shard``.
-- ``load_fsdp_model`` / ``load_fsdp_optimizer`` (rebound likewise, and in ``transformers.trainer``
-  if it was imported first): for ``FULL_STATE_DICT`` only, see ``full_state`` for why.
 
 Everything else is Accelerate's own FSDP2 code running on RaggedShard DTensors: ``prepare``
 re-pointing the optimizer by parameter name, ``no_sync``/``accumulate`` through
@@ -41,9 +39,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
-from torch.distributed.fsdp import StateDictType
 
-from .full_state import load_model_file, load_optimizer_file
 from .plugin import VeScaleFSDPPlugin
 from .prepare import prepare_model
 
@@ -55,8 +51,6 @@ USE_VESCALE_ENV = "ACCELERATE_USE_VESCALE_FSDP"
 # the load helpers too, but only when it is imported; see ``install``).
 _HELPER_HOLDERS = (accelerate.accelerator, accelerate.utils, accelerate.utils.fsdp_utils)
 _original_prepare_model = accelerate.utils.fsdp_utils.fsdp2_prepare_model
-_original_load_model = accelerate.utils.fsdp_utils.load_fsdp_model
-_original_load_optimizer = accelerate.utils.fsdp_utils.load_fsdp_optimizer
 _original_init = Accelerator.__init__
 _init_signature = inspect.signature(_original_init)
 _original_state_init = AcceleratorState.__init__
@@ -76,8 +70,6 @@ def install() -> None:
     AcceleratorState.__init__ = _accelerator_state_init
     replacements: dict[str, Callable[..., Any]] = {
         "fsdp2_prepare_model": _fsdp2_prepare_model,
-        "load_fsdp_model": _load_fsdp_model,
-        "load_fsdp_optimizer": _load_fsdp_optimizer,
     }
     trainer = sys.modules.get("transformers.trainer")
     for module in (*_HELPER_HOLDERS, trainer):
@@ -90,22 +82,6 @@ def _fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.M
     if isinstance(getattr(accelerator.state, "fsdp_plugin", None), VeScaleFSDPPlugin):
         return prepare_model(accelerator, model)
     return _original_prepare_model(accelerator, model)
-
-
-def _loads_full_state(fsdp_plugin: Any) -> bool:
-    return isinstance(fsdp_plugin, VeScaleFSDPPlugin) and fsdp_plugin.state_dict_type == StateDictType.FULL_STATE_DICT
-
-
-def _load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: torch.nn.Module, input_dir: str, model_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> Any:
-    if not _loads_full_state(fsdp_plugin):
-        return _original_load_model(fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp)
-    return load_model_file(accelerator, model, input_dir, model_index, strict=not adapter_only)
-
-
-def _load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: torch.nn.Module, input_dir: str, optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:
-    if not _loads_full_state(fsdp_plugin):
-        return _original_load_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp)
-    return load_optimizer_file(accelerator, optimizer, model, input_dir, optimizer_index)
 
 
 @functools.wraps(_original_init)
