@@ -118,6 +118,8 @@ class FSDPUnit:
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)
+        # Which parameters live in which DBuffer is fixed here; per-step code reads it.
+        self._members: list[list[ManagedParam]] = [[m for m in result if m.buffer_index == i] for i in range(len(self.dbuffers))]
         return result
 
     def _placement(self, dbuffer: DBuffer, slot_index: int) -> RaggedShard:
@@ -138,7 +140,7 @@ class FSDPUnit:
     def readopt_sharded_params(self) -> None:
         """After ``to_empty``/``_apply`` replaced local tensors: move them back into DBuffers."""
         for dbuffer_index, dbuffer in enumerate(self.dbuffers):
-            members = [m for m in self.managed if m.buffer_index == dbuffer_index]
+            members = self._members[dbuffer_index]
             locals_ = [m.sharded._local_tensor for m in members]
             device = locals_[0].device if locals_ else dbuffer.device
             dtype = locals_[0].dtype if locals_ else dbuffer.dtype
@@ -327,7 +329,7 @@ class FSDPUnit:
         full gradients are born parameter-major in the buffer the reduce-scatter reads.
         """
         for dbuffer_index, dbuffer in enumerate(self.dbuffers):
-            members = [m for m in self.managed if m.buffer_index == dbuffer_index and m.sharded.requires_grad]
+            members = [m for m in self._members[dbuffer_index] if m.sharded.requires_grad]
             if not members or dbuffer.has_unsharded_grad:
                 continue
             dbuffer.zeroed_unsharded_grad()
@@ -356,7 +358,7 @@ class FSDPUnit:
             handle.wait()
         root._reduces_in_flight = []
         for dbuffer_index, dbuffer in enumerate(self.dbuffers):
-            members = [m for m in self.managed if m.buffer_index == dbuffer_index and m.sharded.requires_grad]
+            members = [m for m in self._members[dbuffer_index] if m.sharded.requires_grad]
             if not members or not dbuffer.has_unsharded_grad:
                 continue
             accumulate = any(m.sharded.grad is not None for m in members)

@@ -184,9 +184,10 @@ class RunRecord:
     def zero_stages(self) -> dict[str, Any]:
         """Bytes per parameter by ZeRO stage at this group size, with bf16 compute and fp32
         Adam (2 weight + 2 grad + 4 master + 8 moments = 16), against what was measured."""
-        n = max(1, self.sharding()["group_size"])
+        sharding = self.sharding()
+        n = max(1, sharding["group_size"])
         model = {"DDP": 16.0, "ZeRO-1": 4 + 12 / n, "ZeRO-2": 2 + 14 / n, "ZeRO-3 / FSDP": 16 / n}
-        params = sum(r["parameters"] for r in self.sharding()["units"])
+        params = sum(r["parameters"] for r in sharding["units"])
         measured = sum(self.sharded_state_bytes().values()) / max(params, 1)
         return {"group_size": n, "model_bytes_per_parameter": model, "measured_sharded_bytes_per_parameter": measured}
 
