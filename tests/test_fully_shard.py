@@ -207,6 +207,32 @@ def test_frozen_parameters_inside_a_unit(dist_run):
     dist_run(_frozen_parameters_inside_a_unit, 3)
 
 
+def _unused_parameters_inside_a_unit():
+    """A parameter no gradient reaches keeps ``grad=None`` and its buffer slice (never written
+    by a gradient) is zeroed before the reduce-scatter, so it cannot leak into its neighbours.
+    A unit none of whose parameters gets a gradient is still reduced on every rank."""
+    world = dist.get_world_size()
+    reference = make_decoder()
+    reference.layers[0].unused = torch.nn.Linear(7, 5)  # registered last: lies after `down` in the buffer
+    reference.layers[1].unused_first = torch.nn.Linear(3, 9)
+    model = shard_decoder(clone(reference))
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(3):
+        reference_step(reference, step, world)
+        sharded_step(model, step)
+        assert model.layers[0].unused.weight.grad is None and model.layers[1].unused_first.bias.grad is None
+        assert_matches(model, reference, "grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_matches(model, reference, "param")
+
+
+def test_unused_parameters_inside_a_unit(dist_run):
+    dist_run(_unused_parameters_inside_a_unit, 3)
+
+
 def _clip_grad_norm_parity():
     world = dist.get_world_size()
     reference = make_decoder()

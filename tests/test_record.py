@@ -58,6 +58,14 @@ def _recorded_run():
     m = d["memory"]
     assert m["peak_bytes_by_kind"]["unsharded_params"] > 0 and m["peak_bytes_by_kind"]["unsharded_grads"] > 0
     assert m["sharded_state_bytes"]["optimizer_state"] > 0
+    # The root's gradients (its tied embedding gets gradients at both ends of backward) plus
+    # one block's at a time: a block's reduce-scatter is finished before the next block's
+    # gradient buffer is allocated (at that block's first gradient).
+    def grad_buffer_bytes(module):
+        return sum(b._unsharded_grad.nbytes for b in module._vescale_fsdp_unit.dbuffers)
+
+    bound = grad_buffer_bytes(model) + max(grad_buffer_bytes(layer) for layer in model.layers)
+    assert grad_buffer_bytes(model) < m["peak_bytes_by_kind"]["unsharded_grads"] <= bound, (m["peak_bytes_by_kind"], bound)
     z = d["zero_stages"]
     assert math.isclose(z["model_bytes_per_parameter"]["ZeRO-3 / FSDP"], 16 / world)
     assert "run record" in record.summary()

@@ -62,6 +62,18 @@ def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
     return (length // _row_numel(shape), *shape[1:])
 
 
+def _gaps(intervals: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, size)`` no interval covers (the layout's padding)."""
+    gaps, covered = [], 0
+    for start, end in sorted(intervals):
+        if start > covered:
+            gaps.append((covered, start))
+        covered = max(covered, end)
+    if covered < size:
+        gaps.append((covered, size))
+    return gaps
+
+
 class _StorageToggle:
     """A flat tensor whose storage can be released and re-grown in place (views survive)."""
 
@@ -187,6 +199,7 @@ class DBuffer:
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
         self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
@@ -279,12 +292,21 @@ class DBuffer:
     def has_unsharded_grad(self) -> bool:
         return self._unsharded_grad.allocated
 
-    def zeroed_unsharded_grad(self) -> torch.Tensor:
-        """Allocate the unsharded gradient buffer and zero it (one memset for the unit)."""
+    def allocate_unsharded_grad(self) -> torch.Tensor:
+        """Allocate the unsharded gradient buffer, zeroing only its padding.
+
+        Each parameter's slice is written whole by its first gradient (or zeroed before the
+        reduce-scatter if none came), so the buffer needs no memset of its own.
+        """
+        if self._unsharded_grad.allocated:
+            return self._unsharded_grad.tensor
         record = run_record.ACTIVE
-        if record is not None and not self._unsharded_grad.allocated:
+        if record is not None:
             record.buffer_allocated("unsharded_grads", self._unsharded_grad.nbytes)
-        return self._unsharded_grad.allocate().zero_()
+        buffer = self._unsharded_grad.allocate()
+        for start, end in self._padding:
+            buffer[start:end].zero_()
+        return buffer
 
     def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False) -> "ReduceScatterHandle":
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.

@@ -37,6 +37,9 @@ class ManagedParam:
     buffer_index: int
     slot_index: int
     unsharded: nn.Parameter | None = None
+    # Its slice of the unsharded gradient buffer, and whether that slice holds its gradient
+    # (written by the first gradient of the pass; later ones accumulate into it in place).
+    grad_view: torch.Tensor | None = None
     got_grad: bool = False
     # The parameter fully_shard replaced, weakly: a module outside the unit still holding it
     # (a tied weight) is a parameter shared across units, which the outer unit must refuse.
@@ -55,6 +58,7 @@ class _IterationState:
     pending_post_backward: int = 0
     reduced: bool = True
     pre_backward_done: bool = False
+    backward_prefetched: bool = False
 
 
 class FSDPUnit:
@@ -163,7 +167,7 @@ class FSDPUnit:
                     with torch.no_grad():
                         view.copy_(old_local)
                 set_local_tensor(m.sharded, view)
-                m.unsharded = None
+                m.unsharded, m.grad_view, m.got_grad = None, None, False
 
     # -- unshard / reshard ------------------------------------------------------------
 
@@ -200,7 +204,7 @@ class FSDPUnit:
                 dbuffer = self.dbuffers[m.buffer_index]
                 m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
                 if m.unsharded.requires_grad:
-                    m.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(m))
+                    m.unsharded.register_post_accumulate_grad_hook(self._gradient_hook(m))
             m.register(m.unsharded)
 
     def register_state_dict_hooks(self) -> None:
@@ -304,7 +308,21 @@ class FSDPUnit:
             root._iteration_callback_queued = True
             Variable._execution_engine.queue_callback(root._final_callback)
         self.use_unsharded_params()
-        self._prepare_gradient_buffers()
+        self._iteration.backward_prefetched = False
+        if not any(m.sharded.requires_grad for m in self.managed):
+            self._prefetch_for_backward()
+
+    def _prefetch_for_backward(self) -> None:
+        """Start gathering the unit(s) whose backward comes next.
+
+        A unit with gradients does this at its first gradient rather than at its pre-backward
+        (where FSDP2 does): the backward ops before that gradient have then released the
+        activation gradients they consumed (for an output head, the logits' gradient, often the
+        largest tensor of the step), so the prefetched parameters do not add to that moment.
+        """
+        if self._iteration.backward_prefetched:
+            return
+        self._iteration.backward_prefetched = True
         for unit in self._backward_prefetch_targets():
             unit.unshard(async_op=True)
 
@@ -322,30 +340,46 @@ class FSDPUnit:
                 return [earlier]
         return []
 
-    def _prepare_gradient_buffers(self) -> None:
-        """Point each unsharded parameter's ``.grad`` at its slice of a zeroed buffer.
+    def _gradient_hook(self, m: ManagedParam) -> Callable[[nn.Parameter], None]:
+        """Move a parameter's gradient into its slice of the unsharded gradient buffer.
 
-        Autograd then accumulates in place (``grad += new``) instead of allocating, so the
-        full gradients are born parameter-major in the buffer the reduce-scatter reads.
+        The first gradient of a pass was stolen by autograd (``param.grad`` is the tensor the
+        backward op produced): copy it into the slice and point ``.grad`` at the slice (autograd
+        frees the tensor when its accumulation step returns). Later gradients find ``.grad`` set and autograd adds them in place. The
+        buffer is allocated here, at the unit's first gradient rather than before its
+        backward, so it never coexists with the activation gradients of the ops before it.
         """
-        for dbuffer_index, dbuffer in enumerate(self.dbuffers):
-            members = [m for m in self._members[dbuffer_index] if m.sharded.requires_grad]
-            if not members or dbuffer.has_unsharded_grad:
-                continue
-            dbuffer.zeroed_unsharded_grad()
-            for m in members:
-                m.unsharded.grad = dbuffer.unsharded_grad_view(m.slot_index)
-                m.got_grad = False
+
+        def hook(param: nn.Parameter) -> None:
+            if param.grad is not None and param.grad is not m.grad_view:
+                dbuffer = self.dbuffers[m.buffer_index]
+                if not dbuffer.has_unsharded_grad:
+                    # The previous unit's reduce-scatter has overlapped this unit's backward up
+                    # to here; finishing it now frees its gradient buffer before this one is made.
+                    self.root.wait_for_reduces()
+                    dbuffer.allocate_unsharded_grad()
+                if m.grad_view is None:
+                    m.grad_view = dbuffer.unsharded_grad_view(m.slot_index)
+                m.grad_view.copy_(param.grad)
+                param.grad = m.grad_view
+                m.got_grad = True
+            self._prefetch_for_backward()
+
+        return hook
 
     def post_backward(self) -> None:
-        """Reduce-scatter the unit's gradients (unless accumulating without sync) and reshard."""
+        """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
+
+        Resharding first frees the unsharded parameters before the reduce-scatter allocates.
+        """
         if self._iteration.reduced:
             return
         self._iteration.reduced = True
-        if self.requires_gradient_sync:
-            self._reduce_gradients()
+        self._prefetch_for_backward()  # if no gradient reached this unit
         if self.reshard_after_backward:
             self.reshard()
+        if self.requires_gradient_sync:
+            self._reduce_gradients()
 
     def _reduce_gradients(self) -> None:
         """Issue this unit's reduce-scatters asynchronously (at most one unit in flight).
@@ -354,13 +388,18 @@ class FSDPUnit:
         to two units, as FSDP2 does; the root waits for the last ones at the end of backward.
         """
         root = self.root
-        for handle in root._reduces_in_flight:
-            handle.wait()
-        root._reduces_in_flight = []
+        root.wait_for_reduces()
         for dbuffer_index, dbuffer in enumerate(self.dbuffers):
             members = [m for m in self._members[dbuffer_index] if m.sharded.requires_grad]
-            if not members or not dbuffer.has_unsharded_grad:
+            if not members:
                 continue
+            # Every rank reduces every unit that ran backward, gradients or not (another rank's
+            # data may have reached parameters this one's did not): slices no gradient wrote are
+            # zeroed first.
+            dbuffer.allocate_unsharded_grad()
+            for m in members:
+                if not m.got_grad:
+                    dbuffer.unsharded_grad_view(m.slot_index).zero_()
             accumulate = any(m.sharded.grad is not None for m in members)
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.
@@ -370,11 +409,18 @@ class FSDPUnit:
             got = [m.got_grad for m in members]
             root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
             for m, received in zip(members, got):
-                m.unsharded.grad = None
+                if m.unsharded is not None:
+                    m.unsharded.grad = None
                 m.got_grad = False
                 if m.sharded.grad is None and received:
                     local = dbuffer.sharded_grad_view(m.slot_index)
                     m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+
+    def wait_for_reduces(self) -> None:
+        """(Root) complete every reduce-scatter in flight, freeing their gradient buffers."""
+        for handle in self._reduces_in_flight:
+            handle.wait()
+        self._reduces_in_flight = []
 
     def _final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
@@ -385,9 +431,7 @@ class FSDPUnit:
                 unit.post_backward()
             unit._iteration.pending_post_backward = 0
             unit._iteration.pre_backward_done = False
-        for handle in self._reduces_in_flight:
-            handle.wait()
-        self._reduces_in_flight = []
+        self.wait_for_reduces()
         if self.reshard_after_backward:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:
@@ -411,13 +455,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.unit._post_backward_from_inputs()
         return (None, *grads)
-
-
-def _mark_got_grad(m: ManagedParam) -> Callable[[torch.Tensor], None]:
-    def hook(_: torch.Tensor) -> None:
-        m.got_grad = True
-
-    return hook
 
 
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> Any:
