@@ -31,7 +31,7 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
         assert figures["peak_bytes"] > 0 and figures["sharded_state_bytes"] > 0
     assert summary["engines"]["vescale"]["copy_ms_per_step"] == 0
     assert summary["engines"]["fsdp2"]["copy_ms_per_step"] > 0
-    assert set(summary["ratios"]) >= {"step_time", "peak_memory", "sharded_state", "padding"}
+    assert set(summary["ratios"]) >= {"step_time", "step_time_paired", "peak_memory", "sharded_state", "padding"}
     parity = summary["parity"]
     assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
     assert plot.stat().st_size > 1000

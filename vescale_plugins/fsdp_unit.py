@@ -83,7 +83,7 @@ class FSDPUnit:
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float = float(self.world_size)
         self.is_last_backward = True
-        self.forward_prefetch: list[FSDPUnit] = []
+        self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit (see below)
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.root: FSDPUnit | None = None
         self._iteration = _IterationState()
@@ -91,6 +91,7 @@ class FSDPUnit:
         self._modules_run: set[int] = set()
         self._root_units: list[FSDPUnit] = []
         self._forward_order: list[FSDPUnit] = []
+        self._previous_forward_order: list[FSDPUnit] = []
         self._reduces_in_flight: list[ReduceScatterHandle] = []
         self.managed = self._build(params)
 
@@ -232,12 +233,12 @@ class FSDPUnit:
         if self.root is None:
             self._lazy_init_as_root()
         root = self.root
-        if root is self:
-            root._forward_order = []
+        if root is self and root._forward_order:
+            root._previous_forward_order, root._forward_order = root._forward_order, []
         if torch.is_grad_enabled():
             root._forward_order.append(self)
         self.use_unsharded_params()
-        for unit in self.forward_prefetch:
+        for unit in self._forward_prefetch_targets():
             unit.unshard(async_op=True)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
@@ -246,6 +247,22 @@ class FSDPUnit:
             self._iteration.pre_backward_done = False
             args, kwargs = self._attach_post_backward((args, kwargs))
         return args, kwargs
+
+    def _forward_prefetch_targets(self) -> list[FSDPUnit]:
+        """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
+        in the previous training forward.
+
+        On CUDA, FSDP2 overlaps the next all-gather with compute implicitly (the CPU runs
+        ahead of the GPU and issues it early); a CPU backend has no run-ahead, so the next
+        unit is gathered explicitly. It costs one more unit's parameters during forward.
+        """
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = self.root._previous_forward_order
+        if self not in order:
+            return []
+        position = order.index(self) + 1
+        return [order[position]] if position < len(order) and order[position] is not self else []
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if len(self._modules_run) < len(self.modules):

@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2, help="steps per engine before timing")
-    parser.add_argument("--steps", type=int, default=16, help="timed steps per engine (interleaved)")
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per engine (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", default="", metavar="PATH", help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before every rank is stopped")

@@ -39,11 +39,15 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
     a, b = engines["vescale"], engines["fsdp2"]
     overlap = a["step_ms"]["q1"] <= b["step_ms"]["q3"] and b["step_ms"]["q1"] <= a["step_ms"]["q3"]
     ratio_time = a["step_ms"]["median"] / b["step_ms"]["median"]
+    # Each veScale step over the FSDP2 step it was paired with (A B, then B A): less
+    # sensitive than the ratio of medians to load that drifts during the run.
+    paired = statistics.median(v / f for v, f in zip(a["step_ms"]["samples"], b["step_ms"]["samples"]))
     verdict = "too noisy to call a winner (the step-time IQRs overlap)" if overlap else ("veScale-FSDP is faster" if ratio_time < 1 else "FSDP2 is faster")
     return {
         "engines": engines,
         "ratios": {
             "step_time": ratio_time,
+            "step_time_paired": paired,
             "peak_memory": a["peak_bytes"] / b["peak_bytes"],
             "sharded_state": a["sharded_state_bytes"] / b["sharded_state_bytes"],
             "padding": (a["padding_bytes"] / b["padding_bytes"]) if b["padding_bytes"] else None,
@@ -88,6 +92,7 @@ def render_table(summary: dict[str, Any]) -> Any:
         table.add_row(label, fmt(values[0]), fmt(values[1]), "" if ratio is None else f"{ratio:.3f}")
 
     row("step time, median (ms)", lambda x: x["step_ms"]["median"], lambda v: f"{v:.1f}", r["step_time"])
+    table.add_row("step time, median of paired ratios", "", "", f"{r['step_time_paired']:.3f}")
     row("step time, IQR (ms)", lambda x: (x["step_ms"]["q1"], x["step_ms"]["q3"]), lambda v: f"{v[0]:.1f}-{v[1]:.1f}")
     row("tokens/s", lambda x: x["tokens_per_s"], lambda v: f"{v:,.0f}", 1 / r["step_time"])
     row("peak tensor memory (MiB)", lambda x: x["peak_bytes"], _mib, r["peak_memory"])
