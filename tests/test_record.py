@@ -66,6 +66,14 @@ def _recorded_run():
 
     bound = grad_buffer_bytes(model) + max(grad_buffer_bytes(layer) for layer in model.layers)
     assert grad_buffer_bytes(model) < m["peak_bytes_by_kind"]["unsharded_grads"] <= bound, (m["peak_bytes_by_kind"], bound)
+    # The peak of all live tensor bytes, split by what they were: every kind accounted for.
+    peak = m["peak"]
+    assert set(peak["split"]) == set(run_record.PEAK_KINDS) and sum(peak["split"].values()) == peak["total_bytes"]
+    state = m["sharded_state_bytes"]
+    assert peak["split"]["sharded_state"] == state["parameters"] + state["optimizer_state"]
+    for kind in ("unsharded_params", "activations_and_temporaries", "comm_buffers"):
+        assert peak["split"][kind] > 0, (kind, peak)  # comm: gloo's staging and the bf16 casts
+    assert peak["split"]["unsharded_params"] <= m["peak_bytes_by_kind"]["unsharded_params"]
     z = d["zero_stages"]
     assert math.isclose(z["model_bytes_per_parameter"]["ZeRO-3 / FSDP"], 16 / world)
     assert "run record" in record.summary()
@@ -81,3 +89,14 @@ def _recorded_run():
 def test_record_of_a_sharded_run(dist_run):
     summary = dist_run(_recorded_run, 3)[0]
     assert "all_gather" in summary and "reduce_scatter" in summary
+
+
+def test_record_leaves_a_running_profiler_alone():
+    """Inside a user's own torch.profiler session the record does not start another (kineto
+    cannot nest) and says why the peak split is missing."""
+    model = torch.nn.Linear(3, 2)
+    with torch.profiler.profile():
+        with record_run(model) as record:
+            model(torch.randn(4, 3)).sum().backward()
+    assert record.to_dict()["memory"]["peak"] == {"unavailable": "another torch.profiler session was running"}
+    assert "not measured (another torch.profiler session was running)" in record.summary()

@@ -15,6 +15,7 @@ storage, so the views cut from them once stay valid (FSDP2 does the same for its
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -28,12 +29,15 @@ from ._dtensor_bridge import set_version_counter
 from .planner import Layout, plan_layout
 from .ragged_collectives import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION"]
+__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "COMM_BUFFER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
 ALL_GATHER_REGION = "vescale::all_gather"
 REDUCE_SCATTER_REGION = "vescale::reduce_scatter"
+# Marked only while a run record is open, so its memory split can tell the buffers apart.
+GRADIENT_BUFFER_REGION = "vescale::gradient_buffer"
+COMM_BUFFER_REGION = "vescale::comm_buffer"
 
 # Collectives and vectorised kernels like 16-byte aligned buffers; offsets are in elements.
 _ALIGNMENT_BYTES = 16
@@ -95,6 +99,11 @@ class _StorageToggle:
     def release(self) -> None:
         if self.tensor.device.type != "meta":
             self.tensor.untyped_storage().resize_(0)
+
+
+def _record_scope(name: str) -> Any:
+    """A profiler scope while a run record is open (its memory split reads them), else nothing."""
+    return torch.profiler.record_function(name) if run_record.ACTIVE is not None else contextlib.nullcontext()
 
 
 def _wait_collective(work: dist.Work) -> None:
@@ -271,7 +280,8 @@ class DBuffer:
                 record.buffer_allocated("unsharded_params", self._unsharded.nbytes)
             unsharded = self._unsharded.allocate()
             version = unsharded._version
-            shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+            with _record_scope(COMM_BUFFER_REGION):
+                shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
             work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op)
             handle = GatherHandle(unsharded, version, work, event)
@@ -303,7 +313,8 @@ class DBuffer:
         record = run_record.ACTIVE
         if record is not None:
             record.buffer_allocated("unsharded_grads", self._unsharded_grad.nbytes)
-        buffer = self._unsharded_grad.allocate()
+        with _record_scope(GRADIENT_BUFFER_REGION):
+            buffer = self._unsharded_grad.allocate()
         for start, end in self._padding:
             buffer[start:end].zero_()
         return buffer
@@ -320,11 +331,13 @@ class DBuffer:
         record = run_record.ACTIVE
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             full = self._unsharded_grad.tensor
-            if self.reduce_dtype != full.dtype:
-                full = full.to(self.reduce_dtype)
             in_place = not accumulate and self.reduce_dtype == self.dtype
+            with _record_scope(COMM_BUFFER_REGION):
+                if self.reduce_dtype != full.dtype:
+                    full = full.to(self.reduce_dtype)
+                out = None if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             sharded_grad = self._sharded_grad_for_reduce()
-            out = sharded_grad if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+            out = sharded_grad if out is None else out
             temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
             event = None
             if record is not None:

@@ -6,7 +6,10 @@ compute; the memory of each kind of buffer over time; and a static view of the s
 precision. ``record.to_dict()`` is JSON-ready and ``record.summary()`` is for people.
 
 Off, it costs one global lookup per collective (``ACTIVE is None``): nothing is timed or
-stored unless a record is open.
+stored unless a record is open. Open, it also runs a memory-profiling ``torch.profiler``
+session (unless another profiler is already running) to split the peak of live tensor bytes
+by what they were: this slows the recorded steps down, which is why it is a record and not a
+default.
 """
 
 from __future__ import annotations
@@ -62,6 +65,18 @@ class _MemoryKinds:
             self.at_peak_total = dict(self.live)
 
 
+# Profiler scopes whose allocations the peak split tells apart (innermost wins), and their kind.
+_MEMORY_SCOPES = {
+    "c10d::": "comm_buffers",  # the collective backend's own staging (gloo copies through them)
+    "gloo:": "comm_buffers",
+    "vescale::comm_buffer": "comm_buffers",  # mixed-precision casts around the collectives
+    "vescale::all_gather": "unsharded_params",
+    "vescale::gradient_buffer": "unsharded_grads",
+    "vescale::reduce_scatter": "sharded_grads",
+}
+PEAK_KINDS = ("sharded_state", "unsharded_params", "unsharded_grads", "sharded_grads", "comm_buffers", "activations_and_temporaries")
+
+
 class RunRecord:
     """Collects collectives and buffer memory while open; see :func:`record_run`."""
 
@@ -72,6 +87,9 @@ class RunRecord:
         self.memory = _MemoryKinds()
         self.step = 0
         self._t0 = time.perf_counter()
+        # The split of the peak of all live tensor bytes, filled in when the record closes.
+        self.peak: dict[str, Any] | None = None
+        self.peak_unavailable = "the record is still open"
 
     # -- called by the runtime (only while open) --------------------------------------
 
@@ -191,6 +209,34 @@ class RunRecord:
         measured = sum(self.sharded_state_bytes().values()) / max(params, 1)
         return {"group_size": n, "model_bytes_per_parameter": model, "measured_sharded_bytes_per_parameter": measured}
 
+    def _device_type(self) -> str:
+        buffers = [b for u in self._units() for b in u.dbuffers]
+        return buffers[0].device.type if buffers else "cpu"
+
+    def _start_peak_tracking(self) -> Any:
+        """A memory-profiling tracker over the record, or None (with the reason kept)."""
+        if torch.autograd.profiler._is_profiler_enabled:
+            self.peak_unavailable = "another torch.profiler session was running"
+            return None
+        from .bench.memory import AllocationTracker
+
+        state = self.sharded_state_bytes()
+        # Tensors made before the record opened are invisible to the tracker: count the sharded
+        # parameters and optimizer state that existed then (gradients are remade each step).
+        self._state_at_open = state["parameters"] + state["optimizer_state"]
+        tracker = AllocationTracker(self._device_type(), scopes=tuple(_MEMORY_SCOPES))
+        tracker.__enter__()
+        return tracker
+
+    def _finish_peak_tracking(self, tracker: Any) -> None:
+        tracker.__exit__(None, None, None)
+        tracked, by_scope = tracker.peak_by_scope()
+        split = dict.fromkeys(PEAK_KINDS, 0)
+        split["sharded_state"] = self._state_at_open
+        for scope, nbytes in by_scope.items():
+            split[_MEMORY_SCOPES.get(scope, "activations_and_temporaries") if scope else "activations_and_temporaries"] += nbytes
+        self.peak = {"total_bytes": self._state_at_open + tracked, "split": split}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "sharding": self.sharding(),
@@ -199,6 +245,8 @@ class RunRecord:
                 "sharded_state_bytes": self.sharded_state_bytes(),
                 "peak_bytes_by_kind": dict(self.memory.peak),
                 "split_at_peak_of_library_buffers": dict(self.memory.at_peak_total),
+                # The peak of all live tensor bytes (allocator events) and what they were then.
+                "peak": self.peak if self.peak is not None else {"unavailable": self.peak_unavailable},
             },
             "communication": self.communication(),
             "zero_stages": self.zero_stages(),
@@ -223,6 +271,11 @@ class RunRecord:
         lines.append(f"  sharded state per rank: params {_mib(st['parameters'])}, grads {_mib(st['gradients'])}, optimizer {_mib(st['optimizer_state'])}")
         pk = m["peak_bytes_by_kind"]
         lines.append(f"  peak library buffers: unsharded params {_mib(pk['unsharded_params'])}, unsharded grads {_mib(pk['unsharded_grads'])}, comm {_mib(pk['comm_buffers'])}")
+        if "split" in m["peak"]:
+            split = ", ".join(f"{kind.replace('_', ' ')} {_mib(nbytes)}" for kind, nbytes in m["peak"]["split"].items())
+            lines.append(f"  peak memory {_mib(m['peak']['total_bytes'])}: {split}")
+        else:
+            lines.append(f"  peak memory: not measured ({m['peak']['unavailable']})")
         for kind, v in c.items():
             lines.append(f"  {kind}: {v['count_per_step']:.1f}/step, {_mib(v['bytes_per_step'])}/step, {v['seconds'] * 1e3:.1f} ms total, {v['overlap_ratio']:.0%} overlapped")
         z = d["zero_stages"]
@@ -253,8 +306,11 @@ def record_run(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     if ACTIVE is not None:
         raise RuntimeError("a run record is already open; close it before opening another")
     record = RunRecord(model, optimizer)
+    tracker = record._start_peak_tracking()
     ACTIVE = record
     try:
         yield record
     finally:
         ACTIVE = None
+        if tracker is not None:
+            record._finish_peak_tracking(tracker)

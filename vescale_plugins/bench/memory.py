@@ -81,15 +81,21 @@ class _Event:
     nbytes: int
     tid: int
     collective_end_ns: int | None
+    scope: str | None = None
 
 
 @dataclass(frozen=True)
 class _Block:
-    """One allocation of ``nbytes`` at ``alloc_ns``; ``free_ns`` is None while still live at the end."""
+    """One allocation of ``nbytes`` at ``alloc_ns``; ``free_ns`` is None while still live at the end.
+
+    ``scope`` is the innermost tracked scope (see ``AllocationTracker(scopes=...)``) it was
+    allocated in, if any.
+    """
 
     nbytes: int
     alloc_ns: int
     free_ns: int | None
+    scope: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,10 +141,14 @@ class AllocationTracker:
 
     Args:
         device_type: which allocator to count (``"cpu"`` or ``"cuda"``).
+        scopes: prefixes of profiler scope names (record functions, ops) to attribute
+            allocations to: each block belongs to the innermost enclosing scope whose name
+            starts with one of them (see :meth:`peak_by_scope`).
     """
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", scopes: tuple[str, ...] = ()) -> None:
         self.device_type = device_type
+        self._scopes = scopes
         activities = [ProfilerActivity.CPU]
         if device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -172,7 +182,7 @@ class AllocationTracker:
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
                 if fields.device.type == self.device_type and fields.alloc_size != 0:
-                    events.append(_Event(node.start_time_ns, fields.ptr, fields.alloc_size, node.start_tid, _collective_end(node)))
+                    events.append(_Event(node.start_time_ns, fields.ptr, fields.alloc_size, node.start_tid, _collective_end(node), _scope(node, self._scopes)))
             elif node.name.startswith(_REGION_PREFIX):
                 regions.append(_Region(node.name[len(_REGION_PREFIX) :], node.start_time_ns, node.end_time_ns))
         events.sort(key=lambda e: e.time_ns)  # stable: ties keep the tree's order
@@ -225,6 +235,21 @@ class AllocationTracker:
                 break
         return RegionMemory(name, start, peak, end, self._owners_after(peak_step))
 
+    def peak_by_scope(self) -> tuple[int, dict[str | None, int]]:
+        """The most live bytes at any moment, and those bytes by scope prefix (None: no scope)."""
+        peak, peak_step = 0, -1
+        for step, (_, total, _) in enumerate(self._replay()):
+            if total > peak:
+                peak, peak_step = total, step
+        split: dict[str | None, int] = {}
+        for step, (_, _, live) in enumerate(self._replay()):
+            if step == peak_step:
+                for index in live:
+                    block = self._blocks[index]
+                    split[block.scope] = split.get(block.scope, 0) + block.nbytes
+                break
+        return peak, split
+
     def _owners_after(self, last_step: int) -> dict[str, int]:
         """Live bytes after replay step ``last_step``, by the region that allocated them."""
         owners: dict[str, int] = {}
@@ -258,6 +283,17 @@ def _collective_end(node: Any) -> int | None:
     return None
 
 
+def _scope(node: Any, prefixes: tuple[str, ...]) -> str | None:
+    """The prefix of the innermost enclosing scope of ``node`` that matches one, else None."""
+    parent = node.parent
+    while parent is not None and prefixes:
+        for prefix in prefixes:
+            if parent.name.startswith(prefix):
+                return prefix
+        parent = parent.parent
+    return None
+
+
 def _lost_free_deadlines(events: list[_Event]) -> list[int | None]:
     """Per event: for a collective's temporary, the first event time of its thread after the op."""
     times_by_thread: dict[int, list[int]] = {}
@@ -282,16 +318,16 @@ def _pair(events: list[_Event]) -> list[_Block]:
     address; the rest stay live.
     """
     blocks: list[_Block] = []
-    open_at: dict[int, tuple[int, int, int | None]] = {}  # address -> (bytes, alloc ns, deadline)
+    open_at: dict[int, tuple[int, int, int | None, str | None]] = {}  # address -> (bytes, alloc ns, deadline, scope)
     for e, deadline in zip(events, _lost_free_deadlines(events)):
         if e.nbytes < 0:
             if e.ptr in open_at:  # else: allocated before the tracker started
-                size, alloc_ns, _ = open_at.pop(e.ptr)
-                blocks.append(_Block(size, alloc_ns, e.time_ns))
+                size, alloc_ns, _, scope = open_at.pop(e.ptr)
+                blocks.append(_Block(size, alloc_ns, e.time_ns, scope))
             continue
         if e.ptr in open_at:  # the address is handed out again: its old block's free went unreported
-            size, alloc_ns, lost_deadline = open_at.pop(e.ptr)
-            blocks.append(_Block(size, alloc_ns, e.time_ns if lost_deadline is None else min(e.time_ns, lost_deadline)))
-        open_at[e.ptr] = (e.nbytes, e.time_ns, deadline)
-    blocks += [_Block(size, alloc_ns, deadline) for size, alloc_ns, deadline in open_at.values()]
+            size, alloc_ns, lost_deadline, scope = open_at.pop(e.ptr)
+            blocks.append(_Block(size, alloc_ns, e.time_ns if lost_deadline is None else min(e.time_ns, lost_deadline), scope))
+        open_at[e.ptr] = (e.nbytes, e.time_ns, deadline, e.scope)
+    blocks += [_Block(size, alloc_ns, deadline, scope) for size, alloc_ns, deadline, scope in open_at.values()]
     return blocks
