@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import record as run_record
 from ._dtensor_bridge import set_version_counter
+from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
 from .ragged_collectives import _all_gather_single, _reduce_scatter_single
 
@@ -114,8 +115,9 @@ def _wait_collective(work: dist.Work) -> None:
 class GatherHandle:
     """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
 
-    def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None, event: Any = None) -> None:
+    def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None, event: Any = None, streams: CommStreams | None = None, done: Any = None) -> None:
         self._unsharded, self._version, self._work, self._event = unsharded, version, work, event
+        self._streams, self._done = streams, done
 
     def wait(self) -> None:
         record = run_record.ACTIVE
@@ -124,6 +126,9 @@ class GatherHandle:
         if self._work is not None:
             _wait_collective(self._work)
             self._work = None
+        if self._done is not None:
+            self._streams.wait(self._done)
+            self._done = None
         set_version_counter(self._unsharded, self._version)
         if self._event is not None and record is not None:
             record.collective_done(self._event, wait_started)
@@ -133,10 +138,10 @@ class GatherHandle:
 class ReduceScatterHandle:
     """An issued reduce-scatter: ``wait()`` completes it, scales, and frees the full gradients."""
 
-    def __init__(self, dbuffer: "DBuffer", work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, sharded_grad: torch.Tensor, divide_factor: float, accumulate: bool, in_place: bool, event: Any, temp_bytes: int) -> None:
+    def __init__(self, dbuffer: "DBuffer", work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, sharded_grad: torch.Tensor, divide_factor: float, accumulate: bool, in_place: bool, event: Any, temp_bytes: int, done_event: Any = None) -> None:
         self._dbuffer, self._work, self._full, self._out, self._sharded_grad = dbuffer, work, full, out, sharded_grad
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
-        self._event, self._temp_bytes = event, temp_bytes
+        self._event, self._temp_bytes, self._done_event = event, temp_bytes, done_event
         self.done = False
 
     def wait(self) -> None:
@@ -147,6 +152,8 @@ class ReduceScatterHandle:
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             if self._work is not None:
                 _wait_collective(self._work)
+            # The compute stream waits before it reads the result or frees the input.
+            self._dbuffer.streams.wait(self._done_event)
             if self._event is not None and record is not None:
                 record.collective_done(self._event, wait_started)
             out, sharded_grad = self._out, self._sharded_grad
@@ -212,6 +219,7 @@ class DBuffer:
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
+        self.streams = comm_streams_for(self.device)
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -275,7 +283,8 @@ class DBuffer:
         Returns a handle to ``wait()`` on (already complete unless ``async_op``).
         """
         record = run_record.ACTIVE
-        with torch.profiler.record_function(ALL_GATHER_REGION):
+        streams = self.streams
+        with torch.profiler.record_function(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             if record is not None and not self._unsharded.allocated:
                 record.buffer_allocated("unsharded_params", self._unsharded.nbytes)
             unsharded = self._unsharded.allocate()
@@ -283,11 +292,12 @@ class DBuffer:
             with _record_scope(COMM_BUFFER_REGION):
                 shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
-            work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op)
-            handle = GatherHandle(unsharded, version, work, event)
-            if not async_op:
-                handle.wait()
-            return handle
+            # On a side stream the call returns once enqueued; the handle waits on an event.
+            work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op and not streams.enabled)
+            handle = GatherHandle(unsharded, version, work, event, streams, streams.record(streams.all_gather))
+        if not async_op:
+            handle.wait()
+        return handle
 
     def release_unsharded(self) -> None:
         """Free the unsharded parameters' memory (their views stay, without storage)."""
@@ -329,7 +339,8 @@ class DBuffer:
         ``wait()`` on the handle before reading the gradients.
         """
         record = run_record.ACTIVE
-        with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+        streams = self.streams
+        with torch.profiler.record_function(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
             in_place = not accumulate and self.reduce_dtype == self.dtype
             with _record_scope(COMM_BUFFER_REGION):
@@ -343,8 +354,9 @@ class DBuffer:
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)
                 event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
-            work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes)
+            work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op and not streams.enabled)
+            done_event = streams.record(streams.reduce_scatter)
+        handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes, done_event)
         if not async_op:
             handle.wait()
         return handle

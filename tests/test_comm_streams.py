@@ -1,0 +1,145 @@
+"""The CUDA path of the collectives (side streams, event waits), run on CPU with gloo.
+
+CI has no GPU, so a stand-in for ``torch.cuda``'s stream API records what the protocol does
+while gloo runs each collective synchronously (as NCCL's enqueue-and-return would look from
+the host). The same DBuffer and FSDPUnit code runs as on CUDA; what cannot be checked here is
+the GPU's own scheduling.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import vescale_plugins.dbuffer as dbuffer_module
+from models import clone, make_decoder, reference_step
+from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step
+from vescale_plugins.comm_streams import CommStreams
+from vescale_plugins.dbuffer import DBuffer
+
+
+class FakeStreamAPI:
+    """``torch.cuda``'s stream calls as a log: streams are names, events are numbers."""
+
+    class _Stream:
+        def __init__(self, api, name):
+            self.api, self.name = api, name
+
+        def wait_stream(self, other):
+            self.api.log.append(("wait_stream", self.name, other.name))
+
+        def record_event(self):
+            self.api.events += 1
+            self.api.log.append(("record", self.name, self.api.events))
+            return self.api.events
+
+        def wait_event(self, event):
+            self.api.log.append(("wait_event", self.name, event))
+
+    def __init__(self):
+        self.log, self.events = [], 0
+        self.compute = self._Stream(self, "compute")
+        self.active = self.compute
+        self._names = iter(["all_gather", "reduce_scatter"])
+
+    def Stream(self, device=None, priority=0):
+        return self._Stream(self, next(self._names))
+
+    def current_stream(self, device=None):
+        return self.active
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.active = self.active, stream
+        try:
+            yield
+        finally:
+            self.active = previous
+
+
+def _logging_allocations(api):
+    """Log which stream is current when a DBuffer grows a buffer's storage."""
+    original = dbuffer_module._StorageToggle.allocate
+
+    def allocate(toggle):
+        if not toggle.allocated:
+            api.log.append(("allocate", api.active.name))
+        return original(toggle)
+
+    return original, allocate
+
+
+def _protocol_of_one_gather_and_reduce():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    api = FakeStreamAPI()
+    shapes = [torch.Size([5, 3]), torch.Size([7])]
+    dbuffer = DBuffer(shapes, [1, 1], torch.float32, torch.device("cpu"), dist.group.WORLD)
+    dbuffer.streams = CommStreams(torch.device("cpu"), api)
+    full = [torch.arange(15.0).view(5, 3), torch.arange(7.0) * 10]
+    for index, tensor in enumerate(full):
+        slot = dbuffer.slots[index]
+        start = rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+        dbuffer.sharded_view(index).reshape(-1).copy_(tensor.reshape(-1)[start : start + slot.local_length])
+    original, allocate = _logging_allocations(api)
+    dbuffer_module._StorageToggle.allocate = allocate
+    try:
+        gather = dbuffer.all_gather(async_op=True)
+        # Issued on the all-gather stream after it waited for compute; memory is that stream's.
+        assert api.log == [("wait_stream", "all_gather", "compute"), ("allocate", "all_gather"), ("record", "all_gather", 1)], api.log
+        gather.wait()
+        assert api.log[-1] == ("wait_event", "compute", 1)
+        for index, tensor in enumerate(full):
+            torch.testing.assert_close(dbuffer.unsharded_view(index), tensor)
+
+        api.log.clear()
+        dbuffer.allocate_unsharded_grad()
+        for index, tensor in enumerate(full):
+            dbuffer.unsharded_grad_view(index).copy_(tensor * (rank + 1))
+        reduce = dbuffer.reduce_scatter(divide_factor=world, accumulate=False, async_op=True)
+        assert api.log == [("allocate", "compute"), ("wait_stream", "reduce_scatter", "compute"), ("record", "reduce_scatter", 2)], api.log
+        assert dbuffer.has_unsharded_grad  # the input stays until compute has waited for it
+        reduce.wait()
+        assert api.log[-1] == ("wait_event", "compute", 2) and not dbuffer.has_unsharded_grad
+        mean = sum(range(1, world + 1)) / world
+        for index, tensor in enumerate(full):
+            slot = dbuffer.slots[index]
+            start = rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+            want = (tensor.reshape(-1) * mean)[start : start + slot.local_length]
+            torch.testing.assert_close(dbuffer.sharded_grad_view(index).reshape(-1), want)
+    finally:
+        dbuffer_module._StorageToggle.allocate = original
+
+
+def test_stream_protocol_of_one_gather_and_one_reduce(dist_run):
+    dist_run(_protocol_of_one_gather_and_reduce, 3)
+
+
+def _trains_like_the_unsharded_model_on_side_streams():
+    world = dist.get_world_size()
+    api = FakeStreamAPI()
+    streams = CommStreams(torch.device("cpu"), api)
+    original = dbuffer_module.comm_streams_for
+    dbuffer_module.comm_streams_for = lambda device: streams
+    try:
+        reference = make_decoder()
+        model = shard_decoder(clone(reference))
+        opt, ref_opt = adamw(model), adamw(reference)
+        for step in range(3):
+            torch.testing.assert_close(sharded_step(model, step), reference_step(reference, step, world), **TOL)
+            assert_matches(model, reference, "grad")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert_matches(model, reference, "param")
+    finally:
+        dbuffer_module.comm_streams_for = original
+    # Every collective's event was waited on by the compute stream, exactly once.
+    recorded = [entry[2] for entry in api.log if entry[0] == "record"]
+    waited = [entry[2] for entry in api.log if entry[0] == "wait_event"]
+    assert recorded and sorted(waited) == recorded
+    assert all(entry[1] == "compute" for entry in api.log if entry[0] == "wait_event")
+
+
+def test_trains_like_the_unsharded_model_on_side_streams(dist_run):
+    dist_run(_trains_like_the_unsharded_model_on_side_streams, 2)

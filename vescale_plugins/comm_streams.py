@@ -1,0 +1,76 @@
+"""The side streams collectives run on, on CUDA: one for all-gathers, one for reduce-scatters.
+
+A collective is issued on its stream after that stream has waited for the compute stream (so
+it sees every write enqueued before it: the optimizer's update of the shards, autograd's
+gradients), and an event recorded after it is what the compute stream waits on before using
+the result. No ``record_stream``: each buffer's memory belongs to the stream that allocates
+it, and is only handed out again to work ordered after every earlier use:
+
+* unsharded parameters are allocated on the all-gather stream; they are freed after the
+  compute stream's last read was enqueued, and the next all-gather first waits for the
+  compute stream;
+* the unsharded gradient buffer is allocated on the compute stream and freed only after the
+  compute stream has waited for its reduce-scatter;
+* sharded gradients and mixed-precision casts made on a side stream are only reused by later
+  work on that same stream, which waits for the compute stream first.
+
+Elsewhere (CPU, gloo) there is one stream; collectives run asynchronously on the backend's
+threads and their ``Work`` objects are waited on instead, and this class does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["CommStreams", "comm_streams_for"]
+
+# Collectives go first when the GPU has both kinds of work ready (FSDP2 does the same).
+_HIGH_PRIORITY = -1
+
+
+class CommStreams:
+    """An all-gather stream and a reduce-scatter stream of one device, or nothing off CUDA.
+
+    Args:
+        device: the device the buffers live on.
+        module: the device's stream API (``torch.cuda``); None disables the streams. Tests
+            pass a stand-in to run this path on CPU.
+    """
+
+    def __init__(self, device: torch.device, module: Any = None) -> None:
+        self.module, self.device = module, device
+        self.enabled = module is not None
+        self.all_gather = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self.reduce_scatter = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+
+    @contextlib.contextmanager
+    def issue_on(self, stream: Any) -> Iterator[None]:
+        """Make ``stream`` current (after it waits for the compute stream) for the block."""
+        if not self.enabled:
+            yield
+            return
+        stream.wait_stream(self.module.current_stream(self.device))
+        with self.module.stream(stream):
+            yield
+
+    def record(self, stream: Any) -> Any:
+        """An event after the work issued so far on ``stream`` (None when disabled)."""
+        return stream.record_event() if self.enabled else None
+
+    def wait(self, event: Any) -> None:
+        """Make the compute (current) stream wait for ``event``."""
+        if event is not None:
+            self.module.current_stream(self.device).wait_event(event)
+
+
+_STREAMS: dict[torch.device, CommStreams] = {}
+
+
+def comm_streams_for(device: torch.device) -> CommStreams:
+    """The process's streams for ``device`` (shared by every unit, as FSDP2 shares its own)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = CommStreams(device, torch.cuda if device.type == "cuda" else None)
+    return _STREAMS[device]
