@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import vescale_plugins.dbuffer as dbuffer_module
 from models import clone, make_decoder, reference_step
-from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step
+from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins.comm_streams import CommStreams
 from vescale_plugins.dbuffer import DBuffer
 
@@ -127,10 +127,7 @@ def _trains_like_the_unsharded_model_on_side_streams():
         for step in range(3):
             torch.testing.assert_close(sharded_step(model, step), reference_step(reference, step, world), **TOL)
             assert_matches(model, reference, "grad")
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
+            step_and_zero(opt, ref_opt)
         assert_matches(model, reference, "param")
     finally:
         dbuffer_module.comm_streams_for = original

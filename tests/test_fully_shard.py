@@ -35,6 +35,12 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
 
 
+def step_and_zero(*optimizers):
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
 def global_loss(loss):
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -91,10 +97,7 @@ def _parity_with_unsharded(reshard_after_forward):
         torch.testing.assert_close(loss, ref_loss, **TOL)
         assert_matches(model, reference, "grad")
         assert_sharded_views(model)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
         assert_matches(model, reference, "param")
 
 
@@ -196,10 +199,7 @@ def _frozen_parameters_inside_a_unit():
         sharded_step(model, step)
         assert model.layers[1].up.weight.grad is None and model.norm.bias.grad is None
         assert_matches(model, reference, "grad")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
     assert_matches(model, reference, "param")
 
 
@@ -222,10 +222,7 @@ def _unused_parameters_inside_a_unit():
         sharded_step(model, step)
         assert model.layers[0].unused.weight.grad is None and model.layers[1].unused_first.bias.grad is None
         assert_matches(model, reference, "grad")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
     assert_matches(model, reference, "param")
 
 
@@ -287,10 +284,7 @@ def _thirty_two_row_blocks():
         rank = dist.get_rank()
         model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
         assert_matches(model, reference, "grad")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
     assert_matches(model, reference, "param")
 
 
@@ -314,10 +308,7 @@ def _meta_device_init_matches_eager():
     for step in range(2):
         reference_step(eager, step, world)
         sharded_step(model, step)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
     assert_matches(model, eager, "param")
 
 
@@ -352,10 +343,7 @@ def _explicit_unshard_reshard_and_prefetch():
             p.grad /= 2
         sharded_step(model, step)
         assert_matches(model, reference, "grad")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        step_and_zero(opt, ref_opt)
 
 
 def test_unshard_reshard_prefetch_and_divide_factor(dist_run):

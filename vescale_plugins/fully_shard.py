@@ -67,11 +67,13 @@ class VeScaleFSDPModule:
             unit.reshard_after_forward = reshard_after_forward
 
     def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
-        """Start these units' all-gathers when this unit's forward starts."""
+        """Start these units' all-gathers when this unit's forward starts (default: the unit
+        that ran after it in the previous forward; ``[]`` for none)."""
         self._vescale_fsdp_unit.forward_prefetch = [_unit_of(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
-        """Start these units' all-gathers when this unit's backward starts (default: the previous unit)."""
+        """Start these units' all-gathers during this unit's backward, once its first gradient
+        has landed (default: the unit that ran before it in forward)."""
         self._vescale_fsdp_unit.backward_prefetch = [_unit_of(m) for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
