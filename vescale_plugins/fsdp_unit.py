@@ -362,9 +362,10 @@ class FSDPUnit:
 
         The first gradient of a pass was stolen by autograd (``param.grad`` is the tensor the
         backward op produced): copy it into the slice and point ``.grad`` at the slice (autograd
-        frees the tensor when its accumulation step returns). Later gradients find ``.grad`` set and autograd adds them in place. The
-        buffer is allocated here, at the unit's first gradient rather than before its
-        backward, so it never coexists with the activation gradients of the ops before it.
+        frees the tensor when its accumulation step returns). Later gradients find ``.grad``
+        set, and autograd adds them in place. The buffer is allocated here, at the unit's first
+        gradient rather than before its backward, so it never coexists with the activation
+        gradients of the ops before it.
         """
 
         def hook(param: nn.Parameter) -> None:
@@ -401,8 +402,9 @@ class FSDPUnit:
     def _reduce_gradients(self) -> None:
         """Issue this unit's reduce-scatters asynchronously (at most one unit in flight).
 
-        Waiting for the previous unit's first bounds the full-gradient buffers alive at once
-        to two units, as FSDP2 does; the root waits for the last ones at the end of backward.
+        The previous unit's reduce-scatter was normally finished at this unit's first gradient
+        (so one unit's full gradients are alive at a time, the root's aside); the root waits
+        for the last ones at the end of backward.
         """
         root = self.root
         root.wait_for_reduces()
