@@ -3,8 +3,9 @@
 A unit is what one ``fully_shard`` call manages. Between steps every managed parameter is an
 ``nn.Parameter(DTensor)`` whose local tensor is a view of a DBuffer's sharded buffer. Around
 the unit's forward and backward, the modules see plain unsharded parameters that are views of
-the unsharded buffer. Gradients reach the unsharded gradient buffer by autograd's in-place
-accumulation into pre-set ``.grad`` views, and leave it by one reduce-scatter per DBuffer.
+the unsharded buffer. A parameter's first gradient of a pass is copied into its slice of the
+unsharded gradient buffer (later ones accumulate there in place), and the buffer leaves by one
+reduce-scatter per DBuffer.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ AdamW on the same per-rank batches. Four phases, in this order:
    and a step's time (and minor page-fault count) is the slowest rank's;
 3. profile (unless ``--profile-steps 0``): a few more steps per engine under
    ``torch.profiler``, to split off the copies inside each engine's collective scopes, gloo's
-   own copies, and the cost of zeroing/accumulating into pre-set gradient buffers;
+   own copies, and the cost of moving gradients into the flat gradient buffer;
 4. parity: last loss of both and the largest difference between their parameters.
 
 A step is forward, backward, ``optimizer.step()`` and ``optimizer.zero_grad()``. The time
@@ -250,8 +250,9 @@ class StepProfile:
         engine_copy_ms_by_op: copy ops the engine runs inside those scopes, outside the backend.
         backend_copy_ms: copy ops of the backend itself: inside its ops (gloo staging, any
             thread) and the copy-out gloo's reduce-scatter does in ``wait()``.
-        grad_fill_ms: ``zero_`` in backward plus ``add_`` done by AccumulateGrad into an
-            existing ``.grad`` (what a pre-set gradient buffer costs instead of a copy).
+        grad_fill_ms: getting gradients into a flat buffer: ``zero_`` in backward, plus the
+            ``add_`` (into an existing ``.grad``) and ``copy_`` (veScale's gradient hook) run
+            under AccumulateGrad.
         top_self_ms: the ops with the most self time, with it.
     """
 
@@ -318,7 +319,7 @@ def _is_gloo_wait_copy(n: Any) -> bool:
 def _is_grad_fill(n: Any) -> bool:
     if n.name == "aten::zero_":
         return _has_ancestor(n, lambda a: a.name.startswith("autograd::engine::"))
-    return n.name == "aten::add_" and n.parent is not None and n.parent.name == ACCUMULATE_GRAD
+    return n.name in ("aten::add_", "aten::copy_") and n.parent is not None and n.parent.name == ACCUMULATE_GRAD
 
 
 def _walk(roots: Sequence[Any]) -> list[Any]:
@@ -447,7 +448,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(
             f"profiled {name}: step {p['step_ms']:.1f} ms, in its collective scopes {p['collective_ms']:.1f}; "
             f"engine copies there {p['engine_copy_ms']:.2f} ms ({share:.1f}% of the step){' = ' + ops if ops else ''}; "
-            f"gradient zero_/accumulate {p['grad_fill_ms']:.2f} ms; gloo's own copies {p['backend_copy_ms']:.2f} ms"
+            f"gradients into buffers (zero_/add_/copy_ under AccumulateGrad) {p['grad_fill_ms']:.2f} ms; gloo's own copies {p['backend_copy_ms']:.2f} ms"
         )
         for op, ms in p["top_self_ms"]:
             lines.append(f"    {op:<60}{ms:>9.2f} ms self")
