@@ -48,5 +48,11 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads(result_json.read_text())
     assert data["settings"]["frontend"] == frontend
+    # The front end chose the units (each decoder layer, then the root); FSDP2 got the same
+    # ones, so both move the same bytes per step (padding aside).
+    assert data["ranks"][0]["units"] == [["layers.1"], ["layers.0"], [""]]
+    engines = data["summary"]["engines"]
+    gathered = [engines[name]["all_gather_bytes_per_step"] for name in ("fsdp2", "vescale")]
+    assert abs(gathered[0] - gathered[1]) <= 0.01 * gathered[0], gathered
     parity = data["summary"]["parity"]
     assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5

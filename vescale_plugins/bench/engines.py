@@ -53,6 +53,8 @@ class Engine:
     optimizer: torch.optim.Optimizer
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     planner_seconds: float = 0.0
+    # FSDP2's units as module names (root last), when they mirror a front end's; None: _units.
+    unit_groups: list[list[str]] | None = None
 
 
 def build_model(settings: BenchSettings, device: torch.device) -> Llama:
@@ -60,21 +62,36 @@ def build_model(settings: BenchSettings, device: torch.device) -> Llama:
     return Llama(settings.config).to(device)
 
 
-def _units(model: Llama) -> list[Any]:
-    """torchtitan's units: the embedding, each block, the final norm with the head, the root.
+def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]:
+    """The units to shard, the root last: ``groups`` of module names if given, else
+    torchtitan's: the embedding, each block, the final norm with the head, the root.
 
     The embedding and the head are used at opposite ends of the step, so one unit holding
     both would keep the embedding's gradients (and parameters) alive through all of backward.
     """
+    if groups is not None:
+        return [[model.get_submodule(name) for name in group] if len(group) > 1 else model.get_submodule(group[0]) for group in groups]
     return [model.embed_tokens, *model.layers, [model.norm, model.lm_head], model]
 
 
-def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any]) -> None:
+def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
+    """The module names (as in the user's model) of each veScale-FSDP unit, inner units first."""
+    names = {id(module): _strip_wrappers(name) for name, module in model.named_modules()}
+    units = []
+    for module in model.modules():
+        unit = getattr(module, "_vescale_fsdp_unit", None)
+        if unit is not None and unit not in units:
+            units.append(unit)
+    # Reversed pre-order: every unit after the units nested in it (the order fully_shard needs).
+    return [[names[id(m)] for m in unit.modules] for unit in reversed(units)]
+
+
+def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], groups: list[list[str]] | None = None) -> None:
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward)
     if shard is fully_shard and settings.block_rows:
         rows = settings.block_rows
         kwargs["block_size_fn"] = lambda name, p: rows if p.dim() == 2 and p.shape[0] % rows == 0 else None
-    for unit in _units(model):
+    for unit in _units(model, groups):
         shard(unit, **kwargs)
 
 
@@ -97,13 +114,17 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
 
-def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device) -> Engine:
-    """One engine, ready to step: the model, sharded by ``name`` through the front end."""
+def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device, unit_groups: list[list[str]] | None = None) -> Engine:
+    """One engine, ready to step: the model, sharded by ``name`` through the front end.
+
+    ``unit_groups`` (FSDP2 only): shard these modules as units, so that FSDP2 gets the units a
+    front end's own wrap policy chose for veScale-FSDP (see :func:`vescale_unit_groups`).
+    """
     model = build_model(settings, device)
     if name == "fsdp2":
-        _shard_plain(model, settings, mesh, torch_fully_shard)
+        _shard_plain(model, settings, mesh, torch_fully_shard, unit_groups)
         optimizer = _optimizer(model)
-        return Engine(name, model, optimizer, _plain_step(model, optimizer))
+        return Engine(name, model, optimizer, _plain_step(model, optimizer), unit_groups=unit_groups)
     clear_plan_cache()
     start = time.perf_counter()
     if settings.frontend == "plain":
@@ -144,7 +165,13 @@ def _accelerate_engine(model: Llama, settings: BenchSettings) -> Engine:
 
     from accelerate_plugin import VeScaleFSDPPlugin
 
-    plugin = VeScaleFSDPPlugin(reshard_after_forward=settings.reshard_after_forward is not False)
+    # As an Accelerate user would configure it: each decoder layer a unit (without a policy,
+    # Accelerate shards only the root, for FSDP2 and for this plugin alike).
+    plugin = VeScaleFSDPPlugin(
+        reshard_after_forward=settings.reshard_after_forward is not False,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["DecoderLayer"],
+    )
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True)
     model, optimizer = accelerator.prepare(model, _optimizer(model))
 
@@ -184,7 +211,7 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     world = dist.get_world_size()
     gather_itemsize = 2 if settings.mixed_precision else 4
     reduce_itemsize = 4
-    units = [u if isinstance(u, list) else [u] for u in _units(engine.model)]  # ..., the root last
+    units = [u if isinstance(u, list) else [u] for u in _units(engine.model, engine.unit_groups)]  # ..., the root last
     if engine.name == "vescale":
         # Whatever units the front end chose (its own wrap policy), the root last.
         found = []
@@ -260,11 +287,13 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
 _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.")
 
 
+def _strip_wrappers(name: str) -> str:
+    """A parameter or module name as in the user's model (front-end wrappers' prefixes removed)."""
+    while name.startswith(_WRAPPER_PREFIXES) or name in ("_forward_module", "module", "_orig_mod"):
+        name = name.split(".", 1)[1] if "." in name else ""
+    return name
+
+
 def parameter_names(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by their name in the user's model (front-end wrappers' prefixes removed)."""
-    named = {}
-    for name, param in model.named_parameters():
-        while name.startswith(_WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]
-        named[name] = param
-    return named
+    return {_strip_wrappers(name): param for name, param in model.named_parameters()}

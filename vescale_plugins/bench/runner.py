@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes
+from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups
 from .memory import AllocationTracker
 
 
@@ -43,7 +43,7 @@ def _synchronize(device: torch.device) -> None:
 CPU_MEMORY_REPEATS = 3
 
 
-def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list) -> int:
+def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, unit_groups: list[list[str]] | None) -> int:
     """Peak live tensor bytes of one engine: build, one warm step, one measured step.
 
     CUDA: the allocator's own peak statistic. CPU: the smallest of ``CPU_MEMORY_REPEATS``
@@ -53,14 +53,14 @@ def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        engine = build_engine(name, settings, mesh, device)
+        engine = build_engine(name, settings, mesh, device, unit_groups)
         for tokens, targets in data[:2]:
             engine.step(tokens.to(device), targets.to(device))
         return torch.cuda.max_memory_allocated(device) - base
     peaks = []
     for _ in range(CPU_MEMORY_REPEATS):
         with AllocationTracker() as tracker:
-            engine = build_engine(name, settings, mesh, device)
+            engine = build_engine(name, settings, mesh, device, unit_groups)
             engine.step(*data[0])
             with tracker.region("step"):
                 engine.step(*data[1])
@@ -85,7 +85,10 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     device = _device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     data = batches(settings, dist.get_rank(), warmup + steps)
-    engines = {name: build_engine(name, settings, mesh, device) for name in ENGINES}
+    # A front end's own wrap policy chooses veScale-FSDP's units; FSDP2 gets the same ones.
+    vescale = build_engine("vescale", settings, mesh, device)
+    unit_groups = vescale_unit_groups(vescale.model) if settings.frontend != "plain" else None
+    engines = {"fsdp2": build_engine("fsdp2", settings, mesh, device, unit_groups), "vescale": vescale}
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
             engine.step(tokens.to(device), targets.to(device))
@@ -104,7 +107,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             progress(name)
     params = {name: parameter_names(engines[name].model) for name in ENGINES}
     max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
-    result: dict[str, Any] = {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "engines": {}}
+    result: dict[str, Any] = {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "engines": {}, "units": vescale_unit_groups(vescale.model)}
     tokens, targets = data[-1]
     for name, engine in engines.items():
         result["engines"][name] = {
@@ -117,7 +120,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
     del engines, params
     for name in ENGINES:
-        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data)
+        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data, unit_groups if name == "fsdp2" else None)
         progress("memory")
     return result
 
