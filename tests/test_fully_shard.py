@@ -159,7 +159,9 @@ def test_mixed_precision_keeps_fp32_shards_and_grads(dist_run):
 # ----------------------------------------------------------------------------------
 
 
-def _gradient_accumulation_without_communication():
+def _gradient_accumulation_without_communication(keep_unsharded):
+    """Micro-batch 0 accumulates locally (optionally keeping the units gathered, as FSDP2's
+    ``set_reshard_after_backward(False)`` allows); micro-batch 1 syncs and reshards."""
     world = dist.get_world_size()
     reference = make_decoder()
     model = shard_decoder(clone(reference))
@@ -167,12 +169,18 @@ def _gradient_accumulation_without_communication():
 
     for micro in range(2):
         model.set_requires_gradient_sync(micro == 1)
+        model.set_reshard_after_backward(micro == 1 or not keep_unsharded)
         tokens, targets = local_batch(micro)
         loss = loss_fn(model(tokens), targets) / 2
         _, counts = _comm_counts(loss.backward)
+        blocks_gathered = [layer._vescale_fsdp_unit.is_unsharded for layer in model.layers]
         if micro == 0:
             assert "reduce_scatter" not in counts, counts
-            assert all(p.grad is None for p in model.parameters())
+            assert blocks_gathered == [keep_unsharded] * len(model.layers)
+            # Sharded parameters have no gradient yet (gathered blocks show their full ones).
+            assert all(p.grad is None for p in model.parameters() if isinstance(p, DTensor))
+        else:
+            assert not any(blocks_gathered)
     for micro in range(2):
         (reference_step(reference, micro, world) * 0).sum()
     # the reference accumulated two mean-loss gradients; ours accumulated halves
@@ -181,8 +189,9 @@ def _gradient_accumulation_without_communication():
     assert_matches(model, reference, "grad")
 
 
-def test_gradient_accumulation_matches_one_big_batch(dist_run):
-    dist_run(_gradient_accumulation_without_communication, 3)
+@pytest.mark.parametrize("keep_unsharded", [False, True])
+def test_gradient_accumulation_matches_one_big_batch(dist_run, keep_unsharded):
+    dist_run(_gradient_accumulation_without_communication, 3, keep_unsharded)
 
 
 def _frozen_parameters_inside_a_unit():
