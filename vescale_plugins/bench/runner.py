@@ -85,10 +85,17 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     device = _device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     data = batches(settings, dist.get_rank(), warmup + steps)
-    # A front end's own wrap policy chooses veScale-FSDP's units; FSDP2 gets the same ones.
-    vescale = build_engine("vescale", settings, mesh, device)
-    unit_groups = vescale_unit_groups(vescale.model) if settings.frontend != "plain" else None
-    engines = {"fsdp2": build_engine("fsdp2", settings, mesh, device, unit_groups), "vescale": vescale}
+    # A front end's own wrap policy chooses veScale-FSDP's units, and FSDP2 gets the same ones,
+    # so veScale-FSDP is built first there. Plain: FSDP2 first, so veScale-FSDP's planner time
+    # does not include the process's first DTensor set-up.
+    if settings.frontend == "plain":
+        unit_groups, fsdp2 = None, build_engine("fsdp2", settings, mesh, device)
+        vescale = build_engine("vescale", settings, mesh, device)
+    else:
+        vescale = build_engine("vescale", settings, mesh, device)
+        unit_groups = vescale_unit_groups(vescale.model)
+        fsdp2 = build_engine("fsdp2", settings, mesh, device, unit_groups)
+    engines = {"fsdp2": fsdp2, "vescale": vescale}
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
             engine.step(tokens.to(device), targets.to(device))
