@@ -346,9 +346,9 @@ class DBuffer:
             with _record_scope(COMM_BUFFER_REGION):
                 if self.reduce_dtype != full.dtype:
                     full = full.to(self.reduce_dtype)
-                out = None if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+                temporary_out = None if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             sharded_grad = self._sharded_grad_for_reduce()
-            out = sharded_grad if out is None else out
+            out = sharded_grad if in_place else temporary_out
             temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
             event = None
             if record is not None:

@@ -234,7 +234,7 @@ class RunRecord:
         split = dict.fromkeys(PEAK_KINDS, 0)
         split["sharded_state"] = self._state_at_open
         for scope, nbytes in by_scope.items():
-            split[_MEMORY_SCOPES.get(scope, "activations_and_temporaries") if scope else "activations_and_temporaries"] += nbytes
+            split[_MEMORY_SCOPES.get(scope, "activations_and_temporaries")] += nbytes
         self.peak = {"total_bytes": self._state_at_open + tracked, "split": split}
 
     def to_dict(self) -> dict[str, Any]:

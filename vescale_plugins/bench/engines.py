@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from .. import fully_shard
+from ..fsdp_unit import _iter_units
 from ..planner import clear_plan_cache
 from .llama import Llama, LlamaConfig
 
@@ -77,13 +78,8 @@ def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]
 def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
     """The module names (as in the user's model) of each veScale-FSDP unit, inner units first."""
     names = {id(module): _strip_wrappers(name) for name, module in model.named_modules()}
-    units = []
-    for module in model.modules():
-        unit = getattr(module, "_vescale_fsdp_unit", None)
-        if unit is not None and unit not in units:
-            units.append(unit)
     # Reversed pre-order: every unit after the units nested in it (the order fully_shard needs).
-    return [[names[id(m)] for m in unit.modules] for unit in reversed(units)]
+    return [[names[id(m)] for m in unit.modules] for unit in reversed(_iter_units([model]))]
 
 
 def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], groups: list[list[str]] | None = None) -> None:
@@ -214,11 +210,7 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     units = [u if isinstance(u, list) else [u] for u in _units(engine.model, engine.unit_groups)]  # ..., the root last
     if engine.name == "vescale":
         # Whatever units the front end chose (its own wrap policy), the root last.
-        found = []
-        for module in engine.model.modules():
-            unit = getattr(module, "_vescale_fsdp_unit", None)
-            if unit is not None and unit not in found:
-                found.append(unit)
+        found = _iter_units([engine.model])
         found.sort(key=lambda unit: unit.root is unit)
         padding = sum(b.layout.padding for unit in found for b in unit.dbuffers) // world
         unit_elements = [sum(b.layout.buffer_size for b in unit.dbuffers) for unit in found]
@@ -289,7 +281,7 @@ _WRAPPER_PREFIXES = ("_forward_module.", "module.", "_orig_mod.")
 
 def _strip_wrappers(name: str) -> str:
     """A parameter or module name as in the user's model (front-end wrappers' prefixes removed)."""
-    while name.startswith(_WRAPPER_PREFIXES) or name in ("_forward_module", "module", "_orig_mod"):
+    while (name + ".").startswith(_WRAPPER_PREFIXES):
         name = name.split(".", 1)[1] if "." in name else ""
     return name
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -233,7 +233,7 @@ class AllocationTracker:
                     peak, peak_step = total, step
             else:
                 break
-        return RegionMemory(name, start, peak, end, self._owners_after(peak_step))
+        return RegionMemory(name, start, peak, end, self._live_after(peak_step, lambda block: self._owner(block.alloc_ns)))
 
     def peak_by_scope(self) -> tuple[int, dict[str | None, int]]:
         """The most live bytes at any moment, and those bytes by scope prefix (None: no scope)."""
@@ -241,26 +241,18 @@ class AllocationTracker:
         for step, (_, total, _) in enumerate(self._replay()):
             if total > peak:
                 peak, peak_step = total, step
-        split: dict[str | None, int] = {}
-        for step, (_, _, live) in enumerate(self._replay()):
-            if step == peak_step:
-                for index in live:
-                    block = self._blocks[index]
-                    split[block.scope] = split.get(block.scope, 0) + block.nbytes
-                break
-        return peak, split
+        return peak, self._live_after(peak_step, lambda block: block.scope)
 
-    def _owners_after(self, last_step: int) -> dict[str, int]:
-        """Live bytes after replay step ``last_step``, by the region that allocated them."""
-        owners: dict[str, int] = {}
+    def _live_after(self, last_step: int, key: Callable[[_Block], Any]) -> dict[Any, int]:
+        """Live bytes after replay step ``last_step``, grouped by ``key(block)``."""
+        groups: dict[Any, int] = {}
         for step, (_, _, live) in enumerate(self._replay()):
             if step == last_step:
                 for index in live:
                     block = self._blocks[index]
-                    owner = self._owner(block.alloc_ns)
-                    owners[owner] = owners.get(owner, 0) + block.nbytes
+                    groups[key(block)] = groups.get(key(block), 0) + block.nbytes
                 break
-        return owners
+        return groups
 
     def _owner(self, time_ns: int) -> str:
         """The innermost region open at ``time_ns`` (the one that began last), else ``BEFORE``."""
