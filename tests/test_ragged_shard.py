@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+import vescale_plugins.dbuffer as dbuffer_module
 from vescale_plugins import RaggedShard
+from vescale_plugins.inplace_collectives import uses_point_to_point
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -53,10 +55,29 @@ _COLLECTIVE_NAMES = {"allgather": "all_gather", "alltoall": "all_to_all", "reduc
 
 
 def _comm_counts(fn):
-    """Run ``fn`` and count the collectives it issued, by kind (c10d op names normalised)."""
-    with CommDebugMode() as mode:
-        out = fn()
+    """Run ``fn`` and count the collectives it issued, by kind (c10d op names normalised).
+
+    DBuffer's collectives on gloo are point-to-point messages (``inplace_collectives``), which
+    ``CommDebugMode`` does not see: they are counted as the collective they implement.
+    """
     counts = {}
+    originals = dbuffer_module._all_gather, dbuffer_module._reduce_scatter
+
+    def counted(kind, collective):
+        def run(output, tensor, group, async_op=False):
+            if uses_point_to_point(group, output.device):
+                counts[kind] = counts.get(kind, 0) + 1
+            return collective(output, tensor, group, async_op=async_op)
+
+        return run
+
+    dbuffer_module._all_gather = counted("all_gather", originals[0])
+    dbuffer_module._reduce_scatter = counted("reduce_scatter", originals[1])
+    try:
+        with CommDebugMode() as mode:
+            out = fn()
+    finally:
+        dbuffer_module._all_gather, dbuffer_module._reduce_scatter = originals
     for op, n in mode.get_comm_counts().items():
         name = str(op).split(".")[-1].replace("_", "") if "reduce_scatter" not in str(op) else "reduce_scatter"
         kind = next((v for k, v in _COLLECTIVE_NAMES.items() if k.replace("_", "") in name), name)

@@ -88,8 +88,8 @@ def _record_library_paths(recorder, monkeypatch_targets):
     DBuffer.reduce_scatter = path("reduce_scatter", originals["reduce_scatter"])
     dbuffer_module.GatherHandle.wait = path("all_gather", originals["GatherHandle.wait"])
     dbuffer_module.ReduceScatterHandle.wait = path("reduce_scatter", originals["ReduceScatterHandle.wait"])
-    dbuffer_module._all_gather_single = collective(originals["_all_gather_single"])
-    dbuffer_module._reduce_scatter_single = collective(originals["_reduce_scatter_single"])
+    dbuffer_module._all_gather = collective(originals["_all_gather"])
+    dbuffer_module._reduce_scatter = collective(originals["_reduce_scatter"])
     dbuffer_module._wait_collective = collective(originals["_wait_collective"])
     return originals
 
@@ -104,7 +104,7 @@ def _ours_copy_nothing():
     recorder = _LibraryOps()
     targets = [(dbuffer_module.DBuffer, "all_gather"), (dbuffer_module.DBuffer, "reduce_scatter"),
                (dbuffer_module.GatherHandle, "wait"), (dbuffer_module.ReduceScatterHandle, "wait"),
-               (dbuffer_module, "_all_gather_single"), (dbuffer_module, "_reduce_scatter_single"),
+               (dbuffer_module, "_all_gather"), (dbuffer_module, "_reduce_scatter"),
                (dbuffer_module, "_wait_collective")]
     originals = _record_library_paths(recorder, targets)
     try:

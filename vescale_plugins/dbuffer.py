@@ -3,10 +3,11 @@
 For one dtype group of one FSDP unit, the planner gives every parameter a contiguous interval
 of a global buffer of ``world_size * shard_size`` elements with no block cut by a rank
 boundary. Rank r keeps ``[r * S, (r + 1) * S)`` as its *sharded buffer*; each parameter's
-shard is a fixed view into it. ``all_gather_into_tensor`` of the sharded buffer writes the
-global layout straight into the *unsharded buffer*, whose slices are the full parameters, and
-``reduce_scatter_tensor`` of the *unsharded gradient buffer* (same layout) writes straight
-into the *sharded gradient buffer*, whose slices are the gradients' shards. No copy-in, no
+shard is a fixed view into it. The all-gather of the sharded buffer writes the global layout
+straight into the *unsharded buffer*, whose slices are the full parameters, and the
+reduce-scatter of the *unsharded gradient buffer* (same layout) writes straight into the
+*sharded gradient buffer*, whose slices are the gradients' shards (``inplace_collectives``:
+NCCL's tensor collectives, or point-to-point messages on gloo, whose own stage full copies). No copy-in, no
 copy-out, no interleaving, no per-parameter padding.
 
 Unsharded buffers keep one tensor object for the whole run and only grow or shrink their
@@ -28,7 +29,7 @@ from . import record as run_record
 from ._dtensor_bridge import set_version_counter
 from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
-from .ragged_collectives import _all_gather_single, _reduce_scatter_single
+from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
 __all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "COMM_BUFFER_REGION"]
 
@@ -293,7 +294,7 @@ class DBuffer:
                 shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
             # On a side stream the call returns once enqueued; the handle waits on an event.
-            work = _all_gather_single(unsharded, shard, group=self.group, async_op=async_op and not streams.enabled)
+            work = _all_gather(unsharded, shard, self.group, async_op=async_op and not streams.enabled)
             handle = GatherHandle(unsharded, version, work, event, streams, streams.record(streams.all_gather))
         if not async_op:
             handle.wait()
@@ -315,8 +316,8 @@ class DBuffer:
     def allocate_unsharded_grad(self) -> torch.Tensor:
         """Allocate the unsharded gradient buffer, zeroing only its padding.
 
-        Each parameter's slice is written whole by its first gradient (or zeroed before the
-        reduce-scatter if none came), so the buffer needs no memset of its own.
+        Each parameter's slice is then written whole (its gradient copied in, or zeros if none
+        came), so the buffer needs no memset of its own.
         """
         if self._unsharded_grad.allocated:
             return self._unsharded_grad.tensor
@@ -354,7 +355,7 @@ class DBuffer:
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)
                 event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
-            work = _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op and not streams.enabled)
+            work = _reduce_scatter(out, full, self.group, async_op=async_op and not streams.enabled)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes, done_event)
         if not async_op:

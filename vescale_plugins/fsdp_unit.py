@@ -3,8 +3,9 @@
 A unit is what one ``fully_shard`` call manages. Between steps every managed parameter is an
 ``nn.Parameter(DTensor)`` whose local tensor is a view of a DBuffer's sharded buffer. Around
 the unit's forward and backward, the modules see plain unsharded parameters that are views of
-the unsharded buffer. A parameter's first gradient of a pass is copied into its slice of the
-unsharded gradient buffer (later ones accumulate there in place), and the buffer leaves by one
+the unsharded buffer. Autograd's gradients stay on those parameters through the unit's
+backward (and across micro-batches that do not sync, accumulating in place); after the unit
+reshards they are copied into the unsharded gradient buffer, which leaves by one
 reduce-scatter per DBuffer.
 """
 
@@ -38,10 +39,6 @@ class ManagedParam:
     buffer_index: int
     slot_index: int
     unsharded: nn.Parameter | None = None
-    # Its slice of the unsharded gradient buffer, and whether that slice holds its gradient
-    # (written by the first gradient of the pass; later ones accumulate into it in place).
-    grad_view: torch.Tensor | None = None
-    got_grad: bool = False
     # The parameter fully_shard replaced, weakly: a module outside the unit still holding it
     # (a tied weight) is a parameter shared across units, which the outer unit must refuse.
     original: Any = None
@@ -169,7 +166,7 @@ class FSDPUnit:
                     with torch.no_grad():
                         view.copy_(old_local)
                 set_local_tensor(m.sharded, view)
-                m.unsharded, m.grad_view, m.got_grad = None, None, False
+                m.unsharded = None
 
     # -- unshard / reshard ------------------------------------------------------------
 
@@ -206,7 +203,7 @@ class FSDPUnit:
                 dbuffer = self.dbuffers[m.buffer_index]
                 m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
                 if m.unsharded.requires_grad:
-                    m.unsharded.register_post_accumulate_grad_hook(self._gradient_hook(m))
+                    m.unsharded.register_post_accumulate_grad_hook(self._gradient_hook())
             m.register(m.unsharded)
 
     def register_state_dict_hooks(self) -> None:
@@ -358,30 +355,17 @@ class FSDPUnit:
                 return [earlier]
         return []
 
-    def _gradient_hook(self, m: ManagedParam) -> Callable[[nn.Parameter], None]:
-        """Move a parameter's gradient into its slice of the unsharded gradient buffer.
+    def _gradient_hook(self) -> Callable[[nn.Parameter], None]:
+        """At the unit's first gradient: finish the previous unit's reduce-scatter, then start
+        gathering the unit whose backward comes next.
 
-        The first gradient of a pass was stolen by autograd (``param.grad`` is the tensor the
-        backward op produced): copy it into the slice and point ``.grad`` at the slice (autograd
-        frees the tensor when its accumulation step returns). Later gradients find ``.grad``
-        set, and autograd adds them in place. The buffer is allocated here, at the unit's first
-        gradient rather than before its backward, so it never coexists with the activation
-        gradients of the ops before it.
+        The reduce-scatter has overlapped this unit's backward up to here; finishing it frees
+        its gradient buffer before the prefetch allocates, so the two are never alive at once.
         """
 
         def hook(param: nn.Parameter) -> None:
-            if param.grad is not None and param.grad is not m.grad_view:
-                dbuffer = self.dbuffers[m.buffer_index]
-                if not dbuffer.has_unsharded_grad:
-                    # The previous unit's reduce-scatter has overlapped this unit's backward up
-                    # to here; finishing it now frees its gradient buffer before this one is made.
-                    self.root.wait_for_reduces()
-                    dbuffer.allocate_unsharded_grad()
-                if m.grad_view is None:
-                    m.grad_view = dbuffer.unsharded_grad_view(m.slot_index)
-                m.grad_view.copy_(param.grad)
-                param.grad = m.grad_view
-                m.got_grad = True
+            if not self._iteration.backward_prefetched:
+                self.root.wait_for_reduces()
             self._prefetch_for_backward()
 
         return hook
@@ -401,11 +385,15 @@ class FSDPUnit:
             self._reduce_gradients()
 
     def _reduce_gradients(self) -> None:
-        """Issue this unit's reduce-scatters asynchronously (at most one unit in flight).
+        """Move the unit's gradients into its gradient buffers and reduce-scatter them
+        asynchronously (at most one unit in flight).
 
-        The previous unit's reduce-scatter was normally finished at this unit's first gradient
-        (so one unit's full gradients are alive at a time, the root's aside); the root waits
-        for the last ones at the end of backward.
+        Called after resharding, as FSDP2 chunk-cats after resharding: the buffer is allocated
+        once the unsharded parameters are freed and the previous unit's reduce-scatter (which
+        overlapped this unit's backward) is finished, so one unit's full gradients are alive
+        at a time, the root's aside. Autograd's gradients are copied in (one copy each: its
+        backward ops always write fresh tensors) and freed as they are copied. The root waits
+        for the last reduce-scatters at the end of backward.
         """
         root = self.root
         root.wait_for_reduces()
@@ -414,24 +402,27 @@ class FSDPUnit:
             if not members:
                 continue
             # Every rank reduces every unit that ran backward, gradients or not (another rank's
-            # data may have reached parameters this one's did not): slices no gradient wrote are
-            # zeroed first.
+            # data may have reached parameters this one's did not): slices no gradient reached
+            # are zeroed.
             dbuffer.allocate_unsharded_grad()
+            got = []
             for m in members:
-                if not m.got_grad:
-                    dbuffer.unsharded_grad_view(m.slot_index).zero_()
+                grad = m.unsharded.grad if m.unsharded is not None else None
+                slot = dbuffer.unsharded_grad_view(m.slot_index)
+                if grad is None:
+                    slot.zero_()
+                else:
+                    slot.copy_(grad)
+                    m.unsharded.grad = None
+                got.append(grad is not None)
             accumulate = any(m.sharded.grad is not None for m in members)
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.
                 for m in members:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
-            got = [m.got_grad for m in members]
             root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
             for m, received in zip(members, got):
-                if m.unsharded is not None:
-                    m.unsharded.grad = None
-                m.got_grad = False
                 if m.sharded.grad is None and received:
                     local = dbuffer.sharded_grad_view(m.slot_index)
                     m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())

@@ -56,6 +56,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from vescale_plugins import fully_shard as vescale_fully_shard
 from vescale_plugins.bench.memory import AllocationTracker, RegionMemory
+from vescale_plugins.inplace_collectives import POINT_TO_POINT_SCOPE
 
 ENGINES = ("fsdp2", "vescale")
 SHARD_FNS: dict[str, Callable[..., Any]] = {"fsdp2": torch_fully_shard, "vescale": vescale_fully_shard}
@@ -72,8 +73,9 @@ COLLECTIVE_SCOPES = {
     "fsdp2": ("FSDP::all_gather", "FSDP::post_backward_reduce"),
     "vescale": ("vescale::all_gather", "vescale::reduce_scatter"),
 }
-# Scopes of the collective backend itself (gloo's own staging copies live here).
-BACKEND_SCOPES = ("c10d::", "gloo:")
+# Scopes of the collective itself: the backend's (gloo's own staging copies live there), and
+# the point-to-point collectives veScale uses on gloo (their own chunk's local write).
+BACKEND_SCOPES = ("c10d::", "gloo:", POINT_TO_POINT_SCOPE)
 COPY_OPS = frozenset({
     "aten::copy_", "aten::_foreach_copy_", "aten::split_with_sizes_copy", "aten::_chunk_cat",
     "aten::cat", "aten::clone", "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
