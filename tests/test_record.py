@@ -58,14 +58,16 @@ def _recorded_run():
     m = d["memory"]
     assert m["peak_bytes_by_kind"]["unsharded_params"] > 0 and m["peak_bytes_by_kind"]["unsharded_grads"] > 0
     assert m["sharded_state_bytes"]["optimizer_state"] > 0
-    # The root's gradients (its tied embedding gets gradients at both ends of backward) plus
-    # one block's at a time: a block's reduce-scatter is finished before the next block's
-    # gradient buffer is allocated (at that block's first gradient).
+    # One unit's gradient buffer alive at a time: a unit's buffer is made after it reshards
+    # and after the previous unit's reduce-scatter has freed that unit's buffer.
     def grad_buffer_bytes(module):
         return sum(b._unsharded_grad.nbytes for b in module._vescale_fsdp_unit.dbuffers)
 
-    bound = grad_buffer_bytes(model) + max(grad_buffer_bytes(layer) for layer in model.layers)
-    assert grad_buffer_bytes(model) < m["peak_bytes_by_kind"]["unsharded_grads"] <= bound, (m["peak_bytes_by_kind"], bound)
+    largest = max(grad_buffer_bytes(unit) for unit in (model, *model.layers))
+    assert m["peak_bytes_by_kind"]["unsharded_grads"] == largest, (m["peak_bytes_by_kind"], largest)
+    # Gradients are reduced in fp32 from a buffer made in fp32 (the copy into it is the cast):
+    # the only communication buffers are the bf16 all-gather inputs and reduce-scatter outputs.
+    assert m["peak_bytes_by_kind"]["comm_buffers"] < largest, m["peak_bytes_by_kind"]
     # The peak of all live tensor bytes, split by what they were: every kind accounted for.
     peak = m["peak"]
     assert set(peak["split"]) == set(run_record.PEAK_KINDS) and sum(peak["split"].values()) == peak["total_bytes"]

@@ -31,7 +31,7 @@ from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
-__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "COMM_BUFFER_REGION"]
+__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
@@ -39,6 +39,9 @@ ALL_GATHER_REGION = "vescale::all_gather"
 REDUCE_SCATTER_REGION = "vescale::reduce_scatter"
 # Marked only while a run record is open, so its memory split can tell the buffers apart.
 GRADIENT_BUFFER_REGION = "vescale::gradient_buffer"
+# Where autograd's gradients are copied into the buffer and freed (the record counts them as
+# unsharded gradients by where they die: they are born in whichever op computed them).
+GRADIENT_RELEASE_REGION = "vescale::gradient_release"
 COMM_BUFFER_REGION = "vescale::comm_buffer"
 
 # Collectives and vectorised kernels like 16-byte aligned buffers; offsets are in elements.
@@ -215,7 +218,9 @@ class DBuffer:
 
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
-        self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
+        # chunk-cat casts the same way), so no cast of the whole buffer follows.
+        self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.reduce_dtype, self.device)
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
@@ -330,6 +335,24 @@ class DBuffer:
             buffer[start:end].zero_()
         return buffer
 
+    def fill_unsharded_grad(self, grads: dict[int, torch.Tensor | None]) -> None:
+        """Allocate the unsharded gradient buffer and copy each slot's gradient into it.
+
+        ``grads`` maps slot index to gradient (None: zeros). It is emptied as the gradients
+        are copied, so each is freed right after its copy when ``grads`` held the last
+        reference.
+        """
+        self.allocate_unsharded_grad()
+        with _record_scope(GRADIENT_RELEASE_REGION):
+            while grads:
+                index, grad = grads.popitem()
+                slot = self.unsharded_grad_view(index)
+                if grad is None:
+                    slot.zero_()
+                else:
+                    slot.copy_(grad)
+                del grad
+
     def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False) -> "ReduceScatterHandle":
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
 
@@ -345,12 +368,10 @@ class DBuffer:
             full = self._unsharded_grad.tensor
             in_place = not accumulate and self.reduce_dtype == self.dtype
             with _record_scope(COMM_BUFFER_REGION):
-                if self.reduce_dtype != full.dtype:
-                    full = full.to(self.reduce_dtype)
                 temporary_out = None if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
             sharded_grad = self._sharded_grad_for_reduce()
             out = sharded_grad if in_place else temporary_out
-            temp_bytes = (0 if full is self._unsharded_grad.tensor else full.numel() * full.element_size()) + (0 if in_place else out.numel() * out.element_size())
+            temp_bytes = 0 if in_place else out.numel() * out.element_size()
             event = None
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)

@@ -404,17 +404,13 @@ class FSDPUnit:
             # Every rank reduces every unit that ran backward, gradients or not (another rank's
             # data may have reached parameters this one's did not): slices no gradient reached
             # are zeroed.
-            dbuffer.allocate_unsharded_grad()
-            got = []
+            grads = {}
             for m in members:
-                grad = m.unsharded.grad if m.unsharded is not None else None
-                slot = dbuffer.unsharded_grad_view(m.slot_index)
-                if grad is None:
-                    slot.zero_()
-                else:
-                    slot.copy_(grad)
+                grads[m.slot_index] = m.unsharded.grad if m.unsharded is not None else None
+                if m.unsharded is not None:
                     m.unsharded.grad = None
-                got.append(grad is not None)
+            got = [grads[m.slot_index] is not None for m in members]
+            dbuffer.fill_unsharded_grad(grads)
             accumulate = any(m.sharded.grad is not None for m in members)
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.

@@ -72,6 +72,7 @@ _MEMORY_SCOPES = {
     "vescale::comm_buffer": "comm_buffers",  # mixed-precision casts around the collectives
     "vescale::all_gather": "unsharded_params",
     "vescale::gradient_buffer": "unsharded_grads",
+    "vescale::gradient_release": "unsharded_grads",  # autograd's gradients, freed there
     "vescale::reduce_scatter": "sharded_grads",
 }
 PEAK_KINDS = ("sharded_state", "unsharded_params", "unsharded_grads", "sharded_grads", "comm_buffers", "activations_and_temporaries")
@@ -224,7 +225,7 @@ class RunRecord:
         # Tensors made before the record opened are invisible to the tracker: count the sharded
         # parameters and optimizer state that existed then (gradients are remade each step).
         self._state_at_open = state["parameters"] + state["optimizer_state"]
-        tracker = AllocationTracker(self._device_type(), scopes=tuple(_MEMORY_SCOPES))
+        tracker = AllocationTracker(self._device_type(), scopes=tuple(_MEMORY_SCOPES), free_scopes=("vescale::gradient_release",))
         tracker.__enter__()
         return tracker
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,8 @@ class Engine:
     optimizer: torch.optim.Optimizer
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     planner_seconds: float = 0.0
-    # FSDP2's units as module names (root last), when they mirror a front end's; None: _units.
-    unit_groups: list[list[str]] | None = None
+    # FSDP2's units (root last), when they mirror a front end's; None: _units.
+    units: list[UnitChoice] | None = None
 
 
 def build_model(settings: BenchSettings, device: torch.device) -> Llama:
@@ -75,20 +75,34 @@ def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]
     return [model.embed_tokens, *model.layers, [model.norm, model.lm_head], model]
 
 
-def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
-    """The module names (as in the user's model) of each veScale-FSDP unit, inner units first."""
+# One unit as a front end chose it: its module names (as in the user's model) and the
+# ``reshard_after_forward`` it was given.
+UnitChoice = tuple[list[str], Optional[bool]]
+
+
+def vescale_units(model: nn.Module) -> list[UnitChoice]:
+    """Each veScale-FSDP unit of ``model``, inner units first."""
     names = {id(module): _strip_wrappers(name) for name, module in model.named_modules()}
     # Reversed pre-order: every unit after the units nested in it (the order fully_shard needs).
-    return [[names[id(m)] for m in unit.modules] for unit in reversed(_iter_units([model]))]
+    return [([names[id(m)] for m in unit.modules], unit.reshard_after_forward) for unit in reversed(_iter_units([model]))]
 
 
-def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], groups: list[list[str]] | None = None) -> None:
+def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
+    """The module names of each veScale-FSDP unit, inner units first."""
+    return [names for names, _ in vescale_units(model)]
+
+
+def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], choices: list[UnitChoice] | None = None) -> None:
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward)
     if shard is fully_shard and settings.block_rows:
         rows = settings.block_rows
         kwargs["block_size_fn"] = lambda name, p: rows if p.dim() == 2 and p.shape[0] % rows == 0 else None
-    for unit in _units(model, groups):
-        shard(unit, **kwargs)
+    if choices is None:
+        for unit in _units(model):
+            shard(unit, **kwargs)
+        return
+    for names, reshard_after_forward in choices:
+        shard(_units(model, [names])[0], **{**kwargs, "reshard_after_forward": reshard_after_forward})
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -110,17 +124,18 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
 
-def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device, unit_groups: list[list[str]] | None = None) -> Engine:
+def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device, units: list[UnitChoice] | None = None) -> Engine:
     """One engine, ready to step: the model, sharded by ``name`` through the front end.
 
-    ``unit_groups`` (FSDP2 only): shard these modules as units, so that FSDP2 gets the units a
-    front end's own wrap policy chose for veScale-FSDP (see :func:`vescale_unit_groups`).
+    ``units`` (FSDP2 only): shard these modules as units, each with its
+    ``reshard_after_forward``, so that FSDP2 gets what a front end chose for veScale-FSDP
+    (see :func:`vescale_units`): Accelerate, for one, reshards the root after forward too.
     """
     model = build_model(settings, device)
     if name == "fsdp2":
-        _shard_plain(model, settings, mesh, torch_fully_shard, unit_groups)
+        _shard_plain(model, settings, mesh, torch_fully_shard, units)
         optimizer = _optimizer(model)
-        return Engine(name, model, optimizer, _plain_step(model, optimizer), unit_groups=unit_groups)
+        return Engine(name, model, optimizer, _plain_step(model, optimizer), units=units)
     clear_plan_cache()
     start = time.perf_counter()
     if settings.frontend == "plain":
@@ -207,24 +222,27 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     world = dist.get_world_size()
     gather_itemsize = 2 if settings.mixed_precision else 4
     reduce_itemsize = 4
-    units = [u if isinstance(u, list) else [u] for u in _units(engine.model, engine.unit_groups)]  # ..., the root last
     if engine.name == "vescale":
         # Whatever units the front end chose (its own wrap policy), the root last.
         found = _iter_units([engine.model])
         found.sort(key=lambda unit: unit.root is unit)
         padding = sum(b.layout.padding for unit in found for b in unit.dbuffers) // world
         unit_elements = [sum(b.layout.buffer_size for b in unit.dbuffers) for unit in found]
+        reshard = [unit.reshard_after_forward for unit in found]
     else:
+        groups = [names for names, _ in engine.units] if engine.units is not None else None
+        units = [u if isinstance(u, list) else [u] for u in _units(engine.model, groups)]  # ..., the root last
+        reshard = [r for _, r in engine.units] if engine.units is not None else [settings.reshard_after_forward] * len(units)
         padding, unit_elements = 0, []
         for group in units:
             params = [p for unit in group for name, p in unit.named_parameters() if not _in_child_unit(unit, name)]
             padded = sum(math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) if p.dim() else world for p in params)
             padding += (padded - sum(p.numel() for p in params)) // world
             unit_elements.append(padded)
-    # Non-root units are gathered for forward and again for backward (unless
-    # reshard_after_forward is False); the root keeps its parameters (FSDP2's default).
-    gathers = 1 if settings.reshard_after_forward is False else 2
-    gathered = (sum(unit_elements[:-1]) * gathers + unit_elements[-1]) * gather_itemsize
+    # A unit that reshards after forward is gathered for forward and again for backward;
+    # reshard_after_forward=None reshards every unit but the root (FSDP2's default).
+    resharded = [r if r is not None else i < len(reshard) - 1 for i, r in enumerate(reshard)]
+    gathered = sum(n * (2 if again else 1) for n, again in zip(unit_elements, resharded)) * gather_itemsize
     reduced = sum(unit_elements) * reduce_itemsize
     # Collective buffer sizes (all-gather output, reduce-scatter input), summed over a step.
     return {"padding_bytes": padding * 4, "all_gather_bytes_per_step": gathered, "reduce_scatter_bytes_per_step": reduced}

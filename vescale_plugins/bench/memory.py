@@ -144,11 +144,15 @@ class AllocationTracker:
         scopes: prefixes of profiler scope names (record functions, ops) to attribute
             allocations to: each block belongs to the innermost enclosing scope whose name
             starts with one of them (see :meth:`peak_by_scope`).
+        free_scopes: the same for frees: a block allocated outside every ``scopes`` entry
+            and freed inside one of these belongs to it (what a tensor was is sometimes only
+            known where it dies: autograd's gradients are made by whichever op computes them).
     """
 
-    def __init__(self, device_type: str = "cpu", scopes: tuple[str, ...] = ()) -> None:
+    def __init__(self, device_type: str = "cpu", scopes: tuple[str, ...] = (), free_scopes: tuple[str, ...] = ()) -> None:
         self.device_type = device_type
         self._scopes = scopes
+        self._free_scopes = free_scopes
         activities = [ProfilerActivity.CPU]
         if device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -182,7 +186,8 @@ class AllocationTracker:
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
                 if fields.device.type == self.device_type and fields.alloc_size != 0:
-                    events.append(_Event(node.start_time_ns, fields.ptr, fields.alloc_size, node.start_tid, _collective_end(node), _scope(node, self._scopes)))
+                    scope = _scope(node, self._scopes if fields.alloc_size > 0 else self._free_scopes)
+                    events.append(_Event(node.start_time_ns, fields.ptr, fields.alloc_size, node.start_tid, _collective_end(node), scope))
             elif node.name.startswith(_REGION_PREFIX):
                 regions.append(_Region(node.name[len(_REGION_PREFIX) :], node.start_time_ns, node.end_time_ns))
         events.sort(key=lambda e: e.time_ns)  # stable: ties keep the tree's order
@@ -315,7 +320,7 @@ def _pair(events: list[_Event]) -> list[_Block]:
         if e.nbytes < 0:
             if e.ptr in open_at:  # else: allocated before the tracker started
                 size, alloc_ns, _, scope = open_at.pop(e.ptr)
-                blocks.append(_Block(size, alloc_ns, e.time_ns, scope))
+                blocks.append(_Block(size, alloc_ns, e.time_ns, scope if scope is not None else e.scope))
             continue
         if e.ptr in open_at:  # the address is handed out again: its old block's free went unreported
             size, alloc_ns, lost_deadline, scope = open_at.pop(e.ptr)

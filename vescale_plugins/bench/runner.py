@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from .engines import ENGINES, BenchSettings, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups
+from .engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
 from .memory import AllocationTracker
 
 
@@ -43,7 +43,7 @@ def _synchronize(device: torch.device) -> None:
 CPU_MEMORY_REPEATS = 3
 
 
-def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, unit_groups: list[list[str]] | None) -> int:
+def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, units: list[UnitChoice] | None) -> int:
     """Peak live tensor bytes of one engine: build, one warm step, one measured step.
 
     CUDA: the allocator's own peak statistic. CPU: the smallest of ``CPU_MEMORY_REPEATS``
@@ -53,14 +53,14 @@ def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        engine = build_engine(name, settings, mesh, device, unit_groups)
+        engine = build_engine(name, settings, mesh, device, units)
         for tokens, targets in data[:2]:
             engine.step(tokens.to(device), targets.to(device))
         return torch.cuda.max_memory_allocated(device) - base
     peaks = []
     for _ in range(CPU_MEMORY_REPEATS):
         with AllocationTracker() as tracker:
-            engine = build_engine(name, settings, mesh, device, unit_groups)
+            engine = build_engine(name, settings, mesh, device, units)
             engine.step(*data[0])
             with tracker.region("step"):
                 engine.step(*data[1])
@@ -85,16 +85,16 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     device = _device()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     data = batches(settings, dist.get_rank(), warmup + steps)
-    # A front end's own wrap policy chooses veScale-FSDP's units, and FSDP2 gets the same ones,
-    # so veScale-FSDP is built first there. Plain: FSDP2 first, so veScale-FSDP's planner time
-    # does not include the process's first DTensor set-up.
+    # A front end's own wrap policy chooses veScale-FSDP's units (and their resharding), and
+    # FSDP2 gets the same, so veScale-FSDP is built first there. Plain: FSDP2 first, so
+    # veScale-FSDP's planner time does not include the process's first DTensor set-up.
     if settings.frontend == "plain":
-        unit_groups, fsdp2 = None, build_engine("fsdp2", settings, mesh, device)
+        units, fsdp2 = None, build_engine("fsdp2", settings, mesh, device)
         vescale = build_engine("vescale", settings, mesh, device)
     else:
         vescale = build_engine("vescale", settings, mesh, device)
-        unit_groups = vescale_unit_groups(vescale.model)
-        fsdp2 = build_engine("fsdp2", settings, mesh, device, unit_groups)
+        units = vescale_units(vescale.model)
+        fsdp2 = build_engine("fsdp2", settings, mesh, device, units)
     engines = {"fsdp2": fsdp2, "vescale": vescale}
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
@@ -127,7 +127,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
     del engines, params
     for name in ENGINES:
-        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data, unit_groups if name == "fsdp2" else None)
+        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None)
         progress("memory")
     return result
 
