@@ -56,6 +56,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from vescale_plugins import fully_shard as vescale_fully_shard
 from vescale_plugins.bench.memory import AllocationTracker, RegionMemory
+from vescale_plugins.dbuffer import GRADIENT_RELEASE_REGION
 from vescale_plugins.inplace_collectives import POINT_TO_POINT_SCOPE
 
 ENGINES = ("fsdp2", "vescale")
@@ -252,9 +253,9 @@ class StepProfile:
         engine_copy_ms_by_op: copy ops the engine runs inside those scopes, outside the backend.
         backend_copy_ms: copy ops of the backend itself: inside its ops (gloo staging, any
             thread) and the copy-out gloo's reduce-scatter does in ``wait()``.
-        grad_fill_ms: getting gradients into a flat buffer: ``zero_`` in backward, plus the
-            ``add_`` (into an existing ``.grad``) and ``copy_`` (veScale's gradient hook) run
-            under AccumulateGrad.
+        grad_fill_ms: getting gradients into a flat buffer outside the collective scopes:
+            ``zero_`` in backward, ``add_`` / ``copy_`` under AccumulateGrad, and veScale's
+            copy of each unit's gradients into its buffer (``GRADIENT_RELEASE_REGION``).
         top_self_ms: the ops with the most self time, with it.
     """
 
@@ -319,6 +320,8 @@ def _is_gloo_wait_copy(n: Any) -> bool:
 
 
 def _is_grad_fill(n: Any) -> bool:
+    if n.name in ("aten::copy_", "aten::zero_") and _has_ancestor(n, lambda a: a.name == GRADIENT_RELEASE_REGION):
+        return True
     if n.name == "aten::zero_":
         return _has_ancestor(n, lambda a: a.name.startswith("autograd::engine::"))
     return n.name in ("aten::add_", "aten::copy_") and n.parent is not None and n.parent.name == ACCUMULATE_GRAD
@@ -450,7 +453,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(
             f"profiled {name}: step {p['step_ms']:.1f} ms, in its collective scopes {p['collective_ms']:.1f}; "
             f"engine copies there {p['engine_copy_ms']:.2f} ms ({share:.1f}% of the step){' = ' + ops if ops else ''}; "
-            f"gradients into buffers (zero_/add_/copy_ under AccumulateGrad) {p['grad_fill_ms']:.2f} ms; gloo's own copies {p['backend_copy_ms']:.2f} ms"
+            f"gradients into buffers (zero_/add_/copy_ under AccumulateGrad or in veScale's gradient copy) {p['grad_fill_ms']:.2f} ms; gloo's own copies {p['backend_copy_ms']:.2f} ms"
         )
         for op, ms in p["top_self_ms"]:
             lines.append(f"    {op:<60}{ms:>9.2f} ms self")
