@@ -114,6 +114,9 @@ def test_no_full_buffer_temporaries(dist_run, world):
 
 def _native_elsewhere():
     assert not uses_point_to_point(dist.group.WORLD, torch.device("meta"))
+    # A group with a backend per device ("cpu:gloo,cuda:nccl" style) is gloo for CPU tensors.
+    per_device = dist.new_group(backend="cpu:gloo")
+    assert uses_point_to_point(per_device, torch.device("cpu")) == (dist.get_world_size() > 1)
     return uses_point_to_point(dist.group.WORLD, torch.device("cpu"))
 
 

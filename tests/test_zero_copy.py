@@ -5,10 +5,11 @@ Two detectors:
   anywhere (FSDP2's copy-out and copy-in). The same detector run on torch's FSDP2
   finds them, so this test can fail.
 - A ``TorchDispatchMode`` around the library's all-gather and reduce-scatter paths records
-  every op *our code* dispatches there, and none may be a copy. Ops inside the
-  ``torch.distributed`` call itself are the backend's own business and are not counted:
-  gloo implements ``_reduce_scatter_base`` by splitting the input and copying the result out,
-  which NCCL does not; FSDP2 on gloo pays that too, on top of its own copies.
+  every op *our code* dispatches there, and none may be a copy. Ops inside the collective
+  call itself are its own work and are not counted: NCCL's, or on gloo the point-to-point
+  version in ``inplace_collectives`` (the local write of this rank's own chunk, which any
+  all-gather makes, and the sums of the received chunks); ``tests/test_inplace_collectives.py``
+  checks that it allocates no full-size staging, where gloo's own collectives do.
 """
 
 from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -43,7 +43,11 @@ _REDUCE_SCATTER_TAG = 0x5653
 
 def uses_point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether this group's tensor collectives on ``device`` stage full copies (gloo on CPU)."""
-    return device.type == "cpu" and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    if device.type != "cpu" or dist.get_world_size(group) == 1:
+        return False
+    backend = dist.get_backend(group)  # "gloo", or per device: "cpu:gloo,cuda:nccl"
+    by_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {"cpu": backend}
+    return by_device.get("cpu") == "gloo"
 
 
 class PointToPointWork:
