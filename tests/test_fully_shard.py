@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from models import clone, local_batch, loss_fn, make_decoder, reference_step
+from models import batch, clone, local_batch, loss_fn, make_decoder, reference_step
 from vescale_plugins import RaggedShard, fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -425,3 +425,67 @@ def _synchronous_reduce_scatter_gives_the_same_gradients():
 
 def test_synchronous_reduce_scatter_gives_the_same_gradients(dist_run):
     dist_run(_synchronous_reduce_scatter_gives_the_same_gradients, 3)
+
+
+class _Routed(torch.nn.Module):
+    """A mixture-of-experts-like layer: the data picks one expert per batch (its first token)."""
+
+    def __init__(self, dim, experts):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, h, route):
+        return h + self.experts[route](h)
+
+
+class _RoutedModel(torch.nn.Module):
+    def __init__(self, vocab=101, dim=12, experts=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.moe = _Routed(dim, experts)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        route = int(tokens[0, 0]) % len(self.moe.experts)
+        return self.out(self.moe(self.embed(tokens), route))
+
+
+def _routed_batch(step, world, per_rank=2):
+    """Rank r's first token routes it to expert r % 3 (at W=2, expert 2 gets no data)."""
+    tokens, targets = batch(step, world, per_rank)
+    for r in range(world):
+        tokens[r * per_rank, 0] = r + 3 * step
+    return tokens, targets
+
+
+def _gradients_from_other_ranks_only():
+    """A parameter this rank's data never reached gets the other ranks' gradient (as DDP's),
+    and one no rank's data reached keeps ``grad=None`` (the optimizer skips it)."""
+    world, rank, per_rank = dist.get_world_size(), dist.get_rank(), 2
+    torch.manual_seed(0)
+    reference = _RoutedModel()
+    model = clone(reference)
+    fully_shard(model.moe)
+    fully_shard(model)
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(3):
+        tokens, targets = _routed_batch(step, world, per_rank)
+        for r in range(world):  # DDP's gradient on one process
+            rows = slice(r * per_rank, (r + 1) * per_rank)
+            (loss_fn(reference(tokens[rows]), targets[rows]) / world).backward()
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss_fn(model(tokens[rows]), targets[rows]).backward()
+        for name, ref_param in reference.named_parameters():
+            param = model.get_parameter(name)
+            if ref_param.grad is None:
+                assert param.grad is None, name
+            else:
+                assert param.grad is not None, (name, "no gradient on rank", rank)
+                torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6)
+        step_and_zero(opt, ref_opt)
+    assert_matches(model, reference, "param")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_of_parameters_other_ranks_used(dist_run, world):
+    dist_run(_gradients_from_other_ranks_only, world)

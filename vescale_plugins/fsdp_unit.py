@@ -91,6 +91,10 @@ class FSDPUnit:
         self._forward_order: list[FSDPUnit] = []
         self._previous_forward_order: list[FSDPUnit] = []
         self._reduces_in_flight: list[ReduceScatterHandle] = []
+        # (Root) parameters reduced this backward without a local gradient, with the sharded
+        # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
+        self._reduced_without_local_grad: list[tuple[ManagedParam, FSDPUnit, torch.Tensor]] = []
+        self._reduced_this_backward = False
         self.managed = self._build(params)
 
     # -- construction -----------------------------------------------------------------
@@ -418,10 +422,46 @@ class FSDPUnit:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
             root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
+            root._reduced_this_backward = True
             for m, received in zip(members, got):
-                if m.sharded.grad is None and received:
-                    local = dbuffer.sharded_grad_view(m.slot_index)
-                    m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+                if m.sharded.grad is not None:
+                    continue
+                if received:
+                    self._attach_sharded_grad(m)
+                else:
+                    root._reduced_without_local_grad.append((m, self, dbuffer.sharded_grad))
+
+    def _attach_sharded_grad(self, m: ManagedParam) -> None:
+        local = self.dbuffers[m.buffer_index].sharded_grad_view(m.slot_index)
+        m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+
+    def _attach_remote_gradients(self) -> None:
+        """(Root, end of a backward that reduced) Give a gradient to every parameter that got
+        one on some rank, even where this rank's data never reached it.
+
+        With data-dependent routing (mixture-of-experts layers, conditional branches) a
+        parameter can get gradients on some ranks only. Its reduce-scatter already carries the
+        other ranks' contributions; one all-reduce of which parameters got a local gradient
+        decides whether it has a gradient at all (DDP's ``find_unused_parameters`` does the
+        same). A parameter no rank's data reached keeps ``grad=None``, so optimizers skip it.
+        """
+        pending, self._reduced_without_local_grad = self._reduced_without_local_grad, []
+        self._reduced_this_backward = False
+        members = [(unit, m) for unit in self._root_units for m in unit.managed if m.sharded.requires_grad]
+        index = {id(m): i for i, (_, m) in enumerate(members)}
+        missing = torch.zeros(len(members), dtype=torch.int32, device=self._collective_device())
+        for m, _, _ in pending:
+            missing[index[id(m)]] = 1
+        # Every rank runs this after every reducing backward (same units, same order), so the
+        # collective always matches; MIN over ranks: 0 where some rank had a gradient.
+        torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        absent_everywhere = missing.tolist()
+        for m, unit, _ in pending:  # (the buffers are held until here by ``pending``)
+            if not absent_everywhere[index[id(m)]] and m.sharded.grad is None:
+                unit._attach_sharded_grad(m)
+
+    def _collective_device(self) -> torch.device:
+        return self.dbuffers[0].device if self.dbuffers else next((u.dbuffers[0].device for u in self._root_units if u.dbuffers), torch.device("cpu"))
 
     def wait_for_reduces(self) -> None:
         """(Root) complete every reduce-scatter in flight, freeing their gradient buffers."""
@@ -439,6 +479,8 @@ class FSDPUnit:
             unit._iteration.pending_post_backward = 0
             unit._iteration.pre_backward_done = False
         self.wait_for_reduces()
+        if self._reduced_this_backward:
+            self._attach_remote_gradients()
         if self.reshard_after_backward:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:
