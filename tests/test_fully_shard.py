@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from models import batch, clone, local_batch, loss_fn, make_decoder, reference_step
+from test_ragged_shard import _comm_counts
 from vescale_plugins import RaggedShard, fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -165,8 +166,6 @@ def _gradient_accumulation_without_communication(keep_unsharded):
     world = dist.get_world_size()
     reference = make_decoder()
     model = shard_decoder(clone(reference))
-    from test_ragged_shard import _comm_counts
-
     for micro in range(2):
         model.set_requires_gradient_sync(micro == 1)
         model.set_reshard_after_backward(micro == 1 or not keep_unsharded)
@@ -181,6 +180,8 @@ def _gradient_accumulation_without_communication(keep_unsharded):
             assert all(p.grad is None for p in model.parameters() if isinstance(p, DTensor))
         else:
             assert not any(blocks_gathered)
+            # Off by default: no exchange of who got gradients (set_find_unused_parameters).
+            assert counts.get("reduce_scatter") == len(model.layers) + 1 and "all_reduce" not in counts, counts
     for micro in range(2):
         (reference_step(reference, micro, world) * 0).sum()
     # the reference accumulated two mean-loss gradients; ours accumulated halves
@@ -459,14 +460,16 @@ def _routed_batch(step, world, per_rank=2):
 
 
 def _gradients_from_other_ranks_only():
-    """A parameter this rank's data never reached gets the other ranks' gradient (as DDP's),
-    and one no rank's data reached keeps ``grad=None`` (the optimizer skips it)."""
+    """With ``set_find_unused_parameters(True)``, a parameter this rank's data never reached
+    gets the other ranks' gradient (as DDP's), and one no rank's data reached keeps
+    ``grad=None`` (the optimizer skips it)."""
     world, rank, per_rank = dist.get_world_size(), dist.get_rank(), 2
     torch.manual_seed(0)
     reference = _RoutedModel()
     model = clone(reference)
     fully_shard(model.moe)
     fully_shard(model)
+    model.set_find_unused_parameters(True)
     opt, ref_opt = adamw(model), adamw(reference)
     for step in range(3):
         tokens, targets = _routed_batch(step, world, per_rank)
@@ -474,7 +477,8 @@ def _gradients_from_other_ranks_only():
             rows = slice(r * per_rank, (r + 1) * per_rank)
             (loss_fn(reference(tokens[rows]), targets[rows]) / world).backward()
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss_fn(model(tokens[rows]), targets[rows]).backward()
+        _, counts = _comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
+        assert counts.get("all_reduce") == 1, counts  # the one exchange of who got gradients
         for name, ref_param in reference.named_parameters():
             param = model.get_parameter(name)
             if ref_param.grad is None:

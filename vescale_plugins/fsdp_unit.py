@@ -81,6 +81,7 @@ class FSDPUnit:
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float = float(self.world_size)
         self.is_last_backward = True
+        self.find_unused_parameters = False  # the root's decides (see _exchange_gradient_presence)
         self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit (see below)
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.root: FSDPUnit | None = None
@@ -92,7 +93,7 @@ class FSDPUnit:
         self._previous_forward_order: list[FSDPUnit] = []
         self._reduces_in_flight: list[ReduceScatterHandle] = []
         # (Root) parameters reduced this backward without a local gradient, with the sharded
-        # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
+        # gradient buffer that holds what other ranks sent them (see _exchange_gradient_presence).
         self._reduced_without_local_grad: list[tuple[ManagedParam, FSDPUnit, torch.Tensor]] = []
         self._reduced_this_backward = False
         self.managed = self._build(params)
@@ -428,37 +429,42 @@ class FSDPUnit:
                     continue
                 if received:
                     self._attach_sharded_grad(m)
-                else:
+                elif root.find_unused_parameters:
                     root._reduced_without_local_grad.append((m, self, dbuffer.sharded_grad))
 
     def _attach_sharded_grad(self, m: ManagedParam) -> None:
         local = self.dbuffers[m.buffer_index].sharded_grad_view(m.slot_index)
         m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
 
-    def _attach_remote_gradients(self) -> None:
-        """(Root, end of a backward that reduced) Give a gradient to every parameter that got
-        one on some rank, even where this rank's data never reached it.
+    def _exchange_gradient_presence(self) -> Callable[[], None]:
+        """(Root, end of a backward that reduced) Start agreeing on which parameters got a
+        gradient on some rank; the returned function finishes and attaches gradients.
 
         With data-dependent routing (mixture-of-experts layers, conditional branches) a
         parameter can get gradients on some ranks only. Its reduce-scatter already carries the
-        other ranks' contributions; one all-reduce of which parameters got a local gradient
+        other ranks' contributions; one all-reduce of which parameters lacked a local gradient
         decides whether it has a gradient at all (DDP's ``find_unused_parameters`` does the
         same). A parameter no rank's data reached keeps ``grad=None``, so optimizers skip it.
+        The all-reduce is issued before the last reduce-scatters are waited for, to overlap them.
         """
         pending, self._reduced_without_local_grad = self._reduced_without_local_grad, []
-        self._reduced_this_backward = False
-        members = [(unit, m) for unit in self._root_units for m in unit.managed if m.sharded.requires_grad]
-        index = {id(m): i for i, (_, m) in enumerate(members)}
+        members = [m for unit in self._root_units for m in unit.managed if m.sharded.requires_grad]
+        index = {id(m): i for i, m in enumerate(members)}
         missing = torch.zeros(len(members), dtype=torch.int32, device=self._collective_device())
         for m, _, _ in pending:
             missing[index[id(m)]] = 1
         # Every rank runs this after every reducing backward (same units, same order), so the
         # collective always matches; MIN over ranks: 0 where some rank had a gradient.
-        torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN, group=self.group)
-        absent_everywhere = missing.tolist()
-        for m, unit, _ in pending:  # (the buffers are held until here by ``pending``)
-            if not absent_everywhere[index[id(m)]] and m.sharded.grad is None:
-                unit._attach_sharded_grad(m)
+        work = torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN, group=self.group, async_op=True)
+
+        def attach() -> None:
+            work.wait()
+            absent_everywhere = missing.tolist()
+            for m, unit, _ in pending:  # (``pending`` holds the gradient buffers until here)
+                if not absent_everywhere[index[id(m)]] and m.sharded.grad is None:
+                    unit._attach_sharded_grad(m)
+
+        return attach
 
     def _collective_device(self) -> torch.device:
         return self.dbuffers[0].device if self.dbuffers else next((u.dbuffers[0].device for u in self._root_units if u.dbuffers), torch.device("cpu"))
@@ -478,9 +484,12 @@ class FSDPUnit:
                 unit.post_backward()
             unit._iteration.pending_post_backward = 0
             unit._iteration.pre_backward_done = False
+        exchange = self.find_unused_parameters and self._reduced_this_backward
+        self._reduced_this_backward = False
+        attach_remote_gradients = self._exchange_gradient_presence() if exchange else None
         self.wait_for_reduces()
-        if self._reduced_this_backward:
-            self._attach_remote_gradients()
+        if attach_remote_gradients is not None:
+            attach_remote_gradients()
         if self.reshard_after_backward:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:

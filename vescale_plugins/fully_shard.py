@@ -76,6 +76,20 @@ class VeScaleFSDPModule:
         has landed (default: the unit that ran before it in forward)."""
         self._vescale_fsdp_unit.backward_prefetch = [_unit_of(m) for m in modules]
 
+    def set_find_unused_parameters(self, enabled: bool) -> None:
+        """Allow parameters that get gradients on some ranks only (data-dependent routing:
+        mixture-of-experts layers, conditional branches), as DDP's ``find_unused_parameters``.
+
+        On, a parameter this rank's batch never reached still gets the other ranks' reduced
+        gradient, and one no rank's batch reached keeps ``grad=None``, at the cost of one small
+        all-reduce (and a host sync) at the end of each backward that reduces. Off (the
+        default, as in DDP and FSDP2), every parameter must get a gradient on every rank or on
+        none; a rank without one leaves its ``grad`` as ``None``. Set it on the root, on every
+        rank alike.
+        """
+        for unit in self._units(True):
+            unit.find_unused_parameters = enabled
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
