@@ -450,9 +450,10 @@ class FSDPUnit:
         pending, self._reduced_without_local_grad = self._reduced_without_local_grad, []
         members = [m for unit in self._root_units for m in unit.managed if m.sharded.requires_grad]
         index = {id(m): i for i, m in enumerate(members)}
-        missing = torch.zeros(len(members), dtype=torch.int32, device=self._collective_device())
+        lacking = [0] * len(members)
         for m, _, _ in pending:
-            missing[index[id(m)]] = 1
+            lacking[index[id(m)]] = 1
+        missing = torch.tensor(lacking, dtype=torch.int32, device=self._collective_device())
         # Every rank runs this after every reducing backward (same units, same order), so the
         # collective always matches; MIN over ranks: 0 where some rank had a gradient.
         work = torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN, group=self.group, async_op=True)
