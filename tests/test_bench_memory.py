@@ -105,3 +105,21 @@ def test_an_address_handed_out_again_closes_its_unreported_block():
         _Event(60, ptr=0xD, nbytes=-999, tid=1, collective_end_ns=None),  # allocated before tracking
     ]
     assert sorted(_pair(events), key=lambda b: b.alloc_ns) == [_Block(64, 10, 50), _Block(32, 50, None)]
+
+
+def test_peak_split_by_scope_of_allocation_or_else_of_free():
+    from torch.profiler import record_function
+
+    with AllocationTracker(scopes=("made::",), free_scopes=("freed::",)) as tracker:
+        with record_function("made::buffer"):
+            buffer = torch.empty(250)  # 1000 B, attributed where it was made
+        grad = torch.empty(100)  # 400 B, made in no scope: attributed where it dies
+        other = torch.empty(50)  # 200 B, made and freed outside every scope
+        with record_function("made::too"):
+            kept = torch.empty(25)  # 100 B: its free below does not re-attribute it
+        with record_function("freed::grad"):
+            del grad, kept
+        del other, buffer
+    peak, by_scope = tracker.peak_by_scope()
+    assert peak == 1700
+    assert by_scope == {"made::": 1100, "freed::": 400, None: 200}

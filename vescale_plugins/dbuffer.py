@@ -6,9 +6,9 @@ boundary. Rank r keeps ``[r * S, (r + 1) * S)`` as its *sharded buffer*; each pa
 shard is a fixed view into it. The all-gather of the sharded buffer writes the global layout
 straight into the *unsharded buffer*, whose slices are the full parameters, and the
 reduce-scatter of the *unsharded gradient buffer* (same layout) writes straight into the
-*sharded gradient buffer*, whose slices are the gradients' shards (``inplace_collectives``:
-NCCL's tensor collectives, or point-to-point messages on gloo, whose own stage full copies). No copy-in, no
-copy-out, no interleaving, no per-parameter padding.
+*sharded gradient buffer*, whose slices are the gradients' shards. No copy-in, no copy-out,
+no interleaving, no per-parameter padding. (``inplace_collectives``: NCCL's tensor
+collectives, or point-to-point messages on gloo, whose own collectives stage full copies.)
 
 Unsharded buffers keep one tensor object for the whole run and only grow or shrink their
 storage, so the views cut from them once stay valid (FSDP2 does the same for its params).
