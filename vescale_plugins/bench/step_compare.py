@@ -251,8 +251,9 @@ class StepProfile:
         step_ms: the whole step.
         collective_ms: inside the engine's collective scopes (``COLLECTIVE_SCOPES``).
         engine_copy_ms_by_op: copy ops the engine runs inside those scopes, outside the backend.
-        backend_copy_ms: copy ops of the backend itself: inside its ops (gloo staging, any
-            thread) and the copy-out gloo's reduce-scatter does in ``wait()``.
+        backend_copy_ms: copy ops of the collectives themselves: inside the backend's ops
+            (gloo staging, any thread), the copy-out gloo's reduce-scatter does in ``wait()``,
+            and the own-chunk writes of veScale's point-to-point collectives on gloo.
         grad_fill_ms: getting gradients into a flat buffer outside the collective scopes:
             ``zero_`` in backward, ``add_`` / ``copy_`` under AccumulateGrad, and veScale's
             copy of each unit's gradients into its buffer (``GRADIENT_RELEASE_REGION``).
@@ -453,7 +454,7 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(
             f"profiled {name}: step {p['step_ms']:.1f} ms, in its collective scopes {p['collective_ms']:.1f}; "
             f"engine copies there {p['engine_copy_ms']:.2f} ms ({share:.1f}% of the step){' = ' + ops if ops else ''}; "
-            f"gradients into buffers (zero_/add_/copy_ under AccumulateGrad or in veScale's gradient copy) {p['grad_fill_ms']:.2f} ms; gloo's own copies {p['backend_copy_ms']:.2f} ms"
+            f"gradients into buffers (zero_/add_/copy_ under AccumulateGrad or in veScale's gradient copy) {p['grad_fill_ms']:.2f} ms; the collectives' own copies (gloo's staging; veScale's own-chunk writes) {p['backend_copy_ms']:.2f} ms"
         )
         for op, ms in p["top_self_ms"]:
             lines.append(f"    {op:<60}{ms:>9.2f} ms self")
