@@ -208,7 +208,7 @@ class FSDPUnit:
                 dbuffer = self.dbuffers[m.buffer_index]
                 m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
                 if m.unsharded.requires_grad:
-                    m.unsharded.register_post_accumulate_grad_hook(self._gradient_hook())
+                    m.unsharded.register_post_accumulate_grad_hook(self._after_gradient)
             m.register(m.unsharded)
 
     def register_state_dict_hooks(self) -> None:
@@ -360,20 +360,16 @@ class FSDPUnit:
                 return [earlier]
         return []
 
-    def _gradient_hook(self) -> Callable[[nn.Parameter], None]:
+    def _after_gradient(self, param: nn.Parameter) -> None:
         """At the unit's first gradient: finish the previous unit's reduce-scatter, then start
         gathering the unit whose backward comes next.
 
         The reduce-scatter has overlapped this unit's backward up to here; finishing it frees
         its gradient buffer before the prefetch allocates, so the two are never alive at once.
         """
-
-        def hook(param: nn.Parameter) -> None:
-            if not self._iteration.backward_prefetched:
-                self.root.wait_for_reduces()
-            self._prefetch_for_backward()
-
-        return hook
+        if not self._iteration.backward_prefetched:
+            self.root.wait_for_reduces()
+        self._prefetch_for_backward()
 
     def post_backward(self) -> None:
         """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
@@ -468,7 +464,7 @@ class FSDPUnit:
         return attach
 
     def _collective_device(self) -> torch.device:
-        return self.dbuffers[0].device if self.dbuffers else next((u.dbuffers[0].device for u in self._root_units if u.dbuffers), torch.device("cpu"))
+        return next((b.device for unit in self._root_units for b in unit.dbuffers), torch.device("cpu"))
 
     def wait_for_reduces(self) -> None:
         """(Root) complete every reduce-scatter in flight, freeing their gradient buffers."""

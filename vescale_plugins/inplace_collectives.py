@@ -23,6 +23,7 @@ time (a prefetched all-gather beside a reduce-scatter) cannot take each other's 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -44,7 +45,13 @@ _REDUCE_SCATTER_TAG = 0x5653
 
 def uses_point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether this group's tensor collectives on ``device`` stage full copies (gloo on CPU)."""
-    if device.type != "cpu" or dist.get_world_size(group) == 1:
+    return device.type == "cpu" and _cpu_backend_is_gloo(group)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
+    # Looked up once per group: every collective of every unit asks.
+    if dist.get_world_size(group) == 1:
         return False
     backend = dist.get_backend(group)  # "gloo", or per device: "cpu:gloo,cuda:nccl"
     by_device = dict(part.split(":", 1) for part in backend.split(",")) if ":" in backend else {"cpu": backend}
@@ -68,10 +75,11 @@ class PointToPointWork:
         return True
 
 
-def _peers(group: dist.ProcessGroup) -> tuple[int, list[tuple[int, int]]]:
+@functools.lru_cache(maxsize=None)
+def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     """This rank's index in the group and ``(group index, global rank)`` of every other rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    return rank, [(r, dist.get_global_rank(group, r)) for r in range(world) if r != rank]
+    return rank, tuple((r, dist.get_global_rank(group, r)) for r in range(world) if r != rank)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | PointToPointWork | None:

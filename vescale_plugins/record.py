@@ -72,9 +72,10 @@ _MEMORY_SCOPES = {
     "vescale::comm_buffer": "comm_buffers",  # mixed-precision casts around the collectives
     "vescale::all_gather": "unsharded_params",
     "vescale::gradient_buffer": "unsharded_grads",
-    "vescale::gradient_release": "unsharded_grads",  # autograd's gradients, freed there
     "vescale::reduce_scatter": "sharded_grads",
 }
+# Scopes that tell blocks apart by where they were freed (when no scope above made them).
+_FREE_SCOPES = {"vescale::gradient_release": "unsharded_grads"}  # autograd's gradients
 PEAK_KINDS = ("sharded_state", "unsharded_params", "unsharded_grads", "sharded_grads", "comm_buffers", "activations_and_temporaries")
 
 
@@ -225,7 +226,7 @@ class RunRecord:
         # Tensors made before the record opened are invisible to the tracker: count the sharded
         # parameters and optimizer state that existed then (gradients are remade each step).
         self._state_at_open = state["parameters"] + state["optimizer_state"]
-        tracker = AllocationTracker(self._device_type(), scopes=tuple(_MEMORY_SCOPES), free_scopes=("vescale::gradient_release",))
+        tracker = AllocationTracker(self._device_type(), scopes=tuple(_MEMORY_SCOPES), free_scopes=tuple(_FREE_SCOPES))
         tracker.__enter__()
         return tracker
 
@@ -234,8 +235,9 @@ class RunRecord:
         tracked, by_scope = tracker.peak_by_scope()
         split = dict.fromkeys(PEAK_KINDS, 0)
         split["sharded_state"] = self._state_at_open
+        kinds = {**_MEMORY_SCOPES, **_FREE_SCOPES}
         for scope, nbytes in by_scope.items():
-            split[_MEMORY_SCOPES.get(scope, "activations_and_temporaries")] += nbytes
+            split[kinds.get(scope, "activations_and_temporaries")] += nbytes
         self.peak = {"total_bytes": self._state_at_open + tracked, "split": split}
 
     def to_dict(self) -> dict[str, Any]:
