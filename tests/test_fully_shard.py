@@ -61,6 +61,8 @@ def assert_matches(sharded, reference, what, tol=None):
         assert name == ref_name
         got = p.full_tensor() if what == "param" else (None if p.grad is None else p.grad.full_tensor())
         want = ref_p.detach() if what == "param" else ref_p.grad
+        if isinstance(want, DTensor):  # an FSDP2 model as the reference
+            want = want.full_tensor()
         if want is None:
             assert got is None, name
             continue

@@ -229,6 +229,12 @@ class FSDPUnit:
     # -- forward ----------------------------------------------------------------------
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._iteration.pre_backward_done:
+            # Activation checkpointing recomputes this forward inside the unit's backward: the
+            # backward owns the parameters' state, so only make sure they are unsharded (an
+            # earlier post-backward of a unit run twice may have resharded them), as FSDP2.
+            self.use_unsharded_params()
+            return self._cast_forward_inputs(args, kwargs)
         if self._modules_run:
             self._modules_run.add(id(module))
             return args, kwargs
@@ -243,13 +249,22 @@ class FSDPUnit:
         self.use_unsharded_params()
         for unit in self._forward_prefetch_targets():
             unit.unshard(async_op=True)
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.is_grad_enabled():
             self._iteration.reduced = False
             self._iteration.pre_backward_done = False
             args, kwargs = self._attach_post_backward((args, kwargs))
         return args, kwargs
+
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            return _cast_floating(output, self.mp_policy.output_dtype)
+        return output
 
     def _forward_prefetch_targets(self) -> list[FSDPUnit]:
         """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
@@ -268,6 +283,8 @@ class FSDPUnit:
         return [order[position]] if position < len(order) and order[position] is not self else []
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self._iteration.pre_backward_done:
+            return self._cast_output(output)  # a recomputation (see pre_forward)
         if len(self._modules_run) < len(self.modules):
             return output
         self._modules_run.clear()
@@ -275,9 +292,7 @@ class FSDPUnit:
             self.reshard()
         if torch.is_grad_enabled():
             output = _register_on_tensors(output, self._pre_backward_hook)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
-        return output
+        return self._cast_output(output)
 
     def _reshards_after_forward(self) -> bool:
         if not torch.is_grad_enabled():
