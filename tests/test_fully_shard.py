@@ -347,7 +347,8 @@ def _explicit_unshard_reshard_and_prefetch():
     assert isinstance(model.embed.weight, torch.Tensor) and not isinstance(model.embed.weight, DTensor)
     model.reshard()
     assert isinstance(model.embed.weight, DTensor)
-    model.set_gradient_divide_factor(world * 2.0)
+    for unit_module in [*model.layers, model]:  # each unit's own factor, as FSDP2's
+        unit_module.set_gradient_divide_factor(world * 2.0)
     opt, ref_opt = adamw(model), adamw(reference)
     for step in range(2):
         reference_step(reference, step, world)

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
@@ -42,6 +43,9 @@ class ManagedParam:
     # The parameter fully_shard replaced, weakly: a module outside the unit still holding it
     # (a tied weight) is a parameter shared across units, which the outer unit must refuse.
     original: Any = None
+    # Gradients of micro-batches that did not sync, in the reduce dtype when it differs from
+    # the unsharded parameters' (FSDP2 accumulates there, not in bf16 on the parameter).
+    accumulated_grad: torch.Tensor | None = None
 
     def register(self, param: nn.Parameter) -> None:
         # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
@@ -126,6 +130,8 @@ class FSDPUnit:
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)
+            for module, name in m.owners:
+                _MANAGED_SLOTS.setdefault(module, {})[name] = (self, m)
         # Which parameters live in which DBuffer is fixed here; per-step code reads it.
         self._members: list[list[ManagedParam]] = [[m for m in result if m.buffer_index == i] for i in range(len(self.dbuffers))]
         return result
@@ -172,6 +178,41 @@ class FSDPUnit:
                         view.copy_(old_local)
                 set_local_tensor(m.sharded, view)
                 m.unsharded = None
+
+    def adopt_assigned(self, m: ManagedParam, value: nn.Parameter) -> nn.Parameter | None:
+        """``module.<name> = value`` on a managed parameter (``load_state_dict(assign=True)``
+        too): keep the sharded DTensor in its DBuffer and take ``value``'s data for this rank.
+
+        ``value`` is the full parameter (a plain tensor) or a DTensor of any placement over this
+        unit's mesh (a sharded state dict). Returns the parameter to register.
+        """
+        if value is m.sharded or value is m.unsharded:
+            return None
+        if tuple(value.shape) != tuple(m.sharded.shape):
+            raise ValueError(
+                f"cannot assign a tensor of shape {tuple(value.shape)} to {m.fqn!r}, a parameter of "
+                f"shape {tuple(m.sharded.shape)} sharded by fully_shard; assign a tensor of the same shape"
+            )
+        if self.is_unsharded or self._pending_unshard:
+            self.reshard()
+        if value.device.type == "meta":
+            return m.sharded
+        if self.dbuffers[m.buffer_index].sharded.device.type == "meta":
+            # Assigned over a meta-initialised unit: its buffer moves to the value's device
+            # (what to_empty would do); the other parameters wait for their own values.
+            for member in self._members[m.buffer_index]:
+                set_local_tensor(member.sharded, torch.empty(member.sharded._local_tensor.shape, dtype=member.sharded.dtype, device=value.device))
+            self.readopt_sharded_params()
+        dbuffer = self.dbuffers[m.buffer_index]
+        slot = dbuffer.slots[m.slot_index]
+        with torch.no_grad():
+            if isinstance(value, DTensor):
+                local = value.to_local() if value.placements == m.sharded.placements else value.redistribute(self.mesh, m.sharded.placements).to_local()
+            else:
+                start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+                local = value.detach().reshape(-1)[start : start + slot.local_length]
+            dbuffer.sharded_view(m.slot_index).reshape(-1).copy_(local.reshape(-1))
+        return m.sharded
 
     # -- unshard / reshard ------------------------------------------------------------
 
@@ -287,12 +328,27 @@ class FSDPUnit:
             return self._cast_output(output)  # a recomputation (see pre_forward)
         if len(self._modules_run) < len(self.modules):
             return output
+        output = self._complete_forward(output)
+        if self.root is self:
+            output = self._complete_partial_forwards(output)
+        return self._cast_output(output)
+
+    def _complete_forward(self, output: Any) -> Any:
         self._modules_run.clear()
         if self._reshards_after_forward():
             self.reshard()
         if torch.is_grad_enabled():
             output = _register_on_tensors(output, self._pre_backward_hook)
-        return self._cast_output(output)
+        return output
+
+    def _complete_partial_forwards(self, output: Any) -> Any:
+        """(Root, end of forward) Finish the forward of grouped units some of whose modules
+        did not run (a chunked loss calls the head after forward), on the root's output, as
+        FSDP2 does: they reshard, and their backward starts with the root's."""
+        for unit in reversed(self._root_units):
+            if unit is not self and unit._modules_run:
+                output = unit._complete_forward(output)
+        return output
 
     def _reshards_after_forward(self) -> bool:
         if not torch.is_grad_enabled():
@@ -399,6 +455,25 @@ class FSDPUnit:
             self.reshard()
         if self.requires_gradient_sync:
             self._reduce_gradients()
+        else:
+            self._accumulate_in_reduce_dtype()
+
+    def _accumulate_in_reduce_dtype(self) -> None:
+        """Without sync, move each gradient into an accumulator in the reduce dtype where it
+        differs from the gradient's (bf16 compute, fp32 reduce), as FSDP2 does; otherwise
+        autograd keeps accumulating on the parameter in place."""
+        for m in self.managed:
+            grad = m.unsharded.grad if m.unsharded is not None else None
+            if grad is None:
+                continue
+            reduce_dtype = self.dbuffers[m.buffer_index].reduce_dtype
+            if m.accumulated_grad is None and grad.dtype == reduce_dtype:
+                continue
+            m.unsharded.grad = None
+            if m.accumulated_grad is None:
+                m.accumulated_grad = grad.to(reduce_dtype)
+            else:
+                m.accumulated_grad.add_(grad)
 
     def _reduce_gradients(self) -> None:
         """Move the unit's gradients into its gradient buffers and reduce-scatter them
@@ -422,9 +497,13 @@ class FSDPUnit:
             # are zeroed.
             grads = {}
             for m in members:
-                grads[m.slot_index] = m.unsharded.grad if m.unsharded is not None else None
+                grad = m.unsharded.grad if m.unsharded is not None else None
                 if m.unsharded is not None:
                     m.unsharded.grad = None
+                if m.accumulated_grad is not None:
+                    grad = m.accumulated_grad if grad is None else m.accumulated_grad.add_(grad)
+                    m.accumulated_grad = None
+                grads[m.slot_index] = grad
             got = [grads[m.slot_index] is not None for m in members]
             dbuffer.fill_unsharded_grad(grads)
             accumulate = any(m.sharded.grad is not None for m in members)
@@ -492,6 +571,7 @@ class FSDPUnit:
         every reduce-scatter (gradients are final when ``backward()`` returns), reset state."""
         self._iteration_callback_queued = False
         for unit in reversed(self._root_units):
+            unit._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if not unit._iteration.reduced and unit._iteration.pre_backward_done:
                 unit.post_backward()
             unit._iteration.pending_post_backward = 0
@@ -560,3 +640,21 @@ def _iter_units(modules: Iterable[nn.Module]) -> list[FSDPUnit]:
             if unit is not None and unit not in units:
                 units.append(unit)
     return units
+
+
+# Which (module, name) slots hold a managed parameter, so that assigning to one (meta-device
+# init followed by ``module.w = nn.Parameter(t)``, ``load_state_dict(assign=True)``) lands
+# in the unit's DBuffer instead of silently replacing the sharded parameter (FSDP2 adopts such
+# assignments too).
+_MANAGED_SLOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPUnit, ManagedParam]]]" = weakref.WeakKeyDictionary()
+
+
+def _adopt_assigned_parameter(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+    slots = _MANAGED_SLOTS.get(module)
+    if not slots or name not in slots:
+        return None
+    unit, managed = slots[name]
+    return unit.adopt_assigned(managed, param)
+
+
+nn.modules.module.register_module_parameter_registration_hook(_adopt_assigned_parameter)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .fsdp_unit import FSDPUnit, _iter_units
 
@@ -95,11 +96,11 @@ class VeScaleFSDPModule:
             unit.is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the group size."""
+        """Divide this unit's reduced gradients by ``factor`` instead of the group size (this
+        unit only, not the units below it, as FSDP2)."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        for unit in self._units(True):
-            unit.gradient_divide_factor = float(factor)
+        self._vescale_fsdp_unit.gradient_divide_factor = float(factor)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
@@ -181,6 +182,25 @@ def _collect_params(
     return list(found.values()), shared_with_child
 
 
+# Every parameter a fully_shard call replaced, held weakly, with where it went: a module
+# outside that unit still holding one (a weight tied across sibling units) would otherwise be
+# sharded a second time into a separate, silently untied copy.
+_SHARDED_BY_ANOTHER_CALL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _refuse_parameters_of_sibling_units(modules: list[nn.Module], params: list[tuple[str, Any, nn.Parameter]]) -> None:
+    for fqn, owners, param in params:
+        managed_as = _SHARDED_BY_ANOTHER_CALL.get(param)
+        if managed_as is not None:
+            here = " + ".join(type(m).__name__ for m in modules)
+            raise ValueError(
+                f"parameter {fqn!r} of the {here} module is shared with {managed_as}, which "
+                "another fully_shard call already sharded; a shared (tied) parameter must belong "
+                "to one unit: put both modules in one call, fully_shard([module_a, module_b]), "
+                "or shard a module that contains both"
+            )
+
+
 def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
     """Whether the module at ``module_name`` sits inside a unit (so its params are that unit's)."""
     module = root
@@ -241,11 +261,15 @@ def fully_shard(
             + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
             "module that contains every user of them"
         )
+    _refuse_parameters_of_sibling_units(modules, params)
     with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
     device = next((p.device for _, _, p in params), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
+    where = " + ".join(type(m).__name__ for m in modules)
+    for fqn, _, param in params:
+        _SHARDED_BY_ANOTHER_CALL[param] = f"{fqn!r} of the {where} unit"
     for m in modules:
         m._vescale_fsdp_unit = unit
         m.__class__ = _fsdp_class(type(m))

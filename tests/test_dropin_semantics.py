@@ -1,0 +1,216 @@
+"""FSDP2 behaviours users rely on that once trained silently wrong with veScale-FSDP.
+
+Each case is checked against FSDP2 itself in the same body (and against an unsharded model
+where FSDP2 has no behaviour of its own to match).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import models
+from models import clone, local_batch, loss_fn, make_decoder, reference_step
+from test_fully_shard import PARAM_TOL, TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from test_ragged_shard import _comm_counts
+from vescale_plugins import fully_shard
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _assert_same_grads(ours, theirs, tol=TOL):
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(_full(p.grad), _full(q.grad), **tol, msg=lambda m: f"grad {name}: {m}")
+
+
+# ----------------------------------------------------------------------------------
+# a weight tied across sibling units
+# ----------------------------------------------------------------------------------
+
+
+def _tied_weight_across_sibling_units():
+    for shard in (torch_fully_shard, fully_shard):
+        model = make_decoder()  # head.weight is embed.weight
+        shard(model.embed)
+        if shard is torch_fully_shard:
+            # FSDP2 refuses at the root's first forward, before any collective.
+            shard(model.head)
+            shard(model)
+            with pytest.raises(ValueError, match="shared with a parameter already managed by another FSDP group"):
+                model(local_batch(0)[0])
+            continue
+        with pytest.raises(ValueError, match=r"'weight' of the Linear module is shared with 'weight' of the Embedding unit.*fully_shard\(\[module_a, module_b\]\)"):
+            shard(model.head)
+    # Both in one unit: tied, trains like the unsharded model.
+    world = dist.get_world_size()
+    reference = make_decoder()
+    model = clone(reference)
+    fully_shard([model.embed, model.head])
+    shard_decoder(model)
+    assert model.head.weight is model.embed.weight
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(2):
+        reference_step(reference, step, world)
+        sharded_step(model, step)
+        step_and_zero(opt, ref_opt)
+        assert model.head.weight is model.embed.weight
+    assert_matches(model, reference, "param")
+
+
+def test_weight_tied_across_sibling_units_is_refused_or_grouped(dist_run):
+    dist_run(_tied_weight_across_sibling_units, 2)
+
+
+# ----------------------------------------------------------------------------------
+# set_gradient_divide_factor applies to the unit it is called on
+# ----------------------------------------------------------------------------------
+
+
+def _divide_factor_scope():
+    reference = make_decoder()
+    ours = shard_decoder(clone(reference))
+    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    theirs.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for model in (ours, theirs):
+        model.set_gradient_divide_factor(1.0)  # the root only: sums there, means below
+        sharded_step(model, 0)
+    _assert_same_grads(ours, theirs)
+    # and it differs from the default on the root's parameters only
+    plain = shard_decoder(clone(reference))
+    sharded_step(plain, 0)
+    world = dist.get_world_size()
+    torch.testing.assert_close(_full(ours.norm.weight.grad), _full(plain.norm.weight.grad) * world, **TOL)
+    torch.testing.assert_close(_full(ours.layers[0].up.weight.grad), _full(plain.layers[0].up.weight.grad), rtol=0, atol=0)
+
+
+def test_gradient_divide_factor_is_scoped_to_its_unit_as_in_fsdp2(dist_run):
+    dist_run(_divide_factor_scope, 2)
+
+
+# ----------------------------------------------------------------------------------
+# accumulation without sync happens in the reduce dtype
+# ----------------------------------------------------------------------------------
+
+
+def _accumulate_in_reduce_dtype():
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = make_decoder()
+    ours = shard_decoder(clone(reference), mp_policy=mp)
+    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mp_policy=mp)
+    micro_batches = 4
+    for model in (ours, theirs):
+        for micro in range(micro_batches):
+            model.set_requires_gradient_sync(micro == micro_batches - 1)
+            tokens, targets = local_batch(micro)
+            (loss_fn(model(tokens), targets) / micro_batches).backward()
+    # Same arithmetic as FSDP2 (fp32 accumulators of bf16 gradients): equal to fp32 rounding.
+    _assert_same_grads(ours, theirs, tol=dict(rtol=1e-5, atol=1e-7))
+
+
+def test_accumulation_without_sync_happens_in_reduce_dtype_as_fsdp2(dist_run):
+    dist_run(_accumulate_in_reduce_dtype, 2)
+
+
+# ----------------------------------------------------------------------------------
+# a grouped head unit skipped in forward and called per chunk (torchtitan's chunked loss)
+# ----------------------------------------------------------------------------------
+
+
+class ChunkedHeadDecoder(models.Decoder):
+    """Forward stops after the final norm; the loss calls the (untied) head per chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(models.HIDDEN, models.VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) * self.position_scale[:, : tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def _chunked_loss(model, tokens, targets, chunks=3):
+    hidden = model(tokens)
+    total = 0
+    for h, t in zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+        total = total + F.cross_entropy(model.head(h).float().flatten(0, 1), t.flatten(), reduction="sum")
+    return total / targets.numel()
+
+
+def _chunked_head(reshard_after_forward):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = ChunkedHeadDecoder()
+    models_ = {}
+    for name, shard in (("ours", fully_shard), ("theirs", torch_fully_shard)):
+        model = clone(reference)
+        for layer in model.layers:
+            shard(layer)
+        shard([model.norm, model.head], reshard_after_forward=reshard_after_forward)
+        shard(model)
+        models_[name] = model
+    opts = [adamw(m) for m in (reference, *models_.values())]
+    for step in range(3):
+        tokens, targets = models.batch(step, world)
+        for r in range(world):
+            rows = slice(2 * r, 2 * r + 2)
+            (_chunked_loss(reference, tokens[rows], targets[rows]) / world).backward()
+        for model in models_.values():
+            rows = slice(2 * rank, 2 * rank + 2)
+            _chunked_loss(model, tokens[rows], targets[rows]).backward()
+        assert_matches(models_["ours"], reference, "grad")
+        _assert_same_grads(models_["ours"], models_["theirs"])
+        step_and_zero(*opts)
+    assert_matches(models_["ours"], reference, "param")
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_chunked_head_in_a_grouped_unit_matches_unsharded_and_fsdp2(dist_run, reshard_after_forward):
+    dist_run(_chunked_head, 2, reshard_after_forward)
+
+
+# ----------------------------------------------------------------------------------
+# parameters replaced after fully_shard (meta init, then assign)
+# ----------------------------------------------------------------------------------
+
+
+def _replaced_after_meta_init(how):
+    world = dist.get_world_size()
+    eager = make_decoder(seed=5)
+    with torch.device("meta"):
+        model = make_decoder()
+    shard_decoder(model)
+    model.to_empty(device="cpu")
+    if how == "assign":
+        # A sharded state dict of the same layout, loaded by assignment (DCP's pattern).
+        source = shard_decoder(clone(eager))
+        model.load_state_dict(get_model_state_dict(source), assign=True)
+    else:
+        # Plain full tensors assigned to the modules, as users of HF-style init do.
+        for (name, module), (_, eager_module) in zip(model.named_modules(), eager.named_modules()):
+            for pname, p in list(module._parameters.items()):
+                if p is not None and name.split(".")[-1:] != ["head"]:
+                    setattr(module, pname, nn.Parameter(eager_module._parameters[pname].detach().clone()))
+        model.head.weight = model.embed.weight
+        model.position_scale.copy_(eager.position_scale)
+    opt, ref_opt = adamw(model), adamw(eager)
+    for step in range(2):
+        reference_step(eager, step, world)
+        sharded_step(model, step)
+        step_and_zero(opt, ref_opt)
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.device.type == "cpu", name
+    assert_matches(model, eager, "param")
+
+
+@pytest.mark.parametrize("how", ["assign", "setattr"])
+def test_parameters_replaced_after_fully_shard_are_adopted(dist_run, how):
+    dist_run(_replaced_after_meta_init, 3, how)
