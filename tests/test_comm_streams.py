@@ -92,9 +92,7 @@ def _protocol_of_one_gather_and_reduce():
             torch.testing.assert_close(dbuffer.unsharded_view(index), tensor)
 
         api.log.clear()
-        dbuffer.allocate_unsharded_grad()
-        for index, tensor in enumerate(full):
-            dbuffer.unsharded_grad_view(index).copy_(tensor * (rank + 1))
+        dbuffer.fill_unsharded_grad({index: tensor * (rank + 1) for index, tensor in enumerate(full)})
         reduce = dbuffer.reduce_scatter(divide_factor=world, accumulate=False, async_op=True)
         assert api.log == [("allocate", "compute"), ("wait_stream", "reduce_scatter", "compute"), ("record", "reduce_scatter", 2)], api.log
         assert dbuffer.has_unsharded_grad  # the input stays until compute has waited for it

@@ -182,7 +182,7 @@ def _gradient_accumulation_without_communication(keep_unsharded):
             assert all(p.grad is None for p in model.parameters() if isinstance(p, DTensor))
         else:
             assert not any(blocks_gathered)
-            # Off by default: no exchange of who got gradients (set_find_unused_parameters).
+            # Who got gradients rides in the reduce-scatters: no other collective.
             assert counts.get("reduce_scatter") == len(model.layers) + 1 and "all_reduce" not in counts, counts
     for micro in range(2):
         (reference_step(reference, micro, world) * 0).sum()
@@ -463,16 +463,16 @@ def _routed_batch(step, world, per_rank=2):
 
 
 def _gradients_from_other_ranks_only():
-    """With ``set_find_unused_parameters(True)``, a parameter this rank's data never reached
-    gets the other ranks' gradient (as DDP's), and one no rank's data reached keeps
-    ``grad=None`` (the optimizer skips it)."""
+    """By default, a parameter this rank's data never reached gets the other ranks' gradient
+    (as DDP's ``find_unused_parameters=True``), and one no rank's data reached keeps
+    ``grad=None`` on every rank (the optimizer skips it), with no collective beyond the
+    reduce-scatters (the presence flags ride in them)."""
     world, rank, per_rank = dist.get_world_size(), dist.get_rank(), 2
     torch.manual_seed(0)
     reference = _RoutedModel()
     model = clone(reference)
     fully_shard(model.moe)
     fully_shard(model)
-    model.set_find_unused_parameters(True)
     opt, ref_opt = adamw(model), adamw(reference)
     for step in range(3):
         tokens, targets = _routed_batch(step, world, per_rank)
@@ -481,7 +481,7 @@ def _gradients_from_other_ranks_only():
             (loss_fn(reference(tokens[rows]), targets[rows]) / world).backward()
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         _, counts = _comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
-        assert counts.get("all_reduce") == 1, counts  # the one exchange of who got gradients
+        assert "all_reduce" not in counts and counts.get("reduce_scatter") == 2, counts
         for name, ref_param in reference.named_parameters():
             param = model.get_parameter(name)
             if ref_param.grad is None:

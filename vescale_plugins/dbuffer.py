@@ -164,7 +164,9 @@ class ReduceScatterHandle:
             if self._divide_factor != 1:
                 out.div_(self._divide_factor)
             if self._accumulate:
-                sharded_grad.add_(out)
+                shard_size = self._dbuffer.shard_size
+                sharded_grad[:shard_size].add_(out[:shard_size])
+                sharded_grad[shard_size:].copy_(out[shard_size:])  # this reduce's presence flags
             elif not self._in_place:
                 sharded_grad.copy_(out)
             if record is not None:
@@ -218,9 +220,15 @@ class DBuffer:
 
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        # Gradient shards carry one presence flag per parameter after their S elements: every
+        # rank writes "I have a local gradient" into each rank's chunk, so the reduce-scatter
+        # that already runs tells every rank which parameters got a gradient on some rank
+        # (data-dependent routing: experts some ranks' tokens never reached) with no extra
+        # collective. ``W * P`` more elements per reduce-scatter.
+        self.grad_shard_size = self.shard_size + len(self.slots)
         # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
-        self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.reduce_dtype, self.device)
+        self._unsharded_grad = _StorageToggle(self.world_size * self.grad_shard_size, self.reduce_dtype, self.device)
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
@@ -253,7 +261,7 @@ class DBuffer:
     def _sharded_grad_for_reduce(self) -> torch.Tensor:
         buffer = self._sharded_grad_ref()
         if buffer is None:
-            buffer = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+            buffer = torch.empty(self.grad_shard_size, dtype=self.dtype, device=self.device)
             self._sharded_grad_ref = weakref.ref(buffer)
         return buffer
 
@@ -269,9 +277,35 @@ class DBuffer:
         """Parameter ``index`` in full: a view of the unsharded buffer (valid while allocated)."""
         return self._global_view(self._unsharded.tensor, index)
 
-    def unsharded_grad_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s full gradient: a view of the unsharded gradient buffer."""
-        return self._global_view(self._unsharded_grad.tensor, index)
+    def _grad_pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The global interval ``[start, end)`` in the unsharded gradient buffer, cut where
+        each rank's chunk ends (its presence flags follow): ``(buffer position, offset in the
+        interval, length)`` per piece."""
+        pieces, S, flags = [], self.shard_size, len(self.slots)
+        position = start
+        while position < end:
+            rank = position // S if S else 0
+            piece_end = min(end, (rank + 1) * S)
+            pieces.append((position + rank * flags, position - start, piece_end - position))
+            position = piece_end
+        return pieces
+
+    def write_unsharded_grad(self, index: int, grad: torch.Tensor | None) -> None:
+        """Copy parameter ``index``'s full gradient into the unsharded gradient buffer
+        (``None``: zeros), one piece per rank chunk it spans."""
+        slot, buffer = self.slots[index], self._unsharded_grad.tensor
+        flat = grad.reshape(-1) if grad is not None else None
+        for position, offset, length in self._grad_pieces(slot.global_offset, slot.global_offset + slot.numel):
+            if flat is None:
+                buffer[position : position + length].zero_()
+            else:
+                buffer[position : position + length].copy_(flat[offset : offset + length])
+
+    def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> list[bool]:
+        """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient
+        for each parameter in ``indices`` (one host read of their flags)."""
+        flags = sharded_grad[self.shard_size :]
+        return (flags[list(indices)] > 0).tolist()
 
     def _global_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
@@ -332,7 +366,8 @@ class DBuffer:
         with _record_scope(GRADIENT_BUFFER_REGION):
             buffer = self._unsharded_grad.allocate()
         for start, end in self._padding:
-            buffer[start:end].zero_()
+            for position, _, length in self._grad_pieces(start, end):
+                buffer[position : position + length].zero_()
         return buffer
 
     def fill_unsharded_grad(self, grads: dict[int, torch.Tensor | None]) -> None:
@@ -342,17 +377,18 @@ class DBuffer:
         are copied, so each is freed right after its copy when ``grads`` held the last
         reference.
         """
-        self.allocate_unsharded_grad()
+        buffer = self.allocate_unsharded_grad()
+        present = [0.0] * len(self.slots)
+        for index, grad in grads.items():
+            present[index] = float(grad is not None)
         # Always marked (once per buffer per step): profiles count this copy by its scope.
         with torch.profiler.record_function(GRADIENT_RELEASE_REGION):
             while grads:
                 index, grad = grads.popitem()
-                slot = self.unsharded_grad_view(index)
-                if grad is None:
-                    slot.zero_()
-                else:
-                    slot.copy_(grad)
+                self.write_unsharded_grad(index, grad)
                 del grad
+            flags = buffer.view(self.world_size, self.grad_shard_size)[:, self.shard_size :]
+            flags.copy_(torch.tensor(present, dtype=buffer.dtype).to(buffer.device, non_blocking=True))
 
     def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False) -> "ReduceScatterHandle":
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
@@ -369,7 +405,7 @@ class DBuffer:
             full = self._unsharded_grad.tensor
             in_place = not accumulate and self.reduce_dtype == self.dtype
             with _record_scope(COMM_BUFFER_REGION):
-                temporary_out = None if in_place else torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+                temporary_out = None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
             sharded_grad = self._sharded_grad_for_reduce()
             out = sharded_grad if in_place else temporary_out
             temp_bytes = 0 if in_place else out.numel() * out.element_size()

@@ -85,7 +85,6 @@ class FSDPUnit:
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float = float(self.world_size)
         self.is_last_backward = True
-        self.find_unused_parameters = False  # the root's decides (see _exchange_gradient_presence)
         self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit (see below)
         self.backward_prefetch: list[FSDPUnit] | None = None
         self.root: FSDPUnit | None = None
@@ -97,9 +96,8 @@ class FSDPUnit:
         self._previous_forward_order: list[FSDPUnit] = []
         self._reduces_in_flight: list[ReduceScatterHandle] = []
         # (Root) parameters reduced this backward without a local gradient, with the sharded
-        # gradient buffer that holds what other ranks sent them (see _exchange_gradient_presence).
+        # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self._reduced_without_local_grad: list[tuple[ManagedParam, FSDPUnit, torch.Tensor]] = []
-        self._reduced_this_backward = False
         self.managed = self._build(params)
 
     # -- construction -----------------------------------------------------------------
@@ -513,52 +511,43 @@ class FSDPUnit:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
             root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
-            root._reduced_this_backward = True
             for m, received in zip(members, got):
                 if m.sharded.grad is not None:
                     continue
                 if received:
                     self._attach_sharded_grad(m)
-                elif root.find_unused_parameters:
+                else:
                     root._reduced_without_local_grad.append((m, self, dbuffer.sharded_grad))
 
     def _attach_sharded_grad(self, m: ManagedParam) -> None:
         local = self.dbuffers[m.buffer_index].sharded_grad_view(m.slot_index)
         m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
 
-    def _exchange_gradient_presence(self) -> Callable[[], None]:
-        """(Root, end of a backward that reduced) Start agreeing on which parameters got a
-        gradient on some rank; the returned function finishes and attaches gradients.
+    def _attach_remote_gradients(self) -> None:
+        """(Root, once every reduce-scatter of the backward is done) Give a gradient to each
+        parameter this rank's data never reached but another rank's did.
 
         With data-dependent routing (mixture-of-experts layers, conditional branches) a
-        parameter can get gradients on some ranks only. Its reduce-scatter already carries the
-        other ranks' contributions; one all-reduce of which parameters lacked a local gradient
-        decides whether it has a gradient at all (DDP's ``find_unused_parameters`` does the
-        same). A parameter no rank's data reached keeps ``grad=None``, so optimizers skip it.
-        The all-reduce is issued before the last reduce-scatters are waited for, to overlap them.
+        parameter can get gradients on some ranks only. Its reduce-scatter already carried the
+        other ranks' contributions and a presence flag per parameter (see DBuffer): a
+        parameter some rank had a gradient for gets the reduced gradient on every rank (so
+        every shard steps), one no rank's data reached keeps ``grad=None`` on every rank (so
+        optimizers skip it everywhere), as under DDP. Ranks that had every gradient read
+        nothing back; the others read one small flag vector per buffer.
         """
         pending, self._reduced_without_local_grad = self._reduced_without_local_grad, []
-        members = [m for unit in self._root_units for m in unit.managed if m.sharded.requires_grad]
-        index = {id(m): i for i, m in enumerate(members)}
-        lacking = [0] * len(members)
-        for m, _, _ in pending:
-            lacking[index[id(m)]] = 1
-        missing = torch.tensor(lacking, dtype=torch.int32, device=self._collective_device())
-        # Every rank runs this after every reducing backward (same units, same order), so the
-        # collective always matches; MIN over ranks: 0 where some rank had a gradient.
-        work = torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN, group=self.group, async_op=True)
-
-        def attach() -> None:
-            work.wait()
-            absent_everywhere = missing.tolist()
-            for m, unit, _ in pending:  # (``pending`` holds the gradient buffers until here)
-                if not absent_everywhere[index[id(m)]] and m.sharded.grad is None:
+        by_buffer: dict[tuple[int, int], list[ManagedParam]] = {}
+        owners: dict[tuple[int, int], tuple[FSDPUnit, torch.Tensor]] = {}
+        for m, unit, sharded_grad in pending:
+            key = (id(unit), m.buffer_index)
+            by_buffer.setdefault(key, []).append(m)
+            owners[key] = (unit, sharded_grad)
+        for key, members in by_buffer.items():
+            unit, sharded_grad = owners[key]
+            received = unit.dbuffers[members[0].buffer_index].received_gradient(sharded_grad, [m.slot_index for m in members])
+            for m, got in zip(members, received):
+                if got and m.sharded.grad is None:
                     unit._attach_sharded_grad(m)
-
-        return attach
-
-    def _collective_device(self) -> torch.device:
-        return next((b.device for unit in self._root_units for b in unit.dbuffers), torch.device("cpu"))
 
     def wait_for_reduces(self) -> None:
         """(Root) complete every reduce-scatter in flight, freeing their gradient buffers."""
@@ -576,12 +565,9 @@ class FSDPUnit:
                 unit.post_backward()
             unit._iteration.pending_post_backward = 0
             unit._iteration.pre_backward_done = False
-        exchange = self.find_unused_parameters and self._reduced_this_backward
-        self._reduced_this_backward = False
-        attach_remote_gradients = self._exchange_gradient_presence() if exchange else None
         self.wait_for_reduces()
-        if attach_remote_gradients is not None:
-            attach_remote_gradients()
+        if self._reduced_without_local_grad:
+            self._attach_remote_gradients()
         if self.reshard_after_backward:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:

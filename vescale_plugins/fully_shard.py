@@ -78,18 +78,16 @@ class VeScaleFSDPModule:
         self._vescale_fsdp_unit.backward_prefetch = [_unit_of(m) for m in modules]
 
     def set_find_unused_parameters(self, enabled: bool) -> None:
-        """Allow parameters that get gradients on some ranks only (data-dependent routing:
-        mixture-of-experts layers, conditional branches), as DDP's ``find_unused_parameters``.
+        """Accepted for code written for DDP (``find_unused_parameters``); nothing to switch.
 
-        On, a parameter this rank's batch never reached still gets the other ranks' reduced
-        gradient, and one no rank's batch reached keeps ``grad=None``, at the cost of one small
-        all-reduce (and a host sync) at the end of each backward that reduces. Off (the
-        default, as in DDP and FSDP2), every parameter must get a gradient on every rank or on
-        none; a rank without one leaves its ``grad`` as ``None``. Set it on the root, on every
-        rank alike.
+        veScale-FSDP always handles parameters that get gradients on some ranks only
+        (data-dependent routing: mixture-of-experts layers, conditional branches): each
+        reduce-scatter carries a presence flag per parameter, so such a parameter gets the
+        other ranks' reduced gradient on every rank, and one no rank's batch reached keeps
+        ``grad=None`` everywhere, as under DDP, with no extra collective.
         """
-        for unit in self._units(True):
-            unit.find_unused_parameters = enabled
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_find_unused_parameters expects a bool, got {enabled!r}")
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
