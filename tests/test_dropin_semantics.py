@@ -214,3 +214,43 @@ def _replaced_after_meta_init(how):
 @pytest.mark.parametrize("how", ["assign", "setattr"])
 def test_parameters_replaced_after_fully_shard_are_adopted(dist_run, how):
     dist_run(_replaced_after_meta_init, 3, how)
+
+
+# ----------------------------------------------------------------------------------
+# post-accumulate-grad hooks on sharded parameters (optimizer in backward)
+# ----------------------------------------------------------------------------------
+
+
+def _optimizer_in_backward(model):
+    """One AdamW per parameter, stepped from the parameter's post-accumulate-grad hook."""
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, eps=1e-6) for p in model.parameters()}
+
+    def step(param):
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+def _post_accumulate_grad_hooks():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    ours = shard_decoder(clone(reference))
+    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    for model in (ours, theirs):
+        _optimizer_in_backward(model)
+    ref_opt = adamw(reference)
+    for step in range(3):
+        reference_step(reference, step, world)
+        step_and_zero(ref_opt)
+        for model in (ours, theirs):
+            sharded_step(model, step)
+            assert all(p.grad is None for p in model.parameters())  # stepped and zeroed in backward
+        assert_matches(ours, reference, "param")
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_post_accumulate_grad_hooks_run_on_reduced_sharded_gradients(dist_run):
+    dist_run(_post_accumulate_grad_hooks, 2)

@@ -147,6 +147,8 @@ class ReduceScatterHandle:
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
         self._event, self._temp_bytes, self._done_event = event, temp_bytes, done_event
         self.done = False
+        # Run once the sharded gradients are final (post-accumulate-grad hooks).
+        self.after_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
         if self.done:
@@ -176,6 +178,9 @@ class ReduceScatterHandle:
         self._full = self._out = None
         self._dbuffer.release_unsharded_grad()
         self.done = True
+        if self.after_wait is not None:
+            after_wait, self.after_wait = self.after_wait, None
+            after_wait()
 
 
 class DBuffer:

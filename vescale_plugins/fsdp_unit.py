@@ -11,6 +11,7 @@ reduce-scatter per DBuffer.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -510,7 +511,9 @@ class FSDPUnit:
                 for m in members:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
-            root._reduces_in_flight.append(dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True))
+            handle = dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True)
+            handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
+            root._reduces_in_flight.append(handle)
             for m, received in zip(members, got):
                 if m.sharded.grad is not None:
                     continue
@@ -545,9 +548,12 @@ class FSDPUnit:
         for key, members in by_buffer.items():
             unit, sharded_grad = owners[key]
             received = unit.dbuffers[members[0].buffer_index].received_gradient(sharded_grad, [m.slot_index for m in members])
+            attached = []
             for m, got in zip(members, received):
                 if got and m.sharded.grad is None:
                     unit._attach_sharded_grad(m)
+                    attached.append(m)
+            _run_post_accumulate_grad_hooks(attached)
 
     def wait_for_reduces(self) -> None:
         """(Root) complete every reduce-scatter in flight, freeing their gradient buffers."""
@@ -591,6 +597,16 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.unit._post_backward_from_inputs()
         return (None, *grads)
+
+
+def _run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:
+    """Hooks users registered on the sharded parameters run once the reduced sharded
+    gradient is final (optimizer-in-backward steps there), as FSDP2's do."""
+    for m in members:
+        hooks = getattr(m.sharded, "_post_accumulate_grad_hooks", None)
+        if hooks and m.sharded.grad is not None:
+            for hook in list(hooks.values()):
+                hook(m.sharded)
 
 
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> Any:
