@@ -254,3 +254,97 @@ def _post_accumulate_grad_hooks():
 
 def test_post_accumulate_grad_hooks_run_on_reduced_sharded_gradients(dist_run):
     dist_run(_post_accumulate_grad_hooks, 2)
+
+
+# ----------------------------------------------------------------------------------
+# parameters FSDP2 refuses: 0-dim and non-contiguous (we shard them; exactly)
+# ----------------------------------------------------------------------------------
+
+
+class _OddParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
+        self.weight = nn.Parameter(torch.randn(13, 7).t())  # non-contiguous (7, 13)
+        self.bias = nn.Parameter(torch.randn(13))
+
+    def forward(self, x):
+        return self.scale * (x @ self.weight) + self.bias
+
+
+def _odd_parameters():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = _OddParams()
+    model = clone(reference)
+    assert not model.weight.is_contiguous()
+    fully_shard(model)
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(world * 2, 7, generator=g)
+        for r in range(world):
+            (reference(x[2 * r : 2 * r + 2]).square().mean() / world).backward()
+        model(x[2 * rank : 2 * rank + 2]).square().mean().backward()
+        assert_matches(model, reference, "grad")
+        step_and_zero(opt, ref_opt)
+        assert_matches(model, reference, "param")
+    assert model.scale.full_tensor().dim() == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_dim_and_non_contiguous_parameters_train_exactly(dist_run, world):
+    dist_run(_odd_parameters, world)
+
+
+# ----------------------------------------------------------------------------------
+# reset_iter_state() after an exception mid-forward or mid-backward
+# ----------------------------------------------------------------------------------
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise_in_backward(grad):
+    raise _Boom("backward")
+
+
+def _recovery_after_exceptions():
+    world = dist.get_world_size()
+    reference = make_decoder()
+    ours = shard_decoder(clone(reference))
+    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    opts = [adamw(m) for m in (reference, ours, theirs)]
+    for step in range(4):
+        if step in (1, 2):  # every rank fails at the same point, in forward then in backward
+            for model in (ours, theirs):
+                tokens, targets = local_batch(step)
+                with pytest.raises(_Boom):
+                    if step == 1:
+                        handle = model.layers[1].register_forward_hook(lambda *a: (_ for _ in ()).throw(_Boom("forward")))
+                        try:
+                            model(tokens)
+                        finally:
+                            handle.remove()
+                    else:
+                        out = model(tokens)
+                        out.register_hook(_raise_in_backward)
+                        loss_fn(out, targets).backward()
+                model.reset_iter_state()
+                for p in model.parameters():
+                    p.grad = None
+            continue
+        reference_step(reference, step, world)
+        sharded_step(ours, step)
+        sharded_step(theirs, step)
+        step_and_zero(*opts)
+    assert_matches(ours, reference, "param")
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **PARAM_TOL, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(RuntimeError, match="root"):
+        ours.layers[0].reset_iter_state()
+
+
+def test_reset_iter_state_recovers_after_an_exception_as_fsdp2(dist_run):
+    dist_run(_recovery_after_exceptions, 2)

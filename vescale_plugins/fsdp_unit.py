@@ -579,6 +579,34 @@ class FSDPUnit:
                 if unit.is_unsharded and unit._iteration.reduced:
                     unit.reshard()
 
+    def reset_iteration(self) -> None:
+        """(Root) After an exception aborted a forward or backward: finish every collective
+        in flight, reshard every unit and forget the iteration (its unreduced gradients and
+        no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
+        if self.root is not None and self.root is not self:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root module (the one fully_shard was "
+                "applied to last, which runs forward first), not on a unit inside it"
+            )
+        units = self._root_units or _iter_units(self.modules)
+        for handle in self._reduces_in_flight:
+            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        self.wait_for_reduces()
+        self._reduced_without_local_grad = []
+        self._iteration_callback_queued = False
+        self._forward_order = []
+        for unit in units:
+            unit.wait_for_unshard()
+            unit._iteration = _IterationState()
+            unit._modules_run.clear()
+            for m in unit.managed:
+                m.accumulated_grad = None
+                if m.unsharded is not None:
+                    m.unsharded.grad = None
+            unit.reshard()
+            for dbuffer in unit.dbuffers:
+                dbuffer.release_unsharded_grad()
+
     def _post_backward_from_inputs(self) -> None:
         self._iteration.pending_post_backward -= 1
         if self._iteration.pending_post_backward <= 0 and self._iteration.pre_backward_done:

@@ -89,6 +89,13 @@ class VeScaleFSDPModule:
         if not isinstance(enabled, bool):
             raise TypeError(f"set_find_unused_parameters expects a bool, got {enabled!r}")
 
+    def reset_iter_state(self) -> None:
+        """After catching an exception from ``forward()`` or ``backward()``, call this on the
+        root module, then run the next iteration normally (FSDP2's recovery workflow): every
+        collective in flight is finished, every unit resharded, and the aborted iteration's
+        gradients and no-sync accumulation are dropped."""
+        self._vescale_fsdp_unit.reset_iteration()
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
