@@ -43,8 +43,8 @@ def _every_bad_input():
 
     model = make_decoder()
     before = _snapshot(model)
-    mesh_2d = init_device_mesh("cpu", (1, world))
-    _expect(NotImplementedError, "2-D mesh: hybrid sharding", lambda: fully_shard(model, mesh=mesh_2d))
+    mesh_3d = init_device_mesh("cpu", (1, 1, world))
+    _expect(NotImplementedError, "3-D mesh: pass a 1-D mesh", lambda: fully_shard(model, mesh=mesh_3d))
     _untouched(model, before)
 
     _expect(

@@ -96,6 +96,13 @@ class VeScaleFSDPModule:
         gradients and no-sync accumulation are dropped."""
         self._vescale_fsdp_unit.reset_iteration()
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with ``False``, backward reduce-scatters within the shard group but does not
+        all-reduce across replicas; the sums wait (no gradient is attached) until a backward
+        with ``True`` all-reduces them with its own, as FSDP2. No effect on a 1-D mesh."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
@@ -147,10 +154,11 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
             raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
         device_type = "cuda" if device.type == "cuda" else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh: hybrid sharding (replicate x shard) is not "
-            "supported yet; pass a 1-D mesh"
+            f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
+            "(replicate, shard) for hybrid sharding; tensor- and expert-parallel dims are not "
+            "supported yet"
         )
     return mesh
 
