@@ -56,7 +56,7 @@ def _every_bad_input():
 
     _expect(ValueError, "ModuleList", lambda: fully_shard(model.layers))
     _untouched(model, before)
-    _expect(NotImplementedError, "reshard_after_forward=2", lambda: fully_shard(model, reshard_after_forward=2))
+    _expect(ValueError, r"reshard_after_forward=5 must divide the shard group's size", lambda: fully_shard(model, reshard_after_forward=5))
     _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
     _untouched(model, before)
     fully_shard(model, offload_policy=OffloadPolicy())  # FSDP2's "no offload" default is accepted

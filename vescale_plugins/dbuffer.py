@@ -122,6 +122,7 @@ class GatherHandle:
     def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None, event: Any = None, streams: CommStreams | None = None, done: Any = None) -> None:
         self._unsharded, self._version, self._work, self._event = unsharded, version, work, event
         self._streams, self._done = streams, done
+        self.after_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
         record = run_record.ACTIVE
@@ -137,6 +138,9 @@ class GatherHandle:
         if self._event is not None and record is not None:
             record.collective_done(self._event, wait_started)
             self._event = None
+        if self.after_wait is not None:
+            after_wait, self.after_wait = self.after_wait, None
+            after_wait()
 
 
 class ReduceScatterHandle:
@@ -250,6 +254,10 @@ class DBuffer:
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
+        # reshard_after_forward=k: this rank's 1/k of the gathered buffer, kept between forward
+        # and backward, and the k-rank group that gathers it back.
+        self._post_forward: _StorageToggle | None = None
+        self._post_forward_group: dist.ProcessGroup | None = None
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self.streams = comm_streams_for(self.device)
 
@@ -347,22 +355,64 @@ class DBuffer:
                 record.buffer_allocated("unsharded_params", self._unsharded.nbytes)
             unsharded = self._unsharded.allocate()
             version = unsharded._version
-            with _record_scope(COMM_BUFFER_REGION):
-                shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+            group = self._post_forward_group
+            if group is not None:
+                shard = self._post_forward.tensor  # gathered back within the k ranks only
+            else:
+                group = self.group
+                with _record_scope(COMM_BUFFER_REGION):
+                    shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
             # On a side stream the call returns once enqueued; the handle waits on an event.
-            work = _all_gather(unsharded, shard, self.group, async_op=async_op and not streams.enabled)
+            work = _all_gather(unsharded, shard, group, async_op=async_op and not streams.enabled)
             handle = GatherHandle(unsharded, version, work, event, streams, streams.record(streams.all_gather))
+            if self._post_forward_group is not None:
+                self._post_forward_group = None
+                handle.after_wait = self._release_post_forward
         if not async_op:
             handle.wait()
         return handle
 
     def release_unsharded(self) -> None:
-        """Free the unsharded parameters' memory (their views stay, without storage)."""
+        """Free the unsharded parameters' memory (their views stay, without storage), and
+        any post-forward chunk."""
+        self._release_full()
+        self._post_forward_group = None
+        self._release_post_forward()
+
+    def _release_full(self) -> None:
         record = run_record.ACTIVE
         if record is not None and self._unsharded.allocated:
             record.buffer_freed("unsharded_params", self._unsharded.nbytes)
         self._unsharded.release()
+
+    def reshard_to_group(self, group: dist.ProcessGroup) -> None:
+        """(``reshard_after_forward=k``) Keep only this rank's ``1/k`` of the gathered buffer,
+        ``k`` the size of ``group`` (consecutive ranks of the shard group), and free the rest.
+
+        The kept chunk is ``W/k`` consecutive shards of the planner's layout, so its rank
+        boundaries are some of the W-rank layout's: no block is cut, and the gather within
+        ``group`` writes the unsharded buffer in place, as the full gather does.
+        """
+        k, index = dist.get_world_size(group), dist.get_rank(group)
+        full = self._unsharded.tensor
+        chunk = full.numel() // k
+        if self._post_forward is None:
+            self._post_forward = _StorageToggle(chunk, self.param_dtype, self.device)
+        record = run_record.ACTIVE
+        if record is not None and not self._post_forward.allocated:
+            record.buffer_allocated("unsharded_params", self._post_forward.nbytes)
+        kept = self._post_forward.allocate()
+        kept.copy_(full[index * chunk : (index + 1) * chunk])
+        self._release_full()
+        self._post_forward_group = group
+
+    def _release_post_forward(self) -> None:
+        if self._post_forward is not None and self._post_forward.allocated:
+            record = run_record.ACTIVE
+            if record is not None:
+                record.buffer_freed("unsharded_params", self._post_forward.nbytes)
+            self._post_forward.release()
 
     # -- gradients --------------------------------------------------------------------
 

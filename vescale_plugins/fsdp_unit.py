@@ -264,6 +264,17 @@ class FSDPUnit:
             module.register_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
             module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
 
+    def reshard_to_post_forward_group(self) -> None:
+        """``reshard_after_forward=k``: keep the parameters sharded over groups of k
+        consecutive ranks until backward, which gathers within those k ranks only (FSDP2's
+        memory and traffic: 1/k of the unit per rank)."""
+        self.wait_for_unshard()
+        group = _post_forward_group(self.mesh, self.reshard_after_forward)
+        for m in self.managed:
+            m.register(m.sharded)
+        for b in self.dbuffers:
+            b.reshard_to_group(group)
+
     def reshard(self) -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
         self.wait_for_unshard()
@@ -341,7 +352,10 @@ class FSDPUnit:
     def _complete_forward(self, output: Any) -> Any:
         self._modules_run.clear()
         if self._reshards_after_forward():
-            self.reshard()
+            if _is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
+                self.reshard_to_post_forward_group()
+            else:
+                self.reshard()
         if torch.is_grad_enabled():
             output = _register_on_tensors(output, self._pre_backward_hook)
         return output
@@ -637,6 +651,25 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.unit._post_backward_from_inputs()
         return (None, *grads)
+
+
+def _is_group_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# One set of k-rank groups per (mesh, k), shared by every unit that reshards to k ranks.
+_POST_FORWARD_GROUPS: dict[tuple[int, int], torch.distributed.ProcessGroup] = {}
+
+
+def _post_forward_group(mesh: DeviceMesh, k: int) -> torch.distributed.ProcessGroup:
+    """This rank's group of k consecutive ranks of the shard dim (every rank creates all of
+    them, in the same order, at the first forward that needs them)."""
+    key = (id(mesh), k)
+    if key not in _POST_FORWARD_GROUPS:
+        rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+        enumeration = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
+        _POST_FORWARD_GROUPS[key], _ = torch.distributed.new_subgroups_by_enumeration(enumeration)
+    return _POST_FORWARD_GROUPS[key]
 
 
 def _run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:

@@ -65,7 +65,7 @@ class VeScaleFSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _check_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
     def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
         """Start these units' all-gathers when this unit's forward starts (default: the unit
@@ -141,11 +141,24 @@ def _check_reshard_after_forward(value: Any) -> None:
     if isinstance(value, bool) or value is None:
         return
     if isinstance(value, int):
-        raise NotImplementedError(
-            f"reshard_after_forward={value}: resharding to a smaller group after forward is not "
-            "supported yet; use True, False or None"
-        )
+        if value < 1:
+            raise ValueError(f"reshard_after_forward={value}: an int must be a positive number of ranks")
+        return
     raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+
+
+def _normalise_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
+    """An int is the size of the groups parameters stay sharded over after forward: it must
+    divide the shard dim's size; 1 means False and the full size True, as in FSDP2."""
+    if isinstance(value, bool) or value is None:
+        return value
+    shard_size = mesh.size(mesh.ndim - 1)
+    if shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group's size ({shard_size}); "
+            f"use one of {[d for d in range(1, shard_size + 1) if shard_size % d == 0]}"
+        )
+    return False if value == 1 else True if value == shard_size else value
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
@@ -278,6 +291,7 @@ def fully_shard(
     with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
     device = next((p.device for _, _, p in params), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
+    reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     where = " + ".join(type(m).__name__ for m in modules)
