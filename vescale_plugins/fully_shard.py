@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fsdp_unit import FSDPUnit, _iter_units
@@ -268,6 +269,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     block_size_fn: BlockSizeFn | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters as one unit, like ``torch.distributed.fsdp.fully_shard``.
@@ -278,9 +280,12 @@ def fully_shard(
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    _validate(modules, reshard_after_forward, shard_placement_fn, offload_policy)
+    _validate(modules, reshard_after_forward, offload_policy, dp_mesh_dims)
     ignored = set(ignored_params or ())
     params, shared = _collect_params(modules, ignored)
+    _check_plain_tensors(params)
+    if shard_placement_fn is not None:
+        _check_shard_placements(params, shard_placement_fn)
     if shared:
         raise ValueError(
             "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
@@ -305,10 +310,13 @@ def fully_shard(
     return module
 
 
-def _validate(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any) -> None:
+def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
     _check_reshard_after_forward(reshard_after_forward)
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not supported: veScale-FSDP plans placements itself; use block_size_fn")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "dp_mesh_dims (parameters already distributed over a full SPMD mesh) is not supported "
+            "yet: pass the data-parallel mesh itself as mesh= (1-D, or 2-D for HSDP)"
+        )
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
     for m in modules:
@@ -319,6 +327,32 @@ def _validate(modules: list[nn.Module], reshard_after_forward: Any, shard_placem
                 f"fully_shard on an {type(m).__name__}: it has no forward, so no hook would ever "
                 "gather its parameters; shard each of its blocks, or pass them as a list"
             )
+
+
+def _check_plain_tensors(params: list[tuple[str, Any, nn.Parameter]]) -> None:
+    for fqn, _, param in params:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is already a DTensor ({param.placements} on a {param.device_mesh.ndim}-D "
+                "mesh, e.g. from tensor or expert parallelism): composing veScale-FSDP with other "
+                "parallel dims is not supported yet; shard plain parameters, or use torch's fully_shard "
+                "for this model"
+            )
+
+
+def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any]) -> None:
+    """FSDP2's ``shard_placement_fn``: ``None`` and ``Shard(0)`` are what veScale-FSDP does
+    (whole rows per rank; the planner balances tensors with fewer rows than ranks without
+    FSDP2's padding); another dim is refused, naming the parameter."""
+    for fqn, _, param in params:
+        placement = shard_placement_fn(param)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.dim() if param.dim() else 0)):
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}: veScale-FSDP shards whole rows "
+            "of dim 0 (uneven per rank where needed, so experts or matrices with fewer rows than "
+            "ranks need no other dim); return None or Shard(0) for it"
+        )
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
