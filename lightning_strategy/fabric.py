@@ -82,7 +82,7 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         auto_wrap_policy: WrapPolicy = None,
-        reshard_after_forward: Optional[bool] = None,
+        reshard_after_forward: Union[bool, int, None] = None,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",
