@@ -246,3 +246,39 @@ def _errors_before_any_collective():
 
 def test_bad_input_is_refused_on_every_rank_before_any_collective(dist_run):
     assert dist_run(_errors_before_any_collective, 3) == [None] * 3
+
+
+# ----------------------------------------------------------------------------------
+# root assignment (pure arithmetic)
+# ----------------------------------------------------------------------------------
+
+
+def test_roots_balance_newton_schulz_flops_on_a_catalogue_model():
+    import importlib.util
+    from pathlib import Path
+
+    from vescale_plugins.model_catalog import CATALOG
+    from vescale_plugins.optim import assign_roots, newton_schulz_flops
+
+    spec = importlib.util.spec_from_file_location("muon_balance_report", Path(__file__).parents[1] / "scripts" / "muon_balance_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    costs = [newton_schulz_flops(s) for s in report.muon_matrix_shapes(CATALOG["Llama-3-70B"])]
+    assert len(costs) == 80 * 7
+    for world in (8, 64):
+        assignment = assign_roots(costs, world)
+        assert assignment == assign_roots(costs, world)  # deterministic
+        assert sorted(set(assignment.roots)) == list(range(world))
+        assert sum(assignment.loads) == sum(costs)
+        assert assignment.lower_bound <= assignment.max_over_mean <= min(assignment.upper_bound, 1.10)
+    # Fewer matrices than ranks: the largest matrix alone sets the maximum.
+    few = assign_roots([9, 1, 1], 4)
+    assert few.loads == (9, 1, 1, 0) and few.max_over_mean == few.lower_bound == 9 * 4 / 11
+
+
+def test_newton_schulz_flops_count_the_three_matmuls_per_step():
+    from vescale_plugins.optim import newton_schulz_flops
+
+    # X is 3x5 (wide): X X^T 2*3*3*5, G G 2*3*3*3, (.) X 2*3*3*5, per step.
+    assert newton_schulz_flops((3, 5), ns_steps=1) == 90 + 54 + 90
+    assert newton_schulz_flops((5, 3), ns_steps=2) == 2 * (90 + 54 + 90)

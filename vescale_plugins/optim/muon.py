@@ -107,6 +107,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
                         eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, algorithm="muon", betas=(0.9, 0.999))
         self._plan: ExchangePlan | None = None
+        self._plan_key: tuple[int, ...] | None = None
         super().__init__(params, defaults)
         self._build_plan()
 
@@ -114,8 +115,12 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group_index = len(self.param_groups) - 1
-        group = self.param_groups[-1]
+        self._check_group(len(self.param_groups) - 1)
+        if self._plan_key is not None:  # a group added after construction: new roots for all
+            self._build_plan()
+
+    def _check_group(self, group_index: int) -> None:
+        group = self.param_groups[group_index]
         if group["algorithm"] not in ALGORITHMS:
             raise ValueError(f"param group {group_index}: algorithm {group['algorithm']!r} is not one of {ALGORITHMS}")
         for index, p in enumerate(group["params"]):
@@ -129,8 +134,6 @@ class Muon(torch.optim.Optimizer):
                 )
             if group["algorithm"] == "muon" and isinstance(p, DTensor):
                 self._check_sharding(p, _param_name(group, index, group_index))
-        if self._plan is not None:  # a group added after construction: new roots for all
-            self._build_plan()
 
     @staticmethod
     def _check_sharding(p: DTensor, name: str) -> None:
@@ -147,8 +150,12 @@ class Muon(torch.optim.Optimizer):
     def _muon_params(self) -> list[tuple[dict, Tensor, str]]:
         return [(g, p, _param_name(g, i, gi)) for gi, g in enumerate(self.param_groups) if g["algorithm"] == "muon" for i, p in enumerate(g["params"])]
 
+    def _muon_params_key(self) -> tuple[int, ...]:
+        return tuple(id(p) for _, p, _ in self._muon_params())
+
     def _build_plan(self) -> None:
         """Roots and buckets of the sharded matrices (pure arithmetic: no collective)."""
+        self._plan_key = self._muon_params_key()
         sharded = [(g, p, name) for g, p, name in self._muon_params() if isinstance(p, DTensor) and p.device_mesh.size() > 1]
         self._slot_of: dict[int, int] = {}  # id(parameter) -> matrix index in the plan
         self._plan, self._group, self._rank = None, None, 0
@@ -187,6 +194,12 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._muon_params_key() != self._plan_key:
+            # A front end (Accelerate, Fabric) swapped the parameters for their sharded
+            # versions after construction: check them and plan again, still before any collective.
+            for group_index in range(len(self.param_groups)):
+                self._check_group(group_index)
+            self._build_plan()
         # matrix index -> (bfloat16 local piece of the update, local parameter, adjusted lr)
         pending: dict[int, tuple[Tensor, Tensor, float]] = {}
         for group in self.param_groups:
