@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
 
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # the table's labels on one line
     settings = BenchSettings(MODELS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
     record: dict[str, Any] = {"settings": {**vars(args), "config": settings.config.to_dict()}, "runs": {}}
     for world in args.world_sizes:
