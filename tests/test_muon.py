@@ -176,6 +176,9 @@ def _sharded_matches_unsharded(hyper):
         assert opt.state[p]["momentum_buffer"].placements == p.placements
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=0, msg=lambda m: f"{SHAPES[i]}: {m}")
     plan = opt.exchange_plan
+    if world == 1:  # a DTensor on one rank is its own root: no plan, no collective
+        assert plan is None
+        return []
     roots = [m.root for m in plan.matrices]
     assert sorted(set(roots)) == list(range(min(world, len(SHAPES))))
     for bucket in plan.buckets:
@@ -184,7 +187,7 @@ def _sharded_matches_unsharded(hyper):
     return roots
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_matches_unsharded_torch_muon_after_five_steps(dist_run, world):
     roots = dist_run(_sharded_matches_unsharded, world, HYPER)
     assert all(r == roots[0] for r in roots)  # every rank chose the same roots
@@ -282,3 +285,23 @@ def test_newton_schulz_flops_count_the_three_matmuls_per_step():
     # X is 3x5 (wide): X X^T 2*3*3*5, G G 2*3*3*3, (.) X 2*3*3*5, per step.
     assert newton_schulz_flops((3, 5), ns_steps=1) == 90 + 54 + 90
     assert newton_schulz_flops((5, 3), ns_steps=2) == 2 * (90 + 54 + 90)
+
+
+def _count_one_step_of_a_fully_sharded_decoder():
+    from models import local_batch, loss_fn, make_decoder
+    from test_fully_shard import shard_decoder
+
+    model = shard_decoder(make_decoder())
+    opt = Muon(muon_param_groups(model, adamw_lr=1e-2), lr=0.02)
+    tokens, targets = local_batch(0)
+    loss_fn(model(tokens), targets).backward()
+    with CommDebugMode() as mode:
+        opt.step()
+    counts = {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+    return counts, len(opt.exchange_plan.buckets), len(opt.exchange_plan.matrices)
+
+
+def test_a_fully_sharded_decoders_step_is_two_all_to_alls_per_bucket(dist_run):
+    counts, buckets, matrices = dist_run(_count_one_step_of_a_fully_sharded_decoder, 3)[0]
+    assert matrices == 3 * 4  # 3 blocks x (qkv, out, up, down); the tied embedding/head is AdamW's
+    assert counts == {"alltoall_base_": 2 * buckets}, counts

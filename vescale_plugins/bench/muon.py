@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import fully_shard
 from ..optim import Muon, muon_param_groups
+from ..optim.muon import adjust_lr
 from ..optim.newton_schulz import newton_schulz_for
 from ..optim.root_assignment import newton_schulz_flops
 from .engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
@@ -85,13 +86,7 @@ class FullTensorMuon(Muon):
             start = min(rank * rows_per_rank, p.shape[0])
             mine = orthogonal[start : start + param.shape[0]]
             param.mul_(1 - lr * weight_decay)
-            param.add_(mine, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
-
-
-def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    from ..optim.muon import adjust_lr
-
-    return adjust_lr(lr, adjust_lr_fn, shape)
+            param.add_(mine, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
 
 def _muon_shapes(optimizer: Muon) -> list[tuple[int, int]]:
