@@ -189,7 +189,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step (Muon groups, then AdamW groups)."""
+        """One optimizer step: every group in order, then the sharded matrices' exchange."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
