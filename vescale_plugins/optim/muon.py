@@ -8,10 +8,11 @@
    Newton–Schulz cost over the ranks) in buckets of one matrix per root: one
    ``all_to_all_single`` per bucket; the root orthogonalises it; a second all-to-all returns
    every rank its interval of the update (``muon_exchange``). Buckets are issued
-   asynchronously, so one bucket's collectives overlap another's Newton–Schulz.
+   asynchronously, so the next bucket's collectives overlap this one's Newton–Schulz.
 3. Decoupled weight decay and the update, on the local shard.
 
-No rank ever holds a matrix it is not the root of, and there is no all-gather. The momentum
+No rank ever holds a matrix it is not the root of (and at most three of its own at a time),
+and there is no all-gather. The momentum
 buffer is a DTensor with the parameter's layout, so DCP saves and reloads it under any world
 size (the roots are recomputed for the new group).
 
@@ -42,8 +43,6 @@ __all__ = ["Muon", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "EPS"]
 EPS = 1e-7
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_NS_STEPS = 5
-# Buckets in flight ahead of the one being orthogonalised.
-PREFETCH_BUCKETS = 1
 ALGORITHMS = ("muon", "adamw")
 
 
@@ -255,14 +254,20 @@ class Muon(torch.optim.Optimizer):
                 _, param, adjusted_lr = pending[index]
                 param.view(-1).add_(update, alpha=-adjusted_lr)
 
-        for next_up in range(min(PREFETCH_BUCKETS + 1, len(exchanges))):
-            scattered.append(exchanges[next_up].scatter_to_roots(pieces, device))
-        next_up = len(scattered)
+        launched = 0
+
+        def launch_next_scatter() -> None:
+            nonlocal launched
+            if launched < len(exchanges):
+                scattered.append(exchanges[launched].scatter_to_roots(pieces, device))
+                launched += 1
+
+        launch_next_scatter()
         for exchange in exchanges:
+            # Bucket k + 1 travels to its roots while bucket k is orthogonalised, and bucket
+            # k - 1's updates travel back: at most three of this rank's matrices in full.
+            launch_next_scatter()
             scattered.popleft().wait()
-            if next_up < len(exchanges):
-                scattered.append(exchanges[next_up].scatter_to_roots(pieces, device))
-                next_up += 1
             matrix = exchange.gathered_matrix()
             orthogonal = None
             if matrix is not None:
