@@ -414,7 +414,7 @@ def _synchronous_reduce_scatter_gives_the_same_gradients():
     reference = make_decoder()
     model = shard_decoder(clone(reference))
     original = dbuffer_module.DBuffer.reduce_scatter
-    dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False: original(self, factor, accumulate, async_op=False)
+    dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False, **kwargs: original(self, factor, accumulate, async_op=False, **kwargs)
     try:
         for step in range(2):
             reference_step(reference, step, world)

@@ -83,6 +83,14 @@ def _gaps(intervals: Sequence[tuple[int, int]], size: int) -> list[tuple[int, in
     return gaps
 
 
+def _fp16_pre_divide_factor(factor: float) -> float:
+    """The power of two FSDP2 divides fp16 gradients by before reducing (about sqrt(factor))."""
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre)
+
+
 class _StorageToggle:
     """A flat tensor whose storage can be released and re-grown in place (views survive)."""
 
@@ -485,6 +493,12 @@ class DBuffer:
             if record is not None:
                 record.buffer_allocated("comm_buffers", temp_bytes)
                 event = record.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
+            if self.reduce_dtype == torch.float16 and divide_factor != 1:
+                # fp16's range: divide by about sqrt(factor) before the sum and the rest after,
+                # as FSDP2 does (bf16 and fp32 are divided once, after).
+                pre_factor = _fp16_pre_divide_factor(divide_factor)
+                full.div_(pre_factor)
+                divide_factor /= pre_factor
             work = _reduce_scatter(out, full, self.group, async_op=async_op and not streams.enabled)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes, done_event)

@@ -11,6 +11,7 @@ reduce-scatter per DBuffer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate
-from torch.utils import _pytree as pytree
+from torch.distributed.utils import _apply_to_tensors
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
 from .dbuffer import DBuffer, GatherHandle, ReduceScatterHandle
@@ -238,11 +239,13 @@ class FSDPUnit:
         if self.is_unsharded or self._pending_unshard:
             return
         self._check_materialized()
-        self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
+        with _outside_functorch():
+            self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
 
     def wait_for_unshard(self) -> None:
-        for work in self._pending_unshard:
-            work.wait()
+        with _outside_functorch():
+            for work in self._pending_unshard:
+                work.wait()
         self._pending_unshard = []
 
     def use_unsharded_params(self) -> None:
@@ -400,14 +403,13 @@ class FSDPUnit:
     # -- backward ---------------------------------------------------------------------
 
     def _attach_post_backward(self, inputs: Any) -> Any:
-        flat, spec = pytree.tree_flatten(inputs)
-        positions = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if positions:
-            self._iteration.pending_post_backward += 1
-            outs = _PostBackward.apply(self, *(flat[i] for i in positions))
-            for i, out in zip(positions, outs if isinstance(outs, tuple) else (outs,)):
-                flat[i] = out
-        return pytree.tree_unflatten(flat, spec)
+        tensors = _tensors_requiring_grad(inputs)
+        if not tensors:
+            return inputs
+        self._iteration.pending_post_backward += 1
+        outs = _PostBackward.apply(self, *tensors)
+        replacements = iter(outs if isinstance(outs, tuple) else (outs,))
+        return _apply_to_tensors(lambda t: next(replacements) if t.requires_grad else t, inputs)
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         if self._iteration.pre_backward_done:
@@ -643,14 +645,23 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx: Any, unit: FSDPUnit, *inputs: torch.Tensor) -> Any:
-        ctx.unit = unit
+    def forward(unit: FSDPUnit, *inputs: torch.Tensor) -> Any:
         return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.unit = inputs[0]  # (the separate setup_context lets torch.func transforms run it)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.unit._post_backward_from_inputs()
         return (None, *grads)
+
+
+def _outside_functorch() -> Any:
+    """The buffers' in-place refills are the runtime's, not the traced function's: hide them
+    from an active ``torch.func`` transform (``jvp``, ``vmap``), as FSDP2 does."""
+    return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else contextlib.nullcontext()
 
 
 def _is_group_size(value: Any) -> bool:
@@ -682,15 +693,23 @@ def _run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:
                 hook(m.sharded)
 
 
+def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in a module's inputs or outputs, in traversal order:
+    tuples, lists, dicts, named tuples and dataclasses (Hugging Face's ``ModelOutput``), as
+    FSDP2 traverses them."""
+    found: list[torch.Tensor] = []
+    _apply_to_tensors(lambda t: (found.append(t) if t.requires_grad else None) or t, tree)
+    return found
+
+
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> Any:
-    for t in pytree.tree_leaves(output):
-        if torch.is_tensor(t) and t.requires_grad:
-            t.register_hook(hook)
+    for t in _tensors_requiring_grad(output):
+        t.register_hook(hook)
     return output
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t, tree)
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
