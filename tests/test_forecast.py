@@ -1,7 +1,6 @@
 """Each formula of the forecast against a hand-computed case, the published figures, and the CLI."""
 
 import json
-import math
 
 import pytest
 

@@ -29,12 +29,11 @@ activations exist again while it is recomputed in backward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from ..model_catalog import Unit
 from .model import ModelSpec, is_routed_expert
 
-__all__ = ["StepCompute", "activation_bytes", "block_activation_elements", "training_flops_per_token", "unit_flops_per_token"]
+__all__ = ["activation_bytes", "is_block", "block_activation_elements", "training_flops_per_token", "unit_flops_per_token"]
 
 
 def _top_k_fraction(config: dict) -> float:
@@ -44,7 +43,8 @@ def _top_k_fraction(config: dict) -> float:
     return config.get("num_experts_per_tok", 1) / experts
 
 
-def _is_block(unit: Unit) -> bool:
+def is_block(unit: Unit) -> bool:
+    """A transformer block (it has an attention output projection)."""
     return any(name.endswith("o_proj.weight") for name, _ in unit.params)
 
 
@@ -61,7 +61,7 @@ def unit_flops_per_token(unit: Unit, config: dict, seq_len: int) -> float:
             continue
         active += math.prod(shape) * (fraction if is_routed_expert(name) else 1.0)
     flops = 6 * active
-    if _is_block(unit):
+    if is_block(unit):
         flops += 6 * seq_len * _attention_width(unit)
     return flops
 
@@ -71,7 +71,7 @@ def training_flops_per_token(spec: ModelSpec, seq_len: int, activation_checkpoin
     total = 0.0
     for unit in spec.units.units:
         flops = unit_flops_per_token(unit, spec.config, seq_len)
-        if activation_checkpointing and _is_block(unit):
+        if activation_checkpointing and is_block(unit):
             flops *= 8 / 6
         total += unit.count * flops
     return total
@@ -100,23 +100,9 @@ def block_activation_elements(unit: Unit, config: dict) -> float:
 def activation_bytes(spec: ModelSpec, tokens: int, compute_itemsize: int) -> tuple[int, int]:
     """Activation bytes per rank for ``tokens`` tokens per step: ``(without, with)``
     activation checkpointing of every block."""
-    blocks = [(u, block_activation_elements(u, spec.config)) for u in spec.units.units if _is_block(u)]
+    blocks = [(u, block_activation_elements(u, spec.config)) for u in spec.units.units if is_block(u)]
     logits = spec.config["vocab_size"] * (compute_itemsize + 8)
     full = sum(u.count * e for u, e in blocks) * compute_itemsize + logits
     layers = sum(u.count for u, _ in blocks)
     checkpointed = (layers * spec.config["hidden_size"] + max((e for _, e in blocks), default=0)) * compute_itemsize + logits
     return math.ceil(full * tokens), math.ceil(checkpointed * tokens)
-
-
-@dataclass(frozen=True)
-class StepCompute:
-    """Seconds of compute per step: the FLOPs a rank does over ``peak_flops * mfu``."""
-
-    flops_per_token: float
-    tokens: int
-    peak_flops: float
-    mfu: float
-
-    @property
-    def seconds(self) -> float:
-        return self.flops_per_token * self.tokens / (self.peak_flops * self.mfu)

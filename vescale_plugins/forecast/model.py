@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -71,7 +70,3 @@ def is_routed_expert(param_name: str) -> bool:
     """A routed expert's parameter (``mlp.experts.3.w1``, fused ``mlp.experts.gate_up_proj``),
     not a shared expert's (``mlp.shared_experts...``): only ``top_k`` of them run per token."""
     return "experts" in param_name.split(".")
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)

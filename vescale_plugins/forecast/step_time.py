@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .comm_model import all_reduce_s, link_for_group, ring_collective_s
-from .compute import unit_flops_per_token, _is_block
+from .compute import is_block, unit_flops_per_token
 from .hardware import Hardware
 from .layouts import plan_unit_layouts
 from .memory import PRECISIONS, MemoryBreakdown
@@ -96,7 +96,7 @@ def forecast_step_time(
     for unit in order:
         flops = unit_flops_per_token(unit, spec.config, seq_len) * tokens
         forward.append(flops / 3 / rate)
-        recompute = activation_checkpointing and _is_block(unit)
+        recompute = activation_checkpointing and is_block(unit)
         backward.append(flops * (2 / 3 + (1 / 3 if recompute else 0)) / rate)
     results = {}
     for engine in ("vescale", "fsdp2"):
