@@ -3,16 +3,17 @@
 Run ``python scripts/forecast_calibration.py [--world-sizes 2,4] [--steps 12]`` (a few
 minutes on 2 cores). It
 
-1. calibrates this machine (``python -m vescale_plugins.forecast --calibrate``: the ring's
-   latency and bandwidth from a gloo all-gather/reduce-scatter sweep on 2 processes, FSDP2's
-   gloo collectives over veScale-FSDP's in-place ones, matmul FLOP/s, copy bandwidth);
-2. measures the MFU of the bench's default model: one unsharded process, forward and
-   backward, its FLOPs over the time at the calibrated matmul rate (no engine involved);
-3. runs the bench (both engines side by side, as ``python -m vescale_plugins.bench``) and
-   forecasts the same configuration, then prints both veScale/FSDP2 step-time ratios.
+1. calibrates this machine before and after the bench (``--calibrate``: the ring's latency
+   and bandwidth from a gloo all-gather/reduce-scatter sweep on 2 processes, FSDP2's gloo
+   collectives over veScale-FSDP's in-place ones, the copy rate) and takes the means: the
+   machine is shared and its load drifts;
+2. measures the compute rate of the bench's default model the same way: W unsharded
+   processes at once (sharing the cores as the ranks do), forward and backward, its FLOPs
+   over the time (no engine, no communication involved); the forecast runs at MFU 1 of it;
+3. runs the bench (both engines side by side, as ``python -m vescale_plugins.bench``),
+   forecasts the same configuration and prints both veScale/FSDP2 step-time ratios.
 
-With more ranks than cores, each rank gets ``cores / W`` of the calibrated compute and copy
-rates (the processes share the cores).
+With more ranks than cores, each rank gets ``cores / W`` of the calibrated copy rate.
 """
 
 from __future__ import annotations
