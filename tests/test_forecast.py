@@ -6,7 +6,7 @@ import pytest
 
 from vescale_plugins.forecast import ForecastSettings, forecast, forecast_world_size, load_hardware, resolve_model
 from vescale_plugins.forecast.__main__ import main, parse_args
-from vescale_plugins.forecast.calibrate import fit_alpha_beta
+from vescale_plugins.forecast.calibrate import calibrate, fit_alpha_beta
 from vescale_plugins.forecast.comm_model import Link, all_reduce_s, link_for_group, ring_collective_s
 from vescale_plugins.forecast.compute import activation_bytes, block_activation_elements, training_flops_per_token
 from vescale_plugins.forecast.hardware import GPUS
@@ -49,6 +49,18 @@ def test_alpha_beta_fit_recovers_the_constants():
     times = [(n - 1) * (alpha + b / n / beta) for b in sizes]
     fitted_alpha, fitted_beta = fit_alpha_beta(sizes, times, n)
     assert fitted_alpha == pytest.approx(alpha) and fitted_beta == pytest.approx(beta)
+    with pytest.raises(ValueError, match="do not grow with size"):
+        fit_alpha_beta([1, 2], [0.2, 0.1], n)
+
+
+def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
+    """A short sweep on 2 gloo processes (figures vary by machine: only their sanity is checked)."""
+    path = tmp_path / "cpu.json"
+    figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=300)
+    hardware = load_hardware("h100", str(path))
+    assert hardware.intra_node_bandwidth == figures["intra_node_bandwidth"] > 0
+    assert hardware.peak_flops_fp32 > 0 and hardware.memory_bandwidth > 0 and not hardware.overlaps_communication
+    assert set(figures["measured"]["timings"]) == {"fsdp2_all_gather", "fsdp2_reduce_scatter", "vescale_all_gather", "vescale_reduce_scatter"}
 
 
 def test_exposed_communication_under_one_unit_prefetch():

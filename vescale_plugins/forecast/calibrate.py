@@ -34,7 +34,7 @@ SIZES_BYTES = [2**k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB
 REPEATS = 7
 
 
-def _median_s(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -51,48 +51,55 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], ranks: int) -> 
     count = len(sizes_bytes)
     mean_b, mean_t = sum(sizes_bytes) / count, sum(seconds) / count
     slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes_bytes, seconds)) / sum((b - mean_b) ** 2 for b in sizes_bytes)
+    if slope <= 0:
+        raise ValueError(
+            f"collective times {seconds} do not grow with size {sizes_bytes}: the machine was too "
+            "noisy to fit a bandwidth; calibrate again with more repeats or on a quieter machine"
+        )
     intercept = max(0.0, mean_t - slope * mean_b)
     return intercept / (ranks - 1), (ranks - 1) / ranks / slope
 
 
-def _measure_rank() -> dict[str, Any]:
+def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     from ..inplace_collectives import all_gather_into, reduce_scatter_into
 
     n = dist.get_world_size()
     timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}
     group = dist.group.WORLD
-    for total in SIZES_BYTES:
+    for total in sizes_bytes:
         full = torch.ones(total // 4)
         shard = torch.ones(total // 4 // n)
-        timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard)))
-        timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full)))
-        timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group)))
-        timings["vescale_reduce_scatter"].append(_median_s(lambda: reduce_scatter_into(shard, full, group)))
+        timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard), repeats))
+        timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
+        timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group), repeats))
+        timings["vescale_reduce_scatter"].append(_median_s(lambda: reduce_scatter_into(shard, full, group), repeats))
     a, b = torch.randn(512, 384), torch.randn(384, 1031)
-    matmul_s = _median_s(lambda: [a @ b for _ in range(8)])
+    matmul_s = _median_s(lambda: [a @ b for _ in range(8)], repeats)
     source, target = torch.ones(16 * 2**20), torch.empty(16 * 2**20)
-    copy_s = _median_s(lambda: target.copy_(source))
+    copy_s = _median_s(lambda: target.copy_(source), repeats)
     return {"timings": timings, "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s, "copy_bandwidth": 2 * source.numel() * 4 / copy_s}
 
 
-def _worker(rank: int, port: int, results: Any) -> None:
+def _worker(rank: int, port: int, sizes_bytes: list[int], repeats: int, results: Any) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     try:
-        figures = _measure_rank()
+        figures = _measure_rank(sizes_bytes, repeats)
         if rank == 0:
             results.put(figures)
     finally:
         dist.destroy_process_group()
 
 
-def calibrate(path: str, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Measure (see the module docstring), write the hardware file at ``path``, return it."""
+def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure (see the module docstring), write the hardware file at ``path``, return it
+    (with the raw timings under ``"measured"``). ``sizes_bytes``: the collectives' total
+    sizes; ``repeats``: timings per figure (the median is kept)."""
     context = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False)
     results = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, store.port, results), daemon=True) for r in range(WORLD)]
+    processes = [context.Process(target=_worker, args=(r, store.port, list(sizes_bytes), repeats, results), daemon=True) for r in range(WORLD)]
     for p in processes:
         p.start()
     try:
@@ -103,7 +110,7 @@ def calibrate(path: str, timeout_s: float = 300.0) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
     t = measured["timings"]
-    latency, bandwidth = fit_alpha_beta(SIZES_BYTES, [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], WORLD)
+    latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], WORLD)
     figures = {
         "name": f"this machine ({os.cpu_count()} CPUs, gloo, calibrated)",
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
