@@ -56,7 +56,7 @@ def test_alpha_beta_fit_recovers_the_constants():
 def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
     """A short sweep on 2 gloo processes (figures vary by machine: only their sanity is checked)."""
     path = tmp_path / "cpu.json"
-    figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=300)
+    figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=240)
     hardware = load_hardware("h100", str(path))
     assert hardware.intra_node_bandwidth == figures["intra_node_bandwidth"] > 0
     assert hardware.peak_flops_fp32 > 0 and hardware.memory_bandwidth > 0 and not hardware.overlaps_communication
