@@ -162,33 +162,33 @@ def forecast_memory(
         raise ValueError(f"--precision {precision!r}: use one of {sorted(PRECISIONS)}")
     sharded_b, compute_b, reduce_b = PRECISIONS[precision]
     order = spec.forward_order()
-    layouts = {unit.name: plan_unit_layouts(unit, group_size, block_rows, sharded_b) for unit in spec.units.units}
+    layouts = {id(unit): plan_unit_layouts(unit, group_size, block_rows, sharded_b) for unit in spec.units.units}
     n = group_size
     muon = MUON_ROOT_MATRIX_COPIES * 4 * _largest_muon_matrix(spec) if optimizer == "muon" else 0
     autograd_grads = max(unit.numel for unit in order) * compute_b
 
     # veScale-FSDP
-    shard = sum(u.count * layouts[u.name].vescale.shard_size for u in spec.units.units)
-    gathered = [n * layouts[u.name].vescale.shard_size for u in order]
+    shard = sum(u.count * layouts[id(u)].vescale.shard_size for u in spec.units.units)
+    gathered = [n * layouts[id(u)].vescale.shard_size for u in order]
     vescale = MemoryBreakdown(
         sharded_params=shard * sharded_b,
         sharded_grads=shard * sharded_b,
         optimizer_state=math.ceil(max(vescale_optimizer_bytes_per_rank(spec, n, optimizer, block_rows))),
         unsharded_params=_adjacent_pair_peak(gathered) * compute_b,
         unsharded_grads=max(gathered) * reduce_b + autograd_grads,
-        comm_buffers=max(layouts[u.name].vescale.shard_size for u in order) * compute_b if compute_b != sharded_b else 0,
+        comm_buffers=max(layouts[id(u)].vescale.shard_size for u in order) * compute_b if compute_b != sharded_b else 0,
         optimizer_transient=muon,
         activations=activation_bytes[0],
         activations_checkpointed=activation_bytes[1],
-        padding_elements=sum(u.count * layouts[u.name].vescale.padding for u in spec.units.units) // n,
+        padding_elements=sum(u.count * layouts[id(u)].vescale.padding for u in spec.units.units) // n,
         unsharded_params_buffer_peak=_adjacent_pair_peak(gathered) * compute_b,
         unsharded_grads_buffer_peak=max(gathered) * reduce_b,
         largest_unsharded_bytes=max(gathered) * compute_b,
     )
 
     # FSDP2
-    fshard = [layouts[u.name].fsdp2_shard_elements for u in order]
-    fsdp2_opt = sum(u.count * _fsdp2_rank0_optimizer_bytes(u, layouts[u.name], optimizer) for u in spec.units.units)
+    fshard = [layouts[id(u)].fsdp2_shard_elements for u in order]
+    fsdp2_opt = sum(u.count * _fsdp2_rank0_optimizer_bytes(u, layouts[id(u)], optimizer) for u in spec.units.units)
     padded = [n * s for s in fshard]
     fsdp2 = MemoryBreakdown(
         sharded_params=sum(fshard) * sharded_b,
@@ -201,7 +201,7 @@ def forecast_memory(
         optimizer_transient=muon,
         activations=activation_bytes[0],
         activations_checkpointed=activation_bytes[1],
-        padding_elements=sum(u.count * layouts[u.name].fsdp2_padding for u in spec.units.units) // n,
+        padding_elements=sum(u.count * layouts[id(u)].fsdp2_padding for u in spec.units.units) // n,
         unsharded_params_buffer_peak=_adjacent_pair_peak(padded) * compute_b,
         unsharded_grads_buffer_peak=max(padded) * reduce_b,
         largest_unsharded_bytes=max(padded) * compute_b,
