@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CATALOG", "CONFIGS", "ModelUnits", "Unit", "block_size", "row_count", "row_length"]
+__all__ = [
+    "CATALOG", "CONFIGS", "ModelUnits", "Unit", "block_size", "model_from_config", "row_count",
+    "row_length",
+]
 
 Shape = tuple[int, ...]
 Param = tuple[str, Shape]
@@ -42,24 +45,24 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
     "Mixtral-8x7B": dict(  # mistralai/Mixtral-8x7B-v0.1
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
-        num_local_experts=8, tie_word_embeddings=False,
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
     ),
     "Qwen3-30B-A3B": dict(  # Qwen/Qwen3-30B-A3B
         hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-        num_experts=128, tie_word_embeddings=False,
+        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
     ),
     "DeepSeek-V3-671B": dict(  # deepseek-ai/DeepSeek-V3 (the MTP layer is not a training unit here)
         hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
-        n_shared_experts=1, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        n_shared_experts=1, num_experts_per_tok=8, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
         tie_word_embeddings=False,
     ),
     "GPT-OSS-120B": dict(  # openai/gpt-oss-120b
         hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
-        num_local_experts=128, tie_word_embeddings=False,
+        num_local_experts=128, num_experts_per_tok=4, tie_word_embeddings=False,
     ),
 }
 
@@ -186,43 +189,39 @@ def _ends(c: dict, blocks: list[Unit]) -> tuple[Unit, ...]:
     return (embed, *blocks, head)
 
 
-def _llama(name: str) -> ModelUnits:
+def _llama(name: str, c: dict) -> ModelUnits:
     """Llama 3 / 3.1: GQA attention and a SwiGLU MLP."""
-    c = CONFIGS[name]
     hidden = c["hidden_size"]
     block = _block(_gqa_attention(c), _gated_mlp("mlp", hidden, c["intermediate_size"]), hidden)
     return ModelUnits(name, _ends(c, [Unit("decoder_layer", c["num_hidden_layers"], block)]))
 
 
-def _mixtral() -> ModelUnits:
+def _mixtral(name: str, c: dict) -> ModelUnits:
     """Mixtral: router, then 8 experts of w1, w3, w2 (``block_sparse_moe``)."""
-    c = CONFIGS["Mixtral-8x7B"]
     hidden, inter = c["hidden_size"], c["intermediate_size"]
     moe = _linear("block_sparse_moe.gate", c["num_local_experts"], hidden)
     for e in range(c["num_local_experts"]):
         moe += _gated_mlp(f"block_sparse_moe.experts.{e}", hidden, inter, ("w1", "w3", "w2"))
     block = _block(_gqa_attention(c), moe, hidden)
     blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
-    return ModelUnits("Mixtral-8x7B", _ends(c, blocks))
+    return ModelUnits(name, _ends(c, blocks))
 
 
-def _qwen3_moe() -> ModelUnits:
+def _qwen3_moe(name: str, c: dict) -> ModelUnits:
     """Qwen3 MoE: GQA with per-head q/k norms, router, then 128 experts."""
-    c = CONFIGS["Qwen3-30B-A3B"]
     hidden = c["hidden_size"]
     moe = _linear("mlp.gate", c["num_experts"], hidden)
     for e in range(c["num_experts"]):
         moe += _gated_mlp(f"mlp.experts.{e}", hidden, c["moe_intermediate_size"])
     block = _block(_gqa_attention(c, qk_norm=True), moe, hidden)
     blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
-    return ModelUnits("Qwen3-30B-A3B", _ends(c, blocks))
+    return ModelUnits(name, _ends(c, blocks))
 
 
-def _deepseek_v3() -> ModelUnits:
+def _deepseek_v3(name: str, c: dict) -> ModelUnits:
     """DeepSeek-V3: MLA attention; 3 dense layers, then MoE layers of 256 routed experts,
     the router (its ``e_score_correction_bias`` is a parameter in DeepSeek's own modeling
     code) and one shared expert, in that registration order."""
-    c = CONFIGS["DeepSeek-V3-671B"]
     hidden, experts = c["hidden_size"], c["n_routed_experts"]
     dense = _block(_mla_attention(c), _gated_mlp("mlp", hidden, c["intermediate_size"]), hidden)
     moe = []
@@ -235,17 +234,16 @@ def _deepseek_v3() -> ModelUnits:
     )
     moe_block = _block(_mla_attention(c), moe, hidden)
     dense_count = c["first_k_dense_replace"]
-    return ModelUnits("DeepSeek-V3-671B", _ends(c, [
+    return ModelUnits(name, _ends(c, [
         Unit("dense_decoder_layer", dense_count, dense),
         Unit("moe_decoder_layer", c["num_hidden_layers"] - dense_count, moe_block),
     ]))
 
 
-def _gpt_oss() -> ModelUnits:
+def _gpt_oss(name: str, c: dict) -> ModelUnits:
     """GPT-OSS: biased GQA with attention sinks, a biased router and fused experts
     (``gate_up_proj [experts, hidden, 2 * intermediate]``). ``sinks`` is the attention
     module's own parameter, so ``named_parameters()`` yields it before the projections."""
-    c = CONFIGS["GPT-OSS-120B"]
     hidden, inter, experts = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
     attention = [("self_attn.sinks", (c["num_attention_heads"],))] + _gqa_attention(c, bias=True)
     moe = _linear("mlp.router", experts, hidden, bias=True) + [
@@ -256,18 +254,42 @@ def _gpt_oss() -> ModelUnits:
     ]
     block = _block(attention, moe, hidden)
     blocks = [Unit("decoder_layer", c["num_hidden_layers"], block)]
-    return ModelUnits("GPT-OSS-120B", _ends(c, blocks))
+    return ModelUnits(name, _ends(c, blocks))
+
+
+# Hugging Face ``model_type`` -> builder; the catalogue's own models by name.
+_BUILDERS = {
+    "llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
+}
+_CATALOG_TYPES = {
+    "Llama-3-8B": "llama", "Llama-3-70B": "llama", "Llama-3.1-405B": "llama",
+    "Mixtral-8x7B": "mixtral", "Qwen3-30B-A3B": "qwen3_moe",
+    "DeepSeek-V3-671B": "deepseek_v3", "GPT-OSS-120B": "gpt_oss",
+}
+
+
+def model_from_config(name: str, config: dict) -> ModelUnits:
+    """FSDP units of a model from its Hugging Face ``config.json`` contents.
+
+    ``config["model_type"]`` picks the architecture (``llama``, ``mixtral``, ``qwen3_moe``,
+    ``deepseek_v3``, ``gpt_oss``); ``head_dim`` defaults to ``hidden_size //
+    num_attention_heads`` and ``num_key_value_heads`` to ``num_attention_heads``, as in
+    the Hugging Face configs. Raises ``ValueError`` for another model type.
+    """
+    model_type = config.get("model_type", "llama")
+    if model_type not in _BUILDERS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; use one of {sorted(_BUILDERS)} "
+            "(a Llama-like decoder can say model_type 'llama')"
+        )
+    c = dict(config)
+    c.setdefault("num_key_value_heads", c["num_attention_heads"])
+    c.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return _BUILDERS[model_type](name, c)
 
 
 CATALOG: dict[str, ModelUnits] = {
-    model.name: model
-    for model in (
-        _llama("Llama-3-8B"),
-        _llama("Llama-3-70B"),
-        _llama("Llama-3.1-405B"),
-        _mixtral(),
-        _qwen3_moe(),
-        _deepseek_v3(),
-        _gpt_oss(),
-    )
+    name: model_from_config(name, {**CONFIGS[name], "model_type": model_type})
+    for name, model_type in _CATALOG_TYPES.items()
 }

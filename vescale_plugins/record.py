@@ -19,13 +19,15 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["RunRecord", "record_run", "CollectiveEvent"]
+from .planner import Layout
+
+__all__ = ["RunRecord", "record_run", "CollectiveEvent", "unit_sharding_figures", "zero_stage_bytes_per_parameter"]
 
 ACTIVE: "RunRecord | None" = None
 
@@ -133,18 +135,8 @@ class RunRecord:
         rows = []
         for unit in units:
             names = [_module_name(self.model, m) for m in unit.modules]
-            params = sum(s.numel for b in unit.dbuffers for s in b.slots)
-            rows.append(
-                {
-                    "modules": names,
-                    "parameters": params,
-                    "largest_unsharded_bytes": max((b.layout.buffer_size * _itemsize(b.param_dtype) for b in unit.dbuffers), default=0),
-                    "padding_elements": sum(b.layout.padding for b in unit.dbuffers),
-                    "padding_ratio": sum(b.layout.padding for b in unit.dbuffers) / max(params, 1),
-                    "shard_elements_per_rank": [b.shard_size for b in unit.dbuffers],
-                    "buffers": len(unit.dbuffers),
-                }
-            )
+            figures = unit_sharding_figures([(b.layout, _itemsize(b.param_dtype)) for b in unit.dbuffers])
+            rows.append({"modules": names, **figures})
         return {
             "backend": dist.get_backend(group) if group is not None else None,
             "group_size": dist.get_world_size(group) if group is not None else 1,
@@ -206,7 +198,7 @@ class RunRecord:
         Adam (2 weight + 2 grad + 4 master + 8 moments = 16), against what was measured."""
         sharding = self.sharding()
         n = max(1, sharding["group_size"])
-        model = {"DDP": 16.0, "ZeRO-1": 4 + 12 / n, "ZeRO-2": 2 + 14 / n, "ZeRO-3 / FSDP": 16 / n}
+        model = zero_stage_bytes_per_parameter(n)
         params = sum(r["parameters"] for r in sharding["units"])
         measured = sum(self.sharded_state_bytes().values()) / max(params, 1)
         return {"group_size": n, "model_bytes_per_parameter": model, "measured_sharded_bytes_per_parameter": measured}
@@ -285,6 +277,34 @@ class RunRecord:
         model = ", ".join(f"{k} {v:.2f}" for k, v in z["model_bytes_per_parameter"].items())
         lines.append(f"  bytes/param (16-byte model, W={z['group_size']}): {model}; measured sharded state {z['measured_sharded_bytes_per_parameter']:.2f}")
         return "\n".join(lines)
+
+
+def unit_sharding_figures(buffers: Sequence[tuple[Layout, int]]) -> dict[str, Any]:
+    """One unit's sharding figures from its buffers' layouts, as the record reports them.
+
+    ``buffers``: ``(layout, unsharded_itemsize)`` per DBuffer, the itemsize (bytes) of the
+    all-gathered parameters. Returns parameters and padding (elements), the largest
+    unsharded buffer (bytes), padding over parameters, each buffer's shard (elements per
+    rank) and the buffer count. The forecast calls this on planned layouts.
+    """
+    params = sum(sum(layout.numels) for layout, _ in buffers)
+    padding = sum(layout.padding for layout, _ in buffers)
+    return {
+        "parameters": params,
+        "largest_unsharded_bytes": max((layout.buffer_size * itemsize for layout, itemsize in buffers), default=0),
+        "padding_elements": padding,
+        "padding_ratio": padding / max(params, 1),
+        "shard_elements_per_rank": [layout.shard_size for layout, _ in buffers],
+        "buffers": len(buffers),
+    }
+
+
+def zero_stage_bytes_per_parameter(group_size: int) -> dict[str, float]:
+    """Sharded-state bytes per parameter by ZeRO stage for a group of ``group_size`` ranks,
+    bf16 compute with fp32 AdamW: 2 weight + 2 grad + 4 master + 8 moments = 16 bytes
+    (the seed lesson's model; weights, grads and optimizer state sharded from stage 3, 2, 1)."""
+    n = group_size
+    return {"DDP": 16.0, "ZeRO-1": 4 + 12 / n, "ZeRO-2": 2 + 14 / n, "ZeRO-3 / FSDP": 16 / n}
 
 
 def _mib(nbytes: float) -> str:

@@ -1,0 +1,17 @@
+"""Memory per rank and step time for veScale-FSDP and FSDP2 at 8 to 16K GPUs, by calculation.
+
+``python -m vescale_plugins.forecast --model NAME --gpus 8,256,8192 --gpu h100``. Layouts
+come from the planner and FSDP2's ``Shard(0)`` rule (:mod:`.layouts`), memory parts follow
+the run record's split (:mod:`.memory`), step time from an alpha-beta model of ring
+collectives (:mod:`.comm_model`) and FLOPs at a stated MFU (:mod:`.compute`,
+:mod:`.step_time`). Every hardware figure is a field of :class:`Hardware`.
+"""
+
+from .forecast import ForecastSettings, forecast, forecast_world_size
+from .hardware import GPUS, Hardware, load_hardware
+from .model import ModelSpec, resolve_model, spec_from_modules
+
+__all__ = [
+    "GPUS", "ForecastSettings", "Hardware", "ModelSpec", "forecast", "forecast_world_size",
+    "load_hardware", "resolve_model", "spec_from_modules",
+]

@@ -1,0 +1,133 @@
+"""``--calibrate FILE``: measure this machine and write a hardware file the forecast loads.
+
+Two gloo processes on this machine (as the CPU bench runs) measure, side by side:
+
+* collectives: all-gather and reduce-scatter of fp32 buffers from 64 KiB to 16 MiB, both
+  FSDP2's calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``) and veScale-FSDP's
+  in-place ones (:mod:`vescale_plugins.inplace_collectives`); a least-squares line
+  ``t = a + b * bytes`` per path gives the ring's latency ``a / (n - 1)`` and bus bandwidth
+  ``(n - 1) / n / b`` (veScale-FSDP's path) and FSDP2's time over it at the largest size;
+* compute: fp32 matmuls the size of the bench model's projections (FLOP/s per process);
+* copies: a 64 MiB ``copy_`` (bytes read plus written per second per process).
+
+Each figure is the median of repeated timings. Collectives on this CPU run on the same cores
+as compute, so the file says ``overlaps_communication: false``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["calibrate", "fit_alpha_beta"]
+
+WORLD = 2
+SIZES_BYTES = [2**k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB
+REPEATS = 7
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], ranks: int) -> tuple[float, float]:
+    """Ring latency per step (s) and bus bandwidth (bytes/s) from ``t = (n-1)(alpha + B/n/beta)``
+    fitted by least squares over total sizes ``B``."""
+    count = len(sizes_bytes)
+    mean_b, mean_t = sum(sizes_bytes) / count, sum(seconds) / count
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes_bytes, seconds)) / sum((b - mean_b) ** 2 for b in sizes_bytes)
+    if slope <= 0:
+        raise ValueError(
+            f"collective times {seconds} do not grow with size {sizes_bytes}: the machine was too "
+            "noisy to fit a bandwidth; calibrate again with more repeats or on a quieter machine"
+        )
+    intercept = max(0.0, mean_t - slope * mean_b)
+    return intercept / (ranks - 1), (ranks - 1) / ranks / slope
+
+
+def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
+    from ..inplace_collectives import all_gather_into, reduce_scatter_into
+
+    n = dist.get_world_size()
+    timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}
+    group = dist.group.WORLD
+    for total in sizes_bytes:
+        full = torch.ones(total // 4)
+        shard = torch.ones(total // 4 // n)
+        timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard), repeats))
+        timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
+        timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group), repeats))
+        timings["vescale_reduce_scatter"].append(_median_s(lambda: reduce_scatter_into(shard, full, group), repeats))
+    a, b = torch.randn(512, 384), torch.randn(384, 1031)
+    matmul_s = _median_s(lambda: [a @ b for _ in range(8)], repeats)
+    source, target = torch.ones(16 * 2**20), torch.empty(16 * 2**20)
+    copy_s = _median_s(lambda: target.copy_(source), repeats)
+    return {"timings": timings, "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s, "copy_bandwidth": 2 * source.numel() * 4 / copy_s}
+
+
+def _worker(rank: int, port: int, sizes_bytes: list[int], repeats: int, results: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        figures = _measure_rank(sizes_bytes, repeats)
+        if rank == 0:
+            results.put(figures)
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure (see the module docstring), write the hardware file at ``path``, return it
+    (with the raw timings under ``"measured"``). ``sizes_bytes``: the collectives' total
+    sizes; ``repeats``: timings per figure (the median is kept)."""
+    context = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False)
+    results = context.Queue()
+    processes = [context.Process(target=_worker, args=(r, store.port, list(sizes_bytes), repeats, results), daemon=True) for r in range(WORLD)]
+    for p in processes:
+        p.start()
+    try:
+        measured = results.get(timeout=timeout_s)
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    t = measured["timings"]
+    latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], WORLD)
+    figures = {
+        "name": f"this machine ({os.cpu_count()} CPUs, gloo, calibrated)",
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "reserved_bytes": 0,
+        "peak_flops_bf16": measured["flops"],
+        "peak_flops_fp32": measured["flops"],
+        "memory_bandwidth": measured["copy_bandwidth"],
+        "copy_efficiency": 1.0,
+        "gpus_per_node": WORLD,
+        "intra_node_latency_s": latency,
+        "intra_node_bandwidth": bandwidth,
+        "inter_node_latency_s": latency,
+        "inter_node_bandwidth": bandwidth,
+        "overlaps_communication": False,
+        "fsdp2_all_gather_factor": t["fsdp2_all_gather"][-1] / t["vescale_all_gather"][-1],
+        "fsdp2_reduce_scatter_factor": t["fsdp2_reduce_scatter"][-1] / t["vescale_reduce_scatter"][-1],
+    }
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2)
+    return figures | {"measured": measured}
