@@ -5,7 +5,8 @@ Trainer with gradient accumulation and clipping, by ``strategy="ddp"`` (the refe
 ``vescale_fsdp`` with checkpointing set up the ways users do it: the strategy's
 ``activation_checkpointing_policy`` (as with Lightning's ``FSDPStrategy``) with the default
 units (the checkpoint wrapper is the unit) and with ``auto_wrap_policy={Block}`` (the unit is
-inside the wrapper), and ``torch.utils.checkpoint`` inside the model (reentrant and not).
+inside the wrapper), and ``torch.utils.checkpoint`` inside the model (reentrant and not); and Fabric's strategy with the
+same policy.
 Losses and parameters must match DDP to fp32 tolerance, and the blocks must really have been
 recomputed (their forward runs twice per micro-batch). The Accelerate plugin's
 ``fsdp_activation_checkpointing: true`` is covered against DDP in ``test_hf_trainer.py``.
@@ -21,8 +22,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from lightning_strategy import VeScaleFSDPStrategy
-from models import Block
+from models import Block, loss_fn
+from test_fully_shard import adamw
 from test_lightning_parity import ACCUMULATE, CLIP, LAYERS, MICRO_BATCHES, LitDecoder, dataset, launched_by_harness, loader, make_trainer
+
+pytestmark = pytest.mark.timeout(600)  # several Trainer fits per test on a busy 2-core machine
 
 
 class CheckpointedLitDecoder(LitDecoder):
@@ -57,7 +61,36 @@ def _count_block_forwards(module: nn.Module) -> list[int]:
     return calls
 
 
+def _fabric_fit(form: str) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
+    """The same training written for Fabric with the strategy's activation_checkpointing_policy."""
+    from lightning.fabric import Fabric
+
+    from lightning_strategy import VeScaleFSDPFabricStrategy
+
+    strategy = VeScaleFSDPFabricStrategy(activation_checkpointing_policy={Block})
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size())
+    fabric.launch()
+    module = LitDecoder()  # its decoder only: Fabric calls forward
+    calls = _count_block_forwards(module)
+    model, optimizer = fabric.setup(module.model, adamw(module.model))
+    losses = []
+    for i, (tokens, targets) in enumerate(fabric.setup_dataloaders(loader(dataset(dist.get_world_size())))):
+        last = (i + 1) % ACCUMULATE == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            loss = loss_fn(model(tokens), targets)
+            fabric.backward(loss / ACCUMULATE)
+        losses.append(loss.item())
+        if last:
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    wrappers = sum(isinstance(m, CheckpointWrapper) for m in module.modules())
+    return losses, _full_params(module), calls[0], wrappers
+
+
 def _fit(root: str, form: str) -> tuple[list[float], dict[str, torch.Tensor], int, int]:
+    if form == "fabric_policy":
+        return _fabric_fit(form)
     strategy = "ddp" if form == "ddp" else VeScaleFSDPStrategy()
     module: LitDecoder = LitDecoder()
     if form == "policy":
@@ -79,7 +112,7 @@ def _checkpointing_matches_ddp(root: str, forms: list[str]) -> None:
         assert len(want_losses) == MICRO_BATCHES and plain_calls == MICRO_BATCHES * LAYERS
         for form in forms:
             losses, params, calls, wrappers = _fit(root, form)
-            assert wrappers == (LAYERS if form.startswith("policy") else 0), (form, wrappers)
+            assert wrappers == (LAYERS if "policy" in form else 0), (form, wrappers)
             # Recomputed: each block's forward ran again in backward.
             assert calls == (plain_calls if form == "no_checkpointing" else 2 * plain_calls), (form, calls)
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), msg=lambda m: f"{form} losses: {m}")
@@ -88,15 +121,15 @@ def _checkpointing_matches_ddp(root: str, forms: list[str]) -> None:
                 torch.testing.assert_close(params[name], value, msg=lambda m: f"{form} {name}: {m}")
 
 
-FORMS = ["no_checkpointing", "policy", "policy_inner_units", "inside_model", "inside_model_reentrant"]
+FORMS = ["no_checkpointing", "policy", "policy_inner_units", "inside_model", "inside_model_reentrant", "fabric_policy"]
 
 
 def test_every_checkpointing_form_matches_ddp_under_the_lightning_strategy(dist_run, tmp_path):
-    dist_run(_checkpointing_matches_ddp, 2, str(tmp_path), FORMS, timeout=240)
+    dist_run(_checkpointing_matches_ddp, 2, str(tmp_path), FORMS, timeout=420)
 
 
 def test_checkpointing_policy_matches_ddp_on_three_ranks(dist_run, tmp_path):
-    dist_run(_checkpointing_matches_ddp, 3, str(tmp_path), ["policy"], timeout=240)
+    dist_run(_checkpointing_matches_ddp, 3, str(tmp_path), ["policy"], timeout=420)
 
 
 def test_policy_naming_no_module_of_the_model_fails_at_setup():

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+# The launches run inside the first test's fixture setup; on a busy 2-core machine they take minutes.
+pytestmark = pytest.mark.timeout(600)
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from hf_models import AUTO_CLASSES, MODELS, full_parameters, make_model, probe_input  # noqa: E402
