@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_strategy import VeScaleFSDPStrategy
 from test_lightning_parity import ACCUMULATE, CLIP, MICRO_BATCHES, dataset, launched_by_harness, loader, make_trainer
-from models import SEQ, VOCAB
+from models import VOCAB
 
 pytestmark = pytest.mark.timeout(600)  # several Trainer fits on a busy 2-core machine
 HIDDEN, EXPERTS = 24, 8
