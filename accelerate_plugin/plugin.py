@@ -104,8 +104,8 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
             )
         if parallelism_config is None:
             return
+        # dp_replicate_size x dp_shard_size is hybrid sharding (a 2-D mesh): supported.
         extra = {
-            "dp_replicate_size": parallelism_config.dp_replicate_size,
             "tp_size": parallelism_config.tp_size,
             "cp_size": parallelism_config.cp_size,
             "sp_size": getattr(parallelism_config, "sp_size", 1),
@@ -113,9 +113,9 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
         extra = {name: size for name, size in extra.items() if size and size > 1}
         if extra:
             raise NotImplementedError(
-                f"parallelism_config asks for a multi-dimensional mesh ({extra}): veScale-FSDP shards "
-                "over a 1-D mesh only (no hybrid sharding, tensor or context parallelism yet); keep "
-                "only dp_shard_size"
+                f"parallelism_config asks for {extra}: veScale-FSDP shards over the data-parallel dims "
+                "only (dp_shard_size, and dp_replicate_size for hybrid sharding); tensor and context "
+                "parallelism are not supported yet"
             )
 
 

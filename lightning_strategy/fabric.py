@@ -70,8 +70,8 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
-    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``). Call the model's ``forward`` (``model(x)``): that is
-    where each unit gathers its parameters.
+    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``). Call the
+    model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         auto_wrap_policy: WrapPolicy = None,
-        reshard_after_forward: Optional[bool] = None,
+        reshard_after_forward: Union[bool, int, None] = None,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",

@@ -9,6 +9,7 @@ wrap policy names a module that exists (:meth:`ShardingOptions.units`).
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
@@ -37,7 +38,9 @@ UnitFn = Callable[[nn.Module], list[nn.Module]]
 # them (a set of classes or torch's ModuleWrapPolicy), or a function that returns the units.
 WrapPolicy = Union[Iterable[Union[type[nn.Module], str]], type[nn.Module], str, UnitFn, None]
 StateDictType = Literal["sharded", "full"]
-# A 1-D mesh over every rank: None (the default), the mesh itself, or its shape ``(world_size,)``.
+# None (the default: shard over every rank), a mesh, or its shape: ``(world_size,)`` to shard,
+# ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard within), as
+# Lightning's FSDPStrategy takes ``device_mesh`` for HYBRID_SHARD.
 DeviceMeshRequest = Union[DeviceMesh, tuple[int, ...], None]
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -54,7 +57,7 @@ class ShardingOptions:
 
     unit_classes: tuple[Union[type[nn.Module], str], ...] | None = None
     unit_fn: UnitFn | None = None
-    reshard_after_forward: bool | None = None
+    reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     block_size_fn: BlockSizeFn | None = None
 
@@ -62,15 +65,18 @@ class ShardingOptions:
     def from_arguments(
         cls,
         auto_wrap_policy: WrapPolicy,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy | None,
         block_size_fn: BlockSizeFn | None,
     ) -> "ShardingOptions":
         """Check a strategy's sharding arguments and normalise the wrap policy."""
-        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)) or (
+            type(reshard_after_forward) is int and reshard_after_forward < 1
+        ):
             raise ValueError(
                 f"reshard_after_forward={reshard_after_forward!r}: use True (free gathered parameters after each "
-                "unit's forward), False (keep them until backward) or None (True for every unit but the root)"
+                "unit's forward), False (keep them until backward), None (True for every unit but the root) or "
+                "k ranks (keep each unit sharded over groups of k ranks until backward; k divides the shard size)"
             )
         if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(
@@ -160,7 +166,7 @@ def check_state_dict_type(state_dict_type: Any) -> None:
 
 
 def check_device_mesh(device_mesh: Any) -> None:
-    """Only a 1-D mesh: veScale-FSDP shards over every rank and does not replicate (no HSDP)."""
+    """A 1-D mesh (shard over all of it) or a 2-D one (replicate x shard, HSDP)."""
     if device_mesh is None:
         return
     if isinstance(device_mesh, DeviceMesh):
@@ -169,24 +175,26 @@ def check_device_mesh(device_mesh: Any) -> None:
         ndim = len(device_mesh)
     else:
         raise TypeError(
-            f"device_mesh must be a DeviceMesh, a shape tuple like (world_size,), or None; got {device_mesh!r}"
+            f"device_mesh must be a DeviceMesh, a shape tuple like (world_size,) or (replicas, shard_size), "
+            f"or None; got {device_mesh!r}"
         )
-    if ndim != 1:
+    if ndim not in (1, 2):
         raise NotImplementedError(
-            f"device_mesh with {ndim} dimensions: hybrid sharding (replicate x shard, a 2-D mesh) is not supported "
-            "by veScale-FSDP yet; leave device_mesh=None to shard over all ranks"
+            f"device_mesh with {ndim} dimensions: veScale-FSDP takes a 1-D mesh (shard) or a 2-D one "
+            "(replicate, shard) for hybrid sharding; tensor-parallel dims are not supported yet"
         )
 
 
 def build_device_mesh(device_mesh: DeviceMeshRequest, world_size: int, device: torch.device) -> DeviceMesh:
-    """The 1-D mesh the strategy shards over; needs the process group."""
+    """The mesh the strategy shards over (2-D: replicate, shard); needs the process group."""
     if isinstance(device_mesh, DeviceMesh):
         mesh = device_mesh
     else:
         shape = device_mesh if device_mesh is not None else (world_size,)
-        if shape != (world_size,):
+        if math.prod(shape) != world_size:
             raise ValueError(f"device_mesh={shape} does not cover the {world_size} processes; leave it None")
-        mesh = init_device_mesh(device.type, shape)
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if mesh.size() != world_size:
         raise ValueError(
             f"the device mesh has {mesh.size()} ranks but the job has {world_size}; veScale-FSDP shards over all ranks"

@@ -69,15 +69,17 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             ``model -> list[nn.Module]``. The LightningModule is always the root unit. If
             ``configure_model`` already applied ``vescale_plugins.fully_shard``, those units stand.
         reshard_after_forward: ``fully_shard``'s argument: free each unit's gathered parameters
-            after its forward (``None``: every unit but the root).
+            after its forward (``None``: every unit but the root; an int ``k``: keep each unit
+            sharded over groups of ``k`` ranks until backward).
         mp_policy: ``fully_shard``'s mixed-precision policy; by default derived from the
             Trainer's ``precision`` ("32-true", "bf16-mixed" or "bf16-true").
         block_size_fn: ``fully_shard``'s ``(name, param) -> rows``: keep blocks of rows whole on one rank.
         state_dict_type: ``"sharded"``: checkpoints are directories each rank writes its shards
             into, loadable at any world size. ``"full"``: rank 0 writes one file with full
             tensors that a plain, unsharded model loads.
-        device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``);
-            default: one is built. Hybrid sharding (2-D meshes) is not supported.
+        device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``), or a
+            2-D one ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard
+            within, as Lightning's FSDPStrategy takes it); default: one 1-D mesh is built.
         activation_checkpointing_policy: As Lightning's ``FSDPStrategy``: a set of layer classes
             (types or class names), torch's ``ModuleWrapPolicy`` or an FSDP1-style predicate; those
             modules are wrapped in torch's ``checkpoint_wrapper`` (activations recomputed in
@@ -98,7 +100,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         auto_wrap_policy: WrapPolicy = None,
-        reshard_after_forward: Optional[bool] = None,
+        reshard_after_forward: Union[bool, int, None] = None,
         mp_policy: Optional[MixedPrecisionPolicy] = None,
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",

@@ -19,7 +19,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import StateDictType
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import accelerate_plugin.hooks as hooks
 from accelerate_plugin import VeScaleFSDPPlugin, run
@@ -27,7 +27,7 @@ from models import local_batch, loss_fn, make_decoder
 from test_accelerate_parity import accelerate_env, decoder_plugin
 from test_fully_shard import adamw
 from vescale_plugins import RaggedShard
-from vescale_plugins.wrap import is_sharded
+from vescale_plugins.wrap import is_sharded, shard_model
 
 
 def two_rows(name: str, param: torch.nn.Parameter) -> int | None:
@@ -108,8 +108,9 @@ def test_unknown_precision_and_multi_dimensional_meshes_are_refused(clean_fsdp_e
         plugin.check_accelerator_options("fp12", None)
     with pytest.raises(ValueError, match="'fp8'"):
         plugin.check_accelerator_options("fp8", None)
-    with pytest.raises(NotImplementedError, match="dp_replicate_size.*1-D mesh"):
-        plugin.check_accelerator_options("no", ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    plugin.check_accelerator_options("no", ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))  # HSDP
+    with pytest.raises(NotImplementedError, match="tp_size.*data-parallel dims only"):
+        plugin.check_accelerator_options("no", ParallelismConfig(tp_size=2, dp_shard_size=2))
     with pytest.raises(NotImplementedError, match="cp_size"):
         plugin.check_accelerator_options("no", ParallelismConfig(cp_size=2))
 
@@ -181,7 +182,7 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
         Accelerator(mixed_precision="fp12", fsdp_plugin=decoder_plugin())
     messages.append(str(error.value))
     with accelerate_env(), pytest.raises(NotImplementedError) as error:
-        Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=1))
+        Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=1))
     messages.append(str(error.value))
     with accelerate_env():
         accelerator = Accelerator(fsdp_plugin=VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["NoSuchBlock"]))
@@ -196,7 +197,7 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
 def test_bad_configuration_fails_with_a_clear_message_before_any_collective(dist_run):
     messages = dist_run(_bad_configurations_fail_on_one_rank_alone, 2, timeout=60)[0]
     assert "mixed_precision='fp12'" in messages[0]
-    assert "dp_replicate_size" in messages[1] and "1-D mesh" in messages[1]
+    assert "tp_size" in messages[1] and "data-parallel dims only" in messages[1]
     assert "NoSuchBlock" in messages[2] and "Block" in messages[2]
 
 
@@ -277,3 +278,27 @@ def _unit_choice_and_block_sizes_follow_the_plugin() -> None:
 
 def test_wrap_policies_ignored_modules_and_block_size_follow_the_plugin(dist_run):
     dist_run(_unit_choice_and_block_sizes_follow_the_plugin, 3)
+
+
+def _hybrid_sharding_from_a_parallelism_config():
+    """``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)``: HSDP, as FSDP2 under
+    Accelerate; one step equals plain ``fully_shard`` on the same 2-D mesh."""
+    with accelerate_env():
+        accelerator = Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+        model = _train_one_step(accelerator)
+    mesh = next(model.parameters()).device_mesh
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
+    for p in model.parameters():
+        assert p.device_mesh.ndim == 2 and p.placements[0] == Replicate() and isinstance(p.placements[1], RaggedShard)
+    plain = make_decoder()
+    shard_model(plain, mesh=mesh)
+    optimizer = adamw(plain)
+    tokens, targets = local_batch(0)
+    loss_fn(plain(tokens), targets).backward()
+    optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_parallelism_config_with_replicas_gives_hybrid_sharding(dist_run):
+    dist_run(_hybrid_sharding_from_a_parallelism_config, 4)

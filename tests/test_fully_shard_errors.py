@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models import local_batch, make_decoder
 from vescale_plugins import fully_shard
@@ -43,8 +43,8 @@ def _every_bad_input():
 
     model = make_decoder()
     before = _snapshot(model)
-    mesh_2d = init_device_mesh("cpu", (1, world))
-    _expect(NotImplementedError, "2-D mesh: hybrid sharding", lambda: fully_shard(model, mesh=mesh_2d))
+    mesh_3d = init_device_mesh("cpu", (1, 1, world))
+    _expect(NotImplementedError, "3-D mesh: pass a 1-D mesh", lambda: fully_shard(model, mesh=mesh_3d))
     _untouched(model, before)
 
     _expect(
@@ -56,10 +56,20 @@ def _every_bad_input():
 
     _expect(ValueError, "ModuleList", lambda: fully_shard(model.layers))
     _untouched(model, before)
-    _expect(NotImplementedError, "reshard_after_forward=2", lambda: fully_shard(model, reshard_after_forward=2))
+    _expect(ValueError, r"reshard_after_forward=5 must divide the shard group's size", lambda: fully_shard(model, reshard_after_forward=5))
     _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
     _untouched(model, before)
-    fully_shard(model, offload_policy=OffloadPolicy())  # FSDP2's "no offload" default is accepted
+    _expect(NotImplementedError, "dp_mesh_dims", lambda: fully_shard(model, dp_mesh_dims=object()))
+    _expect(
+        NotImplementedError,
+        r"shard_placement_fn returned Shard\(dim=1\) for 'layers.0.up.weight'",
+        lambda: fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p is model.layers[0].up.weight else None),
+    )
+    _untouched(model, before)
+    tp_model = make_decoder()
+    tp_model.layers[0].up.weight = torch.nn.Parameter(distribute_tensor(tp_model.layers[0].up.weight.detach(), init_device_mesh("cpu", (world,)), [Shard(0)]))
+    _expect(NotImplementedError, r"'layers.0.up.weight' is already a DTensor", lambda: fully_shard(tp_model))
+    fully_shard(model, offload_policy=OffloadPolicy(), shard_placement_fn=lambda p: Shard(0))  # FSDP2's defaults
 
     with torch.device("meta"):
         meta_model = make_decoder()

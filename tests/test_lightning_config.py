@@ -69,12 +69,12 @@ def test_unsupported_precision_fails_when_the_trainer_is_built(precision):
 
 @pytest.mark.parametrize("strategy_cls", STRATEGIES)
 def test_bad_strategy_arguments_fail_when_the_strategy_is_built(strategy_cls):
-    with pytest.raises(NotImplementedError, match=r"device_mesh with 2 dimensions: hybrid sharding .* not supported"):
-        strategy_cls(device_mesh=(2, 2))
+    with pytest.raises(NotImplementedError, match=r"device_mesh with 3 dimensions: veScale-FSDP takes a 1-D mesh"):
+        strategy_cls(device_mesh=(2, 2, 2))
     with pytest.raises(ValueError, match="state_dict_type='distributed': use 'sharded'"):
         strategy_cls(state_dict_type="distributed")
-    with pytest.raises(ValueError, match="reshard_after_forward=2"):
-        strategy_cls(reshard_after_forward=2)
+    with pytest.raises(ValueError, match="reshard_after_forward=0"):
+        strategy_cls(reshard_after_forward=0)
     with pytest.raises(TypeError, match="FSDP1-style predicates"):
         strategy_cls(auto_wrap_policy=lambda module, recurse, nonwrapped_numel: True)
     with pytest.raises(TypeError, match="must name nn.Module classes"):

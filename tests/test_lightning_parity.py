@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.pytorch import LightningModule, Trainer
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import lightning_strategy  # noqa: F401  (registers "vescale_fsdp")
+from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from models import SEQ, VOCAB, loss_fn, make_decoder
 from test_fully_shard import adamw
 from test_ragged_shard import _comm_counts
@@ -138,8 +140,8 @@ def make_trainer(root: str, strategy="vescale_fsdp", **kwargs) -> Trainer:
     return Trainer(strategy=strategy, **defaults)
 
 
-def make_fabric(**kwargs) -> Fabric:
-    fabric = Fabric(strategy="vescale_fsdp", accelerator="cpu", devices=dist.get_world_size(), **kwargs)
+def make_fabric(strategy="vescale_fsdp", **kwargs) -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), **kwargs)
     fabric.launch()
     return fabric
 
@@ -167,12 +169,13 @@ _MP_POLICIES = {
 }
 
 
-def plain_loop(data: Dataset, precision: str, accumulate: int, clip: float | None):
+def plain_loop(data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None):
     """The reference: shard_model and a hand-written loop, as a plain-torch user would write it."""
     model = make_decoder(seed=0, layers=LAYERS)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
-    model = shard_model(model, mp_policy=_MP_POLICIES[precision])
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
+    model = shard_model(model, mp_policy=_MP_POLICIES[precision], mesh=mesh)
     optimizer = adamw(model)
     # What the Trainer and Fabric put in place of a DataLoader's sampler: shuffled, seed 0, epoch 0.
     sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
@@ -191,9 +194,9 @@ def plain_loop(data: Dataset, precision: str, accumulate: int, clip: float | Non
     return losses, full_params(model)
 
 
-def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | None):
+def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None):
     """The same loop written for Fabric, as its docs show (setup, no_backward_sync, clip_gradients)."""
-    fabric = make_fabric(precision=precision)
+    fabric = make_fabric(precision=precision, strategy=VeScaleFSDPFabricStrategy(device_mesh=mesh_shape)) if mesh_shape else make_fabric(precision=precision)
     model = make_decoder(seed=0, layers=LAYERS)
     model, optimizer = fabric.setup(model, adamw(model))  # optimizer built before sharding, as with DDP
     losses, synced = [], []
@@ -212,19 +215,20 @@ def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | No
     return losses, full_params(model.module), synced
 
 
-def trainer_loop(root: str, data: Dataset, precision: str, accumulate: int, clip: float | None):
+def trainer_loop(root: str, data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None):
     module = LitDecoder()
-    trainer = make_trainer(root, precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    strategy = VeScaleFSDPStrategy(device_mesh=mesh_shape) if mesh_shape else "vescale_fsdp"
+    trainer = make_trainer(root, strategy=strategy, precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     trainer.fit(module, loader(data))
     return module.losses, full_params(module, prefix="model."), module.backward_reduce_scatters
 
 
-def _three_ways(root, precision, accumulate, clip):
+def _three_ways(root, precision, accumulate, clip, mesh_shape=None):
     data = dataset(dist.get_world_size())
     with launched_by_harness():
-        want_losses, want_params = plain_loop(data, precision, accumulate, clip)
-        fabric_losses, fabric_params, fabric_synced = fabric_loop(data, precision, accumulate, clip)
-        trainer_losses, trainer_params, trainer_synced = trainer_loop(root, data, precision, accumulate, clip)
+        want_losses, want_params = plain_loop(data, precision, accumulate, clip, mesh_shape)
+        fabric_losses, fabric_params, fabric_synced = fabric_loop(data, precision, accumulate, clip, mesh_shape)
+        trainer_losses, trainer_params, trainer_synced = trainer_loop(root, data, precision, accumulate, clip, mesh_shape)
     assert len(want_losses) == MICRO_BATCHES
     torch.testing.assert_close(torch.tensor(fabric_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Fabric losses: {m}")
     torch.testing.assert_close(torch.tensor(trainer_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Trainer losses: {m}")
@@ -245,3 +249,8 @@ def test_trainer_and_fabric_match_a_plain_loop_with_accumulation_and_clipping(di
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_trainer_and_fabric_match_a_plain_loop_in_bf16(dist_run, tmp_path, precision):
     dist_run(_three_ways, 2, str(tmp_path), precision, 1, None, timeout=180)
+
+
+def test_trainer_and_fabric_hybrid_sharding_on_a_2x2_device_mesh(dist_run, tmp_path):
+    """``device_mesh=(2, 2)``, as Lightning's FSDPStrategy takes it for HYBRID_SHARD."""
+    dist_run(_three_ways, 4, str(tmp_path), "32-true", ACCUMULATE, CLIP, (2, 2), timeout=240)

@@ -122,6 +122,7 @@ class GatherHandle:
     def __init__(self, unsharded: torch.Tensor, version: int, work: dist.Work | None, event: Any = None, streams: CommStreams | None = None, done: Any = None) -> None:
         self._unsharded, self._version, self._work, self._event = unsharded, version, work, event
         self._streams, self._done = streams, done
+        self.after_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
         record = run_record.ACTIVE
@@ -137,6 +138,9 @@ class GatherHandle:
         if self._event is not None and record is not None:
             record.collective_done(self._event, wait_started)
             self._event = None
+        if self.after_wait is not None:
+            after_wait, self.after_wait = self.after_wait, None
+            after_wait()
 
 
 class ReduceScatterHandle:
@@ -149,6 +153,8 @@ class ReduceScatterHandle:
         self.done = False
         # Run once the sharded gradients are final (post-accumulate-grad hooks).
         self.after_wait: Callable[[], None] | None = None
+        self.replicate_group: dist.ProcessGroup | None = None  # HSDP: all-reduce across replicas
+        self.partial = False  # HSDP without all-reduce: keep the shard group's sum back
 
     def wait(self) -> None:
         if self.done:
@@ -163,14 +169,10 @@ class ReduceScatterHandle:
             if self._event is not None and record is not None:
                 record.collective_done(self._event, wait_started)
             out, sharded_grad = self._out, self._sharded_grad
-            if self._divide_factor != 1:
-                out.div_(self._divide_factor)
-            if self._accumulate:
-                shard_size = self._dbuffer.shard_size
-                sharded_grad[:shard_size].add_(out[:shard_size])
-                sharded_grad[shard_size:].copy_(out[shard_size:])  # this reduce's presence flags
-            elif not self._in_place:
-                sharded_grad.copy_(out)
+            if self.partial:
+                self._dbuffer.keep_partial(out)
+            else:
+                self._finish_gradients(out, sharded_grad)
             if record is not None:
                 record.buffer_freed("comm_buffers", self._temp_bytes)
         # Keep the sharded gradient buffer: it is held weakly by the DBuffer, so this handle is
@@ -181,6 +183,20 @@ class ReduceScatterHandle:
         if self.after_wait is not None:
             after_wait, self.after_wait = self.after_wait, None
             after_wait()
+
+    def _finish_gradients(self, out: torch.Tensor, sharded_grad: torch.Tensor) -> None:
+        """All-reduce across replicas (HSDP), divide once, and land in the sharded gradients."""
+        if self.replicate_group is not None:
+            self._dbuffer.add_partial(out)
+            dist.all_reduce(out, group=self.replicate_group)
+        if self._divide_factor != 1:
+            out.div_(self._divide_factor)
+        if self._accumulate:
+            shard_size = self._dbuffer.shard_size
+            sharded_grad[:shard_size].add_(out[:shard_size])
+            sharded_grad[shard_size:].copy_(out[shard_size:])  # this reduce's presence flags
+        elif not self._in_place:
+            sharded_grad.copy_(out)
 
 
 class DBuffer:
@@ -238,6 +254,11 @@ class DBuffer:
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
+        # reshard_after_forward=k: this rank's 1/k of the gathered buffer, kept between forward
+        # and backward, and the k-rank group that gathers it back.
+        self._post_forward: _StorageToggle | None = None
+        self._post_forward_group: dist.ProcessGroup | None = None
+        self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self.streams = comm_streams_for(self.device)
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
@@ -334,22 +355,64 @@ class DBuffer:
                 record.buffer_allocated("unsharded_params", self._unsharded.nbytes)
             unsharded = self._unsharded.allocate()
             version = unsharded._version
-            with _record_scope(COMM_BUFFER_REGION):
-                shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+            group = self._post_forward_group
+            if group is not None:
+                shard = self._post_forward.tensor  # gathered back within the k ranks only
+            else:
+                group = self.group
+                with _record_scope(COMM_BUFFER_REGION):
+                    shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             event = record.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if record is not None else None
             # On a side stream the call returns once enqueued; the handle waits on an event.
-            work = _all_gather(unsharded, shard, self.group, async_op=async_op and not streams.enabled)
+            work = _all_gather(unsharded, shard, group, async_op=async_op and not streams.enabled)
             handle = GatherHandle(unsharded, version, work, event, streams, streams.record(streams.all_gather))
+            if self._post_forward_group is not None:
+                self._post_forward_group = None
+                handle.after_wait = self._release_post_forward
         if not async_op:
             handle.wait()
         return handle
 
     def release_unsharded(self) -> None:
-        """Free the unsharded parameters' memory (their views stay, without storage)."""
+        """Free the unsharded parameters' memory (their views stay, without storage), and
+        any post-forward chunk."""
+        self._release_full()
+        self._post_forward_group = None
+        self._release_post_forward()
+
+    def _release_full(self) -> None:
         record = run_record.ACTIVE
         if record is not None and self._unsharded.allocated:
             record.buffer_freed("unsharded_params", self._unsharded.nbytes)
         self._unsharded.release()
+
+    def reshard_to_group(self, group: dist.ProcessGroup) -> None:
+        """(``reshard_after_forward=k``) Keep only this rank's ``1/k`` of the gathered buffer,
+        ``k`` the size of ``group`` (consecutive ranks of the shard group), and free the rest.
+
+        The kept chunk is ``W/k`` consecutive shards of the planner's layout, so its rank
+        boundaries are some of the W-rank layout's: no block is cut, and the gather within
+        ``group`` writes the unsharded buffer in place, as the full gather does.
+        """
+        k, index = dist.get_world_size(group), dist.get_rank(group)
+        full = self._unsharded.tensor
+        chunk = full.numel() // k
+        if self._post_forward is None:
+            self._post_forward = _StorageToggle(chunk, self.param_dtype, self.device)
+        record = run_record.ACTIVE
+        if record is not None and not self._post_forward.allocated:
+            record.buffer_allocated("unsharded_params", self._post_forward.nbytes)
+        kept = self._post_forward.allocate()
+        kept.copy_(full[index * chunk : (index + 1) * chunk])
+        self._release_full()
+        self._post_forward_group = group
+
+    def _release_post_forward(self) -> None:
+        if self._post_forward is not None and self._post_forward.allocated:
+            record = run_record.ACTIVE
+            if record is not None:
+                record.buffer_freed("unsharded_params", self._post_forward.nbytes)
+            self._post_forward.release()
 
     # -- gradients --------------------------------------------------------------------
 
@@ -395,7 +458,7 @@ class DBuffer:
             flags = buffer.view(self.world_size, self.grad_shard_size)[:, self.shard_size :]
             flags.copy_(torch.tensor(present, dtype=buffer.dtype).to(buffer.device, non_blocking=True))
 
-    def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False) -> "ReduceScatterHandle":
+    def reduce_scatter(self, divide_factor: float, accumulate: bool, async_op: bool = False, replicate_group: dist.ProcessGroup | None = None, partial: bool = False) -> "ReduceScatterHandle":
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
 
         Sums over the group (gloo has no AVG) and divides by ``divide_factor`` once for the
@@ -403,12 +466,16 @@ class DBuffer:
         gradients (accumulation across optimizer steps without ``zero_grad``); otherwise it
         lands straight in the sharded gradient buffer. With ``async_op`` the caller must
         ``wait()`` on the handle before reading the gradients.
+
+        HSDP: with ``replicate_group`` the reduced shard is then all-reduced in place across
+        the replicas (adding what ``partial`` reduce-scatters kept back) before the division;
+        with ``partial`` the shard group's sum is only added to the partial buffer.
         """
         record = run_record.ACTIVE
         streams = self.streams
         with torch.profiler.record_function(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
-            in_place = not accumulate and self.reduce_dtype == self.dtype
+            in_place = not accumulate and not partial and self.reduce_dtype == self.dtype
             with _record_scope(COMM_BUFFER_REGION):
                 temporary_out = None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
             sharded_grad = self._sharded_grad_for_reduce()
@@ -421,9 +488,23 @@ class DBuffer:
             work = _reduce_scatter(out, full, self.group, async_op=async_op and not streams.enabled)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(self, work, full, out, sharded_grad, divide_factor, accumulate, in_place, event, temp_bytes, done_event)
+        handle.replicate_group, handle.partial = replicate_group, partial
         if not async_op:
             handle.wait()
         return handle
+
+    def keep_partial(self, reduced: torch.Tensor) -> None:
+        """(HSDP, no all-reduce this backward) Add the shard group's sum to the partial buffer."""
+        if self._partial_grad is None:
+            self._partial_grad = reduced.clone()
+        else:
+            self._partial_grad.add_(reduced)
+
+    def add_partial(self, reduced: torch.Tensor) -> None:
+        """(HSDP, all-reducing backward) Add the sums kept back since the last all-reduce."""
+        if self._partial_grad is not None:
+            reduced.add_(self._partial_grad)
+            self._partial_grad = None
 
     def release_unsharded_grad(self) -> None:
         record = run_record.ACTIVE

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.utils import _pytree as pytree
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
@@ -77,14 +77,19 @@ class FSDPUnit:
     ) -> None:
         self.modules = modules
         self.mesh = mesh
-        self.group = mesh.get_group(0)
-        self.world_size = mesh.size(0)
-        self.rank = mesh.get_local_rank(0)
+        # A 1-D mesh shards over all of it; a 2-D one (HSDP) replicates over dim 0 and shards
+        # over dim 1, as FSDP2: DBuffers are laid out for, and gathered in, the shard group.
+        shard_dim = mesh.ndim - 1
+        self.group = mesh.get_group(shard_dim)
+        self.world_size = mesh.size(shard_dim)
+        self.rank = mesh.get_local_rank(shard_dim)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.requires_all_reduce = True
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
-        self.gradient_divide_factor: float = float(self.world_size)
+        self.gradient_divide_factor: float = float(mesh.size())  # every data-parallel rank
         self.is_last_backward = True
         self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit (see below)
         self.backward_prefetch: list[FSDPUnit] | None = None
@@ -135,9 +140,10 @@ class FSDPUnit:
         self._members: list[list[ManagedParam]] = [[m for m in result if m.buffer_index == i] for i in range(len(self.dbuffers))]
         return result
 
-    def _placement(self, dbuffer: DBuffer, slot_index: int) -> RaggedShard:
+    def _placements(self, dbuffer: DBuffer, slot_index: int) -> list[Placement]:
         slot = dbuffer.slots[slot_index]
-        return RaggedShard((0,) if len(slot.shape) else (), slot.local_units)
+        ragged = RaggedShard((0,) if len(slot.shape) else (), slot.local_units)
+        return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
 
     def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:
         """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor."""
@@ -148,7 +154,7 @@ class FSDPUnit:
                 flat = param.detach().reshape(-1)
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
-        return make_dtensor(local, self.mesh, [self._placement(dbuffer, slot_index)], slot.shape, _contiguous_stride(slot.shape))
+        return make_dtensor(local, self.mesh, self._placements(dbuffer, slot_index), slot.shape, _contiguous_stride(slot.shape))
 
     def readopt_sharded_params(self) -> None:
         """After ``to_empty``/``_apply`` replaced local tensors: move them back into DBuffers."""
@@ -258,6 +264,17 @@ class FSDPUnit:
             module.register_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
             module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
 
+    def reshard_to_post_forward_group(self) -> None:
+        """``reshard_after_forward=k``: keep the parameters sharded over groups of k
+        consecutive ranks until backward, which gathers within those k ranks only (FSDP2's
+        memory and traffic: 1/k of the unit per rank)."""
+        self.wait_for_unshard()
+        group = _post_forward_group(self.mesh, self.reshard_after_forward)
+        for m in self.managed:
+            m.register(m.sharded)
+        for b in self.dbuffers:
+            b.reshard_to_group(group)
+
     def reshard(self) -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
         self.wait_for_unshard()
@@ -335,7 +352,10 @@ class FSDPUnit:
     def _complete_forward(self, output: Any) -> Any:
         self._modules_run.clear()
         if self._reshards_after_forward():
-            self.reshard()
+            if _is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
+                self.reshard_to_post_forward_group()
+            else:
+                self.reshard()
         if torch.is_grad_enabled():
             output = _register_on_tensors(output, self._pre_backward_hook)
         return output
@@ -511,7 +531,13 @@ class FSDPUnit:
                 for m in members:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
-            handle = dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True)
+            replicate_group = self.replicate_group
+            if replicate_group is not None and not self.requires_all_reduce:
+                # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
+                # the shard group's sums wait in a partial buffer; no gradient is attached yet.
+                root._reduces_in_flight.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
+                continue
+            handle = dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group)
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
             root._reduces_in_flight.append(handle)
             for m, received in zip(members, got):
@@ -625,6 +651,25 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.unit._post_backward_from_inputs()
         return (None, *grads)
+
+
+def _is_group_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# One set of k-rank groups per (mesh, k), shared by every unit that reshards to k ranks.
+_POST_FORWARD_GROUPS: dict[tuple[int, int], torch.distributed.ProcessGroup] = {}
+
+
+def _post_forward_group(mesh: DeviceMesh, k: int) -> torch.distributed.ProcessGroup:
+    """This rank's group of k consecutive ranks of the shard dim (every rank creates all of
+    them, in the same order, at the first forward that needs them)."""
+    key = (id(mesh), k)
+    if key not in _POST_FORWARD_GROUPS:
+        rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+        enumeration = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
+        _POST_FORWARD_GROUPS[key], _ = torch.distributed.new_subgroups_by_enumeration(enumeration)
+    return _POST_FORWARD_GROUPS[key]
 
 
 def _run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .fsdp_unit import FSDPUnit, _iter_units
@@ -65,7 +66,7 @@ class VeScaleFSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _check_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
     def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
         """Start these units' all-gathers when this unit's forward starts (default: the unit
@@ -95,6 +96,13 @@ class VeScaleFSDPModule:
         collective in flight is finished, every unit resharded, and the aborted iteration's
         gradients and no-sync accumulation are dropped."""
         self._vescale_fsdp_unit.reset_iteration()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with ``False``, backward reduce-scatters within the shard group but does not
+        all-reduce across replicas; the sums wait (no gradient is attached) until a backward
+        with ``True`` all-reduces them with its own, as FSDP2. No effect on a 1-D mesh."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
@@ -134,11 +142,24 @@ def _check_reshard_after_forward(value: Any) -> None:
     if isinstance(value, bool) or value is None:
         return
     if isinstance(value, int):
-        raise NotImplementedError(
-            f"reshard_after_forward={value}: resharding to a smaller group after forward is not "
-            "supported yet; use True, False or None"
-        )
+        if value < 1:
+            raise ValueError(f"reshard_after_forward={value}: an int must be a positive number of ranks")
+        return
     raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+
+
+def _normalise_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
+    """An int is the size of the groups parameters stay sharded over after forward: it must
+    divide the shard dim's size; 1 means False and the full size True, as in FSDP2."""
+    if isinstance(value, bool) or value is None:
+        return value
+    shard_size = mesh.size(mesh.ndim - 1)
+    if shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group's size ({shard_size}); "
+            f"use one of {[d for d in range(1, shard_size + 1) if shard_size % d == 0]}"
+        )
+    return False if value == 1 else True if value == shard_size else value
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
@@ -147,10 +168,11 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
             raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
         device_type = "cuda" if device.type == "cuda" else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh: hybrid sharding (replicate x shard) is not "
-            "supported yet; pass a 1-D mesh"
+            f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
+            "(replicate, shard) for hybrid sharding; tensor- and expert-parallel dims are not "
+            "supported yet"
         )
     return mesh
 
@@ -247,6 +269,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
     block_size_fn: BlockSizeFn | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters as one unit, like ``torch.distributed.fsdp.fully_shard``.
@@ -257,9 +280,12 @@ def fully_shard(
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    _validate(modules, reshard_after_forward, shard_placement_fn, offload_policy)
+    _validate(modules, reshard_after_forward, offload_policy, dp_mesh_dims)
     ignored = set(ignored_params or ())
     params, shared = _collect_params(modules, ignored)
+    _check_plain_tensors(params)
+    if shard_placement_fn is not None:
+        _check_shard_placements(params, shard_placement_fn)
     if shared:
         raise ValueError(
             "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
@@ -270,6 +296,7 @@ def fully_shard(
     with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
     device = next((p.device for _, _, p in params), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
+    reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     where = " + ".join(type(m).__name__ for m in modules)
@@ -283,10 +310,13 @@ def fully_shard(
     return module
 
 
-def _validate(modules: list[nn.Module], reshard_after_forward: Any, shard_placement_fn: Any, offload_policy: Any) -> None:
+def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
     _check_reshard_after_forward(reshard_after_forward)
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not supported: veScale-FSDP plans placements itself; use block_size_fn")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "dp_mesh_dims (parameters already distributed over a full SPMD mesh) is not supported "
+            "yet: pass the data-parallel mesh itself as mesh= (1-D, or 2-D for HSDP)"
+        )
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
     for m in modules:
@@ -297,6 +327,32 @@ def _validate(modules: list[nn.Module], reshard_after_forward: Any, shard_placem
                 f"fully_shard on an {type(m).__name__}: it has no forward, so no hook would ever "
                 "gather its parameters; shard each of its blocks, or pass them as a list"
             )
+
+
+def _check_plain_tensors(params: list[tuple[str, Any, nn.Parameter]]) -> None:
+    for fqn, _, param in params:
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is already a DTensor ({param.placements} on a {param.device_mesh.ndim}-D "
+                "mesh, e.g. from tensor or expert parallelism): composing veScale-FSDP with other "
+                "parallel dims is not supported yet; shard plain parameters, or use torch's fully_shard "
+                "for this model"
+            )
+
+
+def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any]) -> None:
+    """FSDP2's ``shard_placement_fn``: ``None`` and ``Shard(0)`` are what veScale-FSDP does
+    (whole rows per rank; the planner balances tensors with fewer rows than ranks without
+    FSDP2's padding); another dim is refused, naming the parameter."""
+    for fqn, _, param in params:
+        placement = shard_placement_fn(param)
+        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.dim() if param.dim() else 0)):
+            continue
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}: veScale-FSDP shards whole rows "
+            "of dim 0 (uneven per rank where needed, so experts or matrices with fewer rows than "
+            "ranks need no other dim); return None or Shard(0) for it"
+        )
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,0 +1,297 @@
+"""``python -m vescale_plugins.bench.muon``: distributed Muon against FSDP2's full_tensor workaround.
+
+Both engines train the same Llama-style model from the same seed on the same batches, with
+one Muon optimizer each (hidden matrices under Muon, the rest under AdamW,
+``muon_param_groups``):
+
+- ``vescale``: ``vescale_plugins.fully_shard`` + ``vescale_plugins.optim.Muon``: each matrix
+  goes to its root rank (two bfloat16 all-to-alls per bucket), is orthogonalised there once,
+  and comes back as the ranks' shards.
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` + the common workaround: every rank
+  ``full_tensor()``s every matrix's update (an all-gather), runs Newton–Schulz on all of
+  them, and keeps its own rows.
+
+Steps alternate between the engines (A B, then B A); each step is timed between barriers,
+the optimizer step separately, and a step's time is the slowest rank's. Figures per step and
+rank: bytes the optimizer sends to other ranks, and Newton–Schulz flops. Prints a table per
+world size and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import fully_shard
+from ..optim import Muon, muon_param_groups
+from ..optim.muon import adjust_lr
+from ..optim.newton_schulz import newton_schulz_for
+from ..optim.root_assignment import newton_schulz_flops
+from .engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
+from .llama import PRESETS, LlamaConfig
+from .report import environment
+
+MUON_LR, ADAMW_LR = 0.02, 1e-3
+# The bench's presets, and one small enough for a smoke test.
+MODELS = {**PRESETS, "micro": LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=67, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}
+
+
+class FullTensorMuon(Muon):
+    """The FSDP2 workaround: every rank gathers every matrix and orthogonalises all of them.
+
+    Same math as :class:`Muon` (momentum on the local rows, Newton–Schulz in bfloat16 on the
+    full matrix, decoupled weight decay); the update is gathered in the gradient's dtype,
+    as ``full_tensor()`` of the Nesterov update gives it.
+    """
+
+    @staticmethod
+    def _check_sharding(p: DTensor, name: str) -> None:
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"{name}: the workaround expects FSDP2's Shard(0), got {p.placements}")
+
+    def _build_plan(self) -> None:
+        self._plan_key, self._slot_of, self._plan = self._muon_params_key(), {}, None
+
+    def _muon_local_step(self, group: dict, pending: dict) -> None:
+        lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            grad, buf, param = p.grad._local_tensor, state["momentum_buffer"]._local_tensor, p._local_tensor
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            orthogonal = newton_schulz_for(full.device)(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            rows_per_rank = math.ceil(p.shape[0] / world)  # torch.chunk, as FSDP2 shards dim 0
+            start = min(rank * rows_per_rank, p.shape[0])
+            mine = orthogonal[start : start + param.shape[0]]
+            param.mul_(1 - lr * weight_decay)
+            param.add_(mine, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _muon_shapes(optimizer: Muon) -> list[tuple[int, int]]:
+    return [tuple(p.shape) for g in optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+
+
+def _traffic_and_flops(name: str, optimizer: Muon, world: int, rank: int) -> dict[str, int]:
+    """Bytes this rank's optimizer step sends to other ranks, and its Newton–Schulz flops."""
+    shapes = _muon_shapes(optimizer)
+    if name == "vescale":
+        plan = optimizer.exchange_plan
+        return {"optimizer_bytes_sent": plan.bytes_sent(rank), "ns_flops": plan.ns_flops_per_rank[rank], "buckets": len(plan.buckets)}
+    # full_tensor(): an all-gather of the fp32 update, padded rows (torch.chunk); each rank's
+    # chunk reaches the W - 1 others.
+    sent = sum((world - 1) * math.ceil(m / world) * n * 4 for m, n in shapes)
+    return {"optimizer_bytes_sent": sent, "ns_flops": sum(newton_schulz_flops(s) for s in shapes), "buckets": 0}
+
+
+def _build(name: str, settings: BenchSettings, mesh: Any, device: torch.device) -> tuple[torch.nn.Module, Muon]:
+    model = build_model(settings, device)
+    _shard_plain(model, settings, mesh, torch_fully_shard if name == "fsdp2" else fully_shard)
+    groups = muon_param_groups(model, adamw_lr=ADAMW_LR)
+    optimizer = (FullTensorMuon if name == "fsdp2" else Muon)(groups, lr=MUON_LR)
+    return model, optimizer
+
+
+def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    device = torch.device("cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(device.type, (world,))
+    data = batches(settings, rank, warmup + steps)
+    engines = {name: _build(name, settings, mesh, device) for name in ENGINES}
+
+    def one_step(name: str, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+        model, optimizer = engines[name]
+        dist.barrier()
+        start = time.perf_counter()
+        loss = _loss(model(tokens), targets)
+        loss.backward()
+        dist.barrier()
+        before_step = time.perf_counter()
+        optimizer.step()
+        dist.barrier()
+        end = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        return end - start, end - before_step, loss.item()
+
+    for tokens, targets in data[:warmup]:
+        for name in ENGINES:
+            one_step(name, tokens, targets)
+            progress("warmup")
+    seconds: dict[str, dict[str, list[float]]] = {name: {"step": [], "optimizer": []} for name in ENGINES}
+    losses: dict[str, float] = {}
+    for i, (tokens, targets) in enumerate(data[warmup:]):
+        for name in ENGINES if i % 2 == 0 else tuple(reversed(ENGINES)):
+            whole, optimizer_s, losses[name] = one_step(name, tokens, targets)
+            seconds[name]["step"].append(whole)
+            seconds[name]["optimizer"].append(optimizer_s)
+            progress(name)
+    params = {name: parameter_names(engines[name][0]) for name in ENGINES}
+    max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
+    figures = {name: _traffic_and_flops(name, engines[name][1], world, rank) for name in ENGINES}
+    return {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "figures": figures,
+            "muon_matrices": len(_muon_shapes(engines["vescale"][1]))}
+
+
+def _worker(rank: int, world: int, port: int, settings: BenchSettings, warmup: int, steps: int, events: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        result = run_rank(settings, warmup, steps, lambda what: events.put(("progress", rank, what)) if rank == 0 else None)
+        events.put(("done", rank, result))
+    except BaseException:
+        events.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Run every rank (gloo, CPU); return their results or raise with a failing rank's traceback."""
+    context = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    events = context.Queue()
+    processes = [context.Process(target=_worker, args=(r, world, store.port, settings, warmup, steps, events), daemon=True) for r in range(world)]
+    for p in processes:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the benchmark did not finish within {timeout_s:.0f} s")
+            try:
+                kind, rank, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                if any(not p.is_alive() and i not in results for i, p in enumerate(processes)):
+                    raise RuntimeError("a benchmark rank died without reporting")
+                continue
+            if kind == "progress":
+                on_progress(payload)
+            elif kind == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            else:
+                results[rank] = payload
+    finally:
+        for p in processes:
+            p.join(timeout=10 if len(results) == world else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return [results[r] for r in range(world)]
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the slowest rank's times (ms), the largest per-rank figures, and the ratios."""
+    engines: dict[str, dict[str, Any]] = {}
+    for name in ENGINES:
+        entry: dict[str, Any] = {}
+        for kind in ("step", "optimizer"):
+            per_step = [max(r["seconds"][name][kind][i] for r in results) * 1e3 for i in range(len(results[0]["seconds"][name][kind]))]
+            entry[f"{kind}_ms"] = {"median": statistics.median(per_step), "samples": per_step}
+        for key in results[0]["figures"][name]:
+            entry[key] = max(r["figures"][name][key] for r in results)
+        engines[name] = entry
+    v, f = engines["vescale"], engines["fsdp2"]
+
+    def paired(kind: str) -> float:
+        return statistics.median(a / b for a, b in zip(v[f"{kind}_ms"]["samples"], f[f"{kind}_ms"]["samples"]))
+
+    return {
+        "engines": engines,
+        "muon_matrices": results[0]["muon_matrices"],
+        "ratios": {
+            "optimizer_step": v["optimizer_ms"]["median"] / f["optimizer_ms"]["median"],
+            "optimizer_step_paired": paired("optimizer"),
+            "whole_step": v["step_ms"]["median"] / f["step_ms"]["median"],
+            "whole_step_paired": paired("step"),
+            "optimizer_bytes_sent": v["optimizer_bytes_sent"] / f["optimizer_bytes_sent"],
+            "ns_flops_per_rank": v["ns_flops"] / f["ns_flops"],
+        },
+        "parity": {"loss": {name: results[0]["loss"][name] for name in ENGINES}, "max_param_diff": max(r["max_param_diff"] for r in results)},
+    }
+
+
+def render_table(summary: dict[str, Any], world: int) -> Any:
+    from rich.table import Table
+
+    e, r = summary["engines"], summary["ratios"]
+    table = Table(title=f"Muon at W={world}: veScale-FSDP + distributed Muon vs FSDP2 + full_tensor() ({summary['muon_matrices']} matrices)")
+    for column, justify in (("figure", "left"), ("FSDP2 + full_tensor", "right"), ("veScale-FSDP + Muon", "right"), ("veScale / FSDP2", "right")):
+        table.add_column(column, justify=justify)
+
+    def row(label: str, key: Callable[[dict], float], fmt: str, ratio: float | None) -> None:
+        table.add_row(label, format(key(e["fsdp2"]), fmt), format(key(e["vescale"]), fmt), "" if ratio is None else f"{ratio:.3f}")
+
+    row("optimizer step, median (ms)", lambda x: x["optimizer_ms"]["median"], ".1f", r["optimizer_step"])
+    table.add_row("optimizer step, median of paired ratios", "", "", f"{r['optimizer_step_paired']:.3f}")
+    row("whole step, median (ms)", lambda x: x["step_ms"]["median"], ".1f", r["whole_step"])
+    table.add_row("whole step, median of paired ratios", "", "", f"{r['whole_step_paired']:.3f}")
+    row("optimizer bytes sent per rank and step (MiB)", lambda x: x["optimizer_bytes_sent"] / 2**20, ".2f", r["optimizer_bytes_sent"])
+    row("Newton–Schulz GFLOP per rank and step (max)", lambda x: x["ns_flops"] / 1e9, ".2f", r["ns_flops_per_rank"])
+    table.add_row("all-to-all buckets", "-", str(e["vescale"]["buckets"]), "")
+    return table
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench.muon", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS), help="a preset (default tiny: Newton–Schulz runs in bfloat16, which is slow on CPUs without bf16 units)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per engine (interleaved)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before every rank is stopped")
+    parser.add_argument("--json", default="bench_muon.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    console = Console(width=max(Console().width, 110))  # the table's labels on one line
+    settings = BenchSettings(MODELS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
+    record: dict[str, Any] = {"settings": {**vars(args), "config": settings.config.to_dict()}, "runs": {}}
+    for world in args.world_sizes:
+        console.print(f"{args.model} on {world} gloo ranks: {args.warmup} warm-up + {args.steps} timed steps per engine")
+        try:
+            results = launch(settings, world, args.warmup, args.steps, args.timeout, lambda _: None)
+        except (RuntimeError, TimeoutError) as error:
+            console.print(f"[red]benchmark failed at W={world}, no ratios reported:[/red] {error}")
+            return 1
+        summary = summarize(results)
+        console.print(render_table(summary, world))
+        p = summary["parity"]
+        console.print(f"parity: final loss FSDP2 {p['loss']['fsdp2']:.6f} vs veScale {p['loss']['vescale']:.6f}; max |param diff| {p['max_param_diff']:.2e}")
+        record["runs"][str(world)] = {"environment": environment(world), "summary": summary, "ranks": results}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=2)
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
