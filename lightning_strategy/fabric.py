@@ -59,6 +59,7 @@ from .options import (
     check_device_mesh,
     check_state_dict_type,
 )
+from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
 from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
 
 __all__ = ["VeScaleFSDPFabricStrategy"]
@@ -69,8 +70,8 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
-    ``state_dict_type``, ``device_mesh``). Call the model's ``forward`` (``model(x)``): that is
-    where each unit gathers its parameters.
+    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``). Call the
+    model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
     """
 
     def __init__(
@@ -87,8 +88,10 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
     ) -> None:
         # Validate first: a bad configuration fails in Fabric(...), before any process starts.
+        self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
         self._sharding = ShardingOptions.from_arguments(
             auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
         )
@@ -196,6 +199,7 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
     # -- the model -----------------------------------------------------------------------
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        self._checkpoint_layers(module)
         return shard_for_training(
             module, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
         )
@@ -204,10 +208,17 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
         """Shard the model, then point the optimizers (built over the unsharded parameters) at the shards."""
+        self._checkpoint_layers(module)  # first: the wrappers are part of the parameters' names
         names = parameter_names(module)
         module = self.setup_module(module)
         rebind_optimizers(optimizers, names, module)
         return module, optimizers, scheduler
+
+    def _checkpoint_layers(self, module: nn.Module) -> None:
+        # Once per module: setup_module_and_optimizers calls setup_module after wrapping.
+        if self._layer_checkpointing is not None and not getattr(module, "_vescale_layers_checkpointed", False):
+            self._layer_checkpointing.apply(module)
+            module._vescale_layers_checkpointed = True
 
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # meta tensors are materialised on the device after sharding

@@ -43,6 +43,7 @@ from vescale_plugins.fully_shard import BlockSizeFn
 from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
+from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
 from .model_setup import gradient_sync_disabled, reshard_all, shard_for_training
 from .options import (
     DeviceMeshRequest,
@@ -79,6 +80,11 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``), or a
             2-D one ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard
             within, as Lightning's FSDPStrategy takes it); default: one 1-D mesh is built.
+        activation_checkpointing_policy: As Lightning's ``FSDPStrategy``: a set of layer classes
+            (types or class names), torch's ``ModuleWrapPolicy`` or an FSDP1-style predicate; those
+            modules are wrapped in torch's ``checkpoint_wrapper`` (activations recomputed in
+            backward) before sharding. Checkpointing inside the model (``torch.utils.checkpoint``,
+            Hugging Face's ``gradient_checkpointing_enable()``) needs no option.
         process_group_backend, timeout: as for Lightning's other distributed strategies.
     """
 
@@ -99,8 +105,11 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
     ) -> None:
         # Validate first: a bad configuration fails in Trainer(...), before any process starts.
+        self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
+        self._checkpointed_model: Optional[torch.nn.Module] = None
         self._sharding = ShardingOptions.from_arguments(
             auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
         )
@@ -235,6 +244,9 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        if self._layer_checkpointing is not None and self.model is not self._checkpointed_model:
+            self._layer_checkpointing.apply(self.model)
+            self._checkpointed_model = self.model  # set up again (fit, then test): wrapped already
         self.model = shard_for_training(
             self.model, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
         )

@@ -1,0 +1,121 @@
+"""Tiny Hugging Face models (random init from a small config, nothing downloaded) and their data.
+
+Shared by the scripts the ``test_hf_*`` tests launch (``hf_trainer_run.py``,
+``hf_lightning_run.py``) and by the tests, which reload what those runs saved. Each model is
+one of the families the issue names: Llama (decoder), GPT-2 (tied embedding, Conv1D),
+Mixtral (mixture of experts: routing differs per rank) and BERT (encoder, masked LM). Dropout
+is off everywhere so that DDP and FSDP runs can be compared to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import transformers
+
+VOCAB = 101
+SEQ = 16
+SAMPLES = 32  # enough for 2 optimizer steps x accumulation 2 x 2 per device x 2 ranks, twice over
+MASK_ID = 3  # BERT's [MASK] here: any id works for a randomly initialised model
+
+
+def _llama() -> transformers.PreTrainedModel:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> transformers.PreTrainedModel:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _mixtral() -> transformers.PreTrainedModel:
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _bert() -> transformers.PreTrainedModel:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+MODELS: dict[str, Callable[[], transformers.PreTrainedModel]] = {
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "mixtral": _mixtral,
+    "bert": _bert,
+}
+AUTO_CLASSES = {
+    "llama": transformers.AutoModelForCausalLM,
+    "gpt2": transformers.AutoModelForCausalLM,
+    "mixtral": transformers.AutoModelForCausalLM,
+    "bert": transformers.AutoModelForMaskedLM,
+}
+
+
+def make_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """The same random weights on every rank and in every run."""
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def examples(name: str) -> list[dict[str, torch.Tensor]]:
+    """``SAMPLES`` training examples; causal LMs predict every token, BERT a masked quarter of them."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(5, VOCAB, (SAMPLES, SEQ), generator=g)
+    if name != "bert":
+        return [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    masked = torch.rand(SAMPLES, SEQ, generator=g) < 0.25
+    masked[:, 0] = True  # every example has at least one label
+    inputs = torch.where(masked, torch.full_like(tokens, MASK_ID), tokens)
+    labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
+    return [{"input_ids": i, "labels": l} for i, l in zip(inputs, labels)]
+
+
+def probe_input() -> torch.Tensor:
+    """A fixed batch whose logits compare the trained model, its saved copy and DDP's."""
+    return torch.randint(5, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def full_parameters(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every parameter as a full fp32 CPU tensor, named as in the bare model (a collective for
+    sharded parameters: call on every rank). ``prefix``: the bare model's name in ``model``."""
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        # Activation-checkpoint wrappers insert a module level into the name (not into state dicts).
+        out[name.replace("_checkpoint_wrapped_module.", "").removeprefix(prefix)] = t.detach().float().cpu().clone()
+    return out
+
+
+def count_expert_tokens(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
+    """Count, from now on, the tokens each Mixtral layer routes to each expert; call the result to read them.
+
+    Evidence that routing is data dependent: ranks with different batches route differently.
+    """
+    counts: list[torch.Tensor] = []
+    routers = [m for m in model.modules() if type(m).__name__ == "MixtralTopKRouter"]
+    for layer, router in enumerate(routers):
+        counts.append(torch.zeros(router.num_experts, dtype=torch.long))
+
+        def hook(module, args, output, layer=layer):
+            top_k_index = output[-1]  # (router_logits, top_k_weights, top_k_index)
+            counts[layer] += torch.bincount(top_k_index.flatten().cpu(), minlength=counts[layer].numel())
+
+        router.register_forward_hook(hook)
+    assert routers, "no Mixtral router found"
+    return lambda: torch.stack(counts)

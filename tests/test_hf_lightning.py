@@ -1,0 +1,91 @@
+"""Hugging Face models through Lightning's Trainer with ``strategy="vescale_fsdp"``, against DDP.
+
+One real launch (``torchrun``, W=2 CPU processes) runs ``hf_lightning_run.py``: a plain
+LightningModule around tiny Llama, GPT-2 (tied embedding, Conv1D), Mixtral (mixture of
+experts) and BERT (masked LM), trained with gradient accumulation 2 and clipping by Lightning's
+``ddp`` strategy and by ``vescale_fsdp``: plainly, with the model's own gradient checkpointing
+(``gradient_checkpointing_enable()``), and (Llama, GPT-2) with the strategy's
+``activation_checkpointing_policy``. Every veScale run must reproduce DDP's per-micro-batch
+losses, parameters and logits to fp32 tolerance; every rank must end with the same parameters;
+the full state dict saved with ``save_pretrained`` must load with ``from_pretrained`` in this
+process and give the same logits; GPT-2's embedding must stay tied. About 2 minutes on 2 quiet cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# The launches run inside the first test's fixture setup; on a busy 2-core machine they take minutes.
+pytestmark = pytest.mark.timeout(600)
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+from hf_models import AUTO_CLASSES, MODELS, full_parameters, make_model, probe_input  # noqa: E402
+from launched import launch  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 540
+VESCALE_RUNS = [f"{m}:vescale_fsdp:{v}" for m in MODELS for v in ("plain", "hf_ac")] + [
+    "llama:vescale_fsdp:policy_ac",
+    "gpt2:vescale_fsdp:policy_ac",
+]
+DDP_RUNS = [f"{m}:ddp:plain" for m in MODELS]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("hf_lightning")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launch([*torchrun, "tests/hf_lightning_run.py", "--out", str(out), "--runs", ",".join(DDP_RUNS + VESCALE_RUNS)], timeout_s=LAUNCH_TIMEOUT_S)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("run", VESCALE_RUNS)
+def test_lightning_vescale_matches_ddp(launched, run):
+    name, _, variant = run.split(":")
+    results = launched[1]
+    for rank in range(2):
+        got, want = results[rank][run], results[rank][f"{name}:ddp:plain"]
+        assert got["engine"] == "VeScaleFSDPStrategy" and want["engine"] == "DDPStrategy"
+        assert got["hf_checkpointing"] == (variant == "hf_ac")
+        assert (got["checkpoint_wrappers"] > 0) == (variant == "policy_ac")
+        assert len(got["losses"]) == 4
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}")
+        assert got["params"].keys() == want["params"].keys()
+        for key, value in want["params"].items():
+            torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
+        torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
+    assert results[0][run]["losses"] != results[1][run]["losses"]  # each rank saw its own batches
+    initial = full_parameters(make_model(name))
+    assert any(not torch.allclose(initial[k], v) for k, v in results[0][run]["params"].items())
+
+
+def test_every_rank_ends_with_the_same_parameters(launched):
+    results = launched[1]
+    for run in results[0]:
+        for key, value in results[0][run]["params"].items():
+            assert torch.equal(results[1][run]["params"][key], value), f"{run} {key} differs between ranks"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_full_state_dict_loads_with_from_pretrained(launched, name):
+    out, results = launched
+    model = AUTO_CLASSES[name].from_pretrained(out / name / "saved")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_input()).logits
+    torch.testing.assert_close(logits, results[0][f"{name}:vescale_fsdp:plain"]["logits"])
+    trained = results[0][f"{name}:vescale_fsdp:plain"]["params"]
+    loaded = full_parameters(model)
+    assert loaded.keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    if name == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_gpt2_embedding_stays_tied_while_training(launched):
+    results = launched[1]
+    for run in ("gpt2:vescale_fsdp:plain", "gpt2:vescale_fsdp:hf_ac", "gpt2:vescale_fsdp:policy_ac"):
+        assert all(results[r][run]["tied"] for r in range(2)), run
