@@ -13,6 +13,7 @@ one), so importing this package changes nothing for anyone else:
 - ``AcceleratorState.__init__`` (wrapped): turns the ``MULTI_CPU`` state Accelerate picks on
   CPU into ``FSDP``, exactly as it does itself for GPUs, before ``Accelerator`` reads it; so
   gloo runs take the same code path as NCCL ones.
+- ``save_state`` / ``load_state`` (wrapped, see ``atomic_state``): commit atomically.
 - ``fsdp2_prepare_model`` (rebound by name where Accelerate imported it): shards with
   veScale-FSDP instead of ``torch.distributed.fsdp.fully_shard``.
 
@@ -40,6 +41,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 
+from . import atomic_state
 from .plugin import VeScaleFSDPPlugin
 from .prepare import prepare_model
 
@@ -67,6 +69,7 @@ def install() -> None:
     if getattr(Accelerator.__init__, "_vescale_hook", False):
         return
     Accelerator.__init__ = _accelerator_init
+    atomic_state.install()
     AcceleratorState.__init__ = _accelerator_state_init
     replacements: dict[str, Callable[..., Any]] = {
         "fsdp2_prepare_model": _fsdp2_prepare_model,
