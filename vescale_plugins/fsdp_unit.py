@@ -132,7 +132,8 @@ class FSDPUnit:
 
     def _placement(self, dbuffer: DBuffer, slot_index: int) -> RaggedShard:
         slot = dbuffer.slots[slot_index]
-        return RaggedShard((0,) if len(slot.shape) else (), slot.local_units)
+        # A zero-size parameter is one (empty) unit: dims=() (see DBuffer's zero-size slots).
+        return RaggedShard((0,) if len(slot.shape) and slot.numel else (), slot.local_units)
 
     def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:
         """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor."""

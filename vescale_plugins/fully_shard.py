@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from . import validation
 from .fsdp_unit import FSDPUnit, _iter_units
 
 __all__ = ["fully_shard", "VeScaleFSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -141,6 +142,7 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
             raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
         device_type = "cuda" if device.type == "cuda" else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    validation.check_mesh(mesh)
     if mesh.ndim != 1:
         raise NotImplementedError(
             f"fully_shard got a {mesh.ndim}-D mesh: hybrid sharding (replicate x shard) is not "
@@ -233,17 +235,25 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _validate(modules, reshard_after_forward, shard_placement_fn, offload_policy)
-    ignored = set(ignored_params or ())
-    params, shared = _collect_params(modules, ignored)
-    if shared:
-        raise ValueError(
-            "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
-            + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
-            "module that contains every user of them"
-        )
-    with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
-    device = next((p.device for _, _, p in params), torch.device("cpu"))
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
+    ignored = set(ignored_params or ())
+
+    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]]:
+        params, shared = _collect_params(modules, ignored)
+        validation.check_not_already_sharded(modules[0], [(fqn, p) for fqn, _, p in params])
+        if shared:
+            raise ValueError(
+                "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
+                + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
+                "module that contains every user of them"
+            )
+        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
+
+    # Ranks that plan differently (or fail on some ranks only) all raise here, before any collective.
+    with_blocks = validation.agree_on_plan(
+        plan, lambda entries: [(fqn, tuple(p.shape), str(p.dtype), rows) for fqn, _, p, rows in entries], mesh.get_group(0)
+    )
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     for m in modules:
