@@ -36,8 +36,9 @@ def test_lightning_example_trains_and_resumes_under_lightnings_launcher(tmp_path
     first = _run([sys.executable, script, "--max-steps", "4", "--output-dir", "out"], tmp_path)
     assert "finished at step 4" in first
     assert (tmp_path / "out" / "last.ckpt" / "meta.pt").is_file()  # a sharded checkpoint directory
-    resumed = _run([sys.executable, script, "--max-steps", "6", "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
-    assert "finished at step 6" in resumed
+    # As documented: without --max-steps a resumed run trains 20 steps more.
+    resumed = _run([sys.executable, script, "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
+    assert "finished at step 24" in resumed
 
 
 def test_fabric_example_trains_under_torchrun(tmp_path):
@@ -45,3 +46,5 @@ def test_fabric_example_trains_under_torchrun(tmp_path):
     output = _run([*torchrun, str(REPO / "examples" / "fabric_train.py"), "--steps", "3", "--checkpoint", "ckpt"], tmp_path)
     assert "step 3: loss" in output
     assert (tmp_path / "ckpt" / ".metadata").is_file()
+    resumed = _run([*torchrun, str(REPO / "examples" / "fabric_train.py"), "--steps", "2", "--checkpoint", "ckpt", "--resume"], tmp_path)
+    assert "step 4: loss" in resumed and "step 5: loss" in resumed and "step 3: loss" not in resumed
