@@ -107,7 +107,14 @@ def checkpoint_step(path: str) -> int:
     return int(torch.load(file, map_location="cpu", weights_only=False)["global_step"])
 
 
-def parse_args() -> argparse.Namespace:
+def last_step(args: argparse.Namespace) -> int:
+    """``--max-steps``, else DEFAULT_STEPS more than the resumed checkpoint's (a resume must train)."""
+    if args.max_steps is not None:
+        return args.max_steps
+    return DEFAULT_STEPS + (checkpoint_step(args.resume) if args.resume else 0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
@@ -117,13 +124,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-batch")
     parser.add_argument("--output-dir", default="lightning_train_output")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
-    if args.max_steps is None:
-        args.max_steps = DEFAULT_STEPS + (checkpoint_step(args.resume) if args.resume else 0)
+    args.max_steps = last_step(args)
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy="vescale_fsdp",

@@ -77,6 +77,9 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             tensors that a plain, unsharded model loads.
         device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``);
             default: one is built. Hybrid sharding (2-D meshes) is not supported.
+        find_unused_parameters: As DDP's: ``True`` for data-dependent routing (mixture-of-experts
+            layers, conditional branches), where a parameter gets a gradient on some ranks only
+            (``set_find_unused_parameters`` on the root; one small all-reduce per backward).
         process_group_backend, timeout: as for Lightning's other distributed strategies.
     """
 
@@ -97,10 +100,11 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         block_size_fn: Optional[BlockSizeFn] = None,
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
+        find_unused_parameters: bool = False,
     ) -> None:
         # Validate first: a bad configuration fails in Trainer(...), before any process starts.
         self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)
@@ -187,8 +191,10 @@ class VeScaleFSDPStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Also when processes are created externally (every rank but 0 under Lightning's own
+        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
+        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

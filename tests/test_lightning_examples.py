@@ -36,9 +36,17 @@ def test_lightning_example_trains_and_resumes_under_lightnings_launcher(tmp_path
     first = _run([sys.executable, script, "--max-steps", "4", "--output-dir", "out"], tmp_path)
     assert "finished at step 4" in first
     assert (tmp_path / "out" / "last.ckpt" / "meta.pt").is_file()  # a sharded checkpoint directory
-    # As documented: without --max-steps a resumed run trains 20 steps more.
-    resumed = _run([sys.executable, script, "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
-    assert "finished at step 24" in resumed
+    resumed = _run([sys.executable, script, "--max-steps", "6", "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
+    assert "finished at step 6" in resumed
+    # As documented, a resume without --max-steps trains DEFAULT_STEPS more (not none at all).
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import lightning_train
+    finally:
+        sys.path.pop(0)
+    checkpoint = str(tmp_path / "out" / "last.ckpt")
+    assert lightning_train.last_step(lightning_train.parse_args(["--resume", checkpoint])) == 6 + lightning_train.DEFAULT_STEPS
+    assert lightning_train.last_step(lightning_train.parse_args([])) == lightning_train.DEFAULT_STEPS
 
 
 def test_fabric_example_trains_under_torchrun(tmp_path):

@@ -68,7 +68,7 @@ def _zero_size_parameters_match_fsdp2_and_unsharded():
     _assert_same(_train(fully_shard, use_empty=True), _train(None, use_empty=True))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero_size_parameters_train_like_fsdp2(dist_run, world):
     dist_run(_zero_size_parameters_match_fsdp2_and_unsharded, world)
@@ -112,7 +112,7 @@ def _rank_dependent_block_size_fn():
     model(torch.ones(1, 4)).sum().backward()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "body", [_child_after_parent, _process_group_as_mesh, _mesh_without_this_rank, _rank_dependent_block_size_fn]
 )
