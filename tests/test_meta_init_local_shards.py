@@ -38,7 +38,7 @@ def test_a_piecewise_draw_equals_the_slice_of_one_full_draw(monkeypatch, op, arg
 
 
 def _meta_init_without_full_copies(piece):
-    bridge._RANDOM_PIECE = piece
+    default_piece, bridge._RANDOM_PIECE = bridge._RANDOM_PIECE, piece
     eager = make_decoder(seed=7)
     with torch.device("meta"):
         model = make_decoder()
@@ -57,7 +57,7 @@ def _meta_init_without_full_copies(piece):
         torch.manual_seed(7)
         model.reset_parameters()
     finally:
-        torch.empty, bridge._RANDOM_PIECE = original_empty, 1 << 20
+        torch.empty, bridge._RANDOM_PIECE = original_empty, default_piece
     assert_matches(model, eager, "param", tol=dict(rtol=0, atol=0))
     largest = max(p.numel() for p in eager.parameters())
     assert largest > 4 * piece and max(allocated) <= 2 * piece, (largest, max(allocated))

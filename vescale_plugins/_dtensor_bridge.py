@@ -576,8 +576,8 @@ _RANDOM_INPLACE = (
 # _draw_local_part_of_full): uniform_ takes one draw per element; normal_ fills 16 elements
 # from 16 uniforms, and recomputes the last 16 of a tensor whose size is not a multiple of 16.
 _PIECEWISE_ON_CPU = (aten.uniform_.default, aten.normal_.default)
-# Elements per piece (a multiple of 16); the temporary is at most twice this.
-_RANDOM_PIECE = 1 << 20
+# Elements per piece (a multiple of 16); the temporary is at most twice this (512 KiB in fp32).
+_RANDOM_PIECE = 1 << 16
 
 
 def _random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
