@@ -13,6 +13,8 @@ one), so importing this package changes nothing for anyone else:
 - ``AcceleratorState.__init__`` (wrapped): turns the ``MULTI_CPU`` state Accelerate picks on
   CPU into ``FSDP``, exactly as it does itself for GPUs, before ``Accelerator`` reads it; so
   gloo runs take the same code path as NCCL ones.
+- ``save_state`` / ``load_state`` (wrapped, see ``atomic_state``): commit atomically.
+- ``transformers.Trainer.save_model`` (wrapped, see ``trainer_save``): warns where it writes nothing.
 - ``fsdp2_prepare_model`` (rebound by name where Accelerate imported it): shards with
   veScale-FSDP instead of ``torch.distributed.fsdp.fully_shard``.
 
@@ -40,6 +42,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 
+from . import atomic_state, trainer_save
 from .plugin import VeScaleFSDPPlugin
 from .prepare import prepare_model
 
@@ -67,6 +70,8 @@ def install() -> None:
     if getattr(Accelerator.__init__, "_vescale_hook", False):
         return
     Accelerator.__init__ = _accelerator_init
+    atomic_state.install()
+    trainer_save.install()
     AcceleratorState.__init__ = _accelerator_state_init
     replacements: dict[str, Callable[..., Any]] = {
         "fsdp2_prepare_model": _fsdp2_prepare_model,
@@ -93,6 +98,7 @@ def _accelerator_init(self: Accelerator, *args: Any, **kwargs: Any) -> None:
         return
     plugin.check_accelerator_options(_mixed_precision(bound.arguments), _parallelism_config(bound.arguments))
     bound.arguments["fsdp_plugin"] = plugin
+    trainer_save.install()  # transformers.Trainer builds its Accelerator after importing itself
     if not has_collective_device():
         # Under torchrun (accelerate launch with an FSDP config) Accelerate only looks for
         # accelerators; without one it would silently fall back to a single process.

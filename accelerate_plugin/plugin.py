@@ -2,7 +2,8 @@
 
 Every field inherited from :class:`accelerate.FullyShardedDataParallelPlugin` keeps its FSDP2
 meaning and its ``FSDP_*`` environment variable (so an ``accelerate launch`` FSDP2 config
-fills it exactly as it fills the stock plugin). veScale adds one field, ``block_size_fn``.
+fills it exactly as it fills the stock plugin). veScale adds two fields, ``block_size_fn`` and
+``find_unused_parameters``.
 Options veScale-FSDP does not implement are refused here, when the plugin is built, so a bad
 configuration fails before any process group or collective exists.
 """
@@ -16,15 +17,17 @@ from typing import Any, Callable
 
 import torch.nn as nn
 from accelerate import FullyShardedDataParallelPlugin
+from accelerate.utils import str_to_bool
 from accelerate.utils.dataclasses import get_module_class_from_name
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-__all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "SUPPORTED_MIXED_PRECISION"]
+__all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "FIND_UNUSED_PARAMETERS_ENV", "SUPPORTED_MIXED_PRECISION"]
 
 BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
 
 # ``FSDP_*`` is Accelerate's prefix for plugin fields; ours follows it so configs read alike.
 BLOCK_SIZE_FN_ENV = "FSDP_VESCALE_BLOCK_SIZE_FN"
+FIND_UNUSED_PARAMETERS_ENV = "FSDP_VESCALE_FIND_UNUSED_PARAMETERS"
 SUPPORTED_MIXED_PRECISION = ("no", "fp16", "bf16")
 
 
@@ -43,11 +46,23 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
     together on one rank (e.g. a block-wise quantiser's block), or ``None`` for one row. It may
     be a callable or a ``"package.module:function"`` string; the ``FSDP_VESCALE_BLOCK_SIZE_FN``
     environment variable supplies the string when the field is left unset.
+
+    ``find_unused_parameters`` is DDP's switch for data-dependent routing (mixture-of-experts
+    layers, conditional branches), accepted so configs written for DDP keep working: veScale-FSDP
+    handles a parameter that gets a gradient on some ranks only whatever its value. Left
+    ``None`` it comes from ``FSDP_VESCALE_FIND_UNUSED_PARAMETERS`` (true/false), else from the
+    Accelerator's ``DistributedDataParallelKwargs`` (what ``transformers.Trainer`` fills from
+    ``ddp_find_unused_parameters``).
     """
 
     block_size_fn: BlockSizeFn | str | None = field(
         default=None,
         metadata={"help": "veScale: rows per block that must not straddle two ranks, as a callable (name, param) -> int | None or 'module:function'."},
+    )
+
+    find_unused_parameters: bool | None = field(
+        default=None,
+        metadata={"help": "DDP's find_unused_parameters, accepted for compatibility: veScale-FSDP always handles parameters that get gradients on some ranks only (MoE routing)."},
     )
 
     def __post_init__(self) -> None:
@@ -68,6 +83,10 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
             self.block_size_fn = os.environ.get(BLOCK_SIZE_FN_ENV) or None
         if isinstance(self.block_size_fn, str):
             self.block_size_fn = _import_callable(self.block_size_fn)
+        if self.find_unused_parameters is None and os.environ.get(FIND_UNUSED_PARAMETERS_ENV):
+            self.find_unused_parameters = str_to_bool(os.environ[FIND_UNUSED_PARAMETERS_ENV]) == 1
+        if self.find_unused_parameters is not None and not isinstance(self.find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be True, False or None, got {self.find_unused_parameters!r}")
         if self.block_size_fn is not None and not callable(self.block_size_fn):
             raise TypeError(f"block_size_fn must be a callable (name, param) -> int | None, got {self.block_size_fn!r}")
 
@@ -77,6 +96,12 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
         if isinstance(plugin, cls):
             return plugin
         return cls(**{f.name: getattr(plugin, f.name) for f in fields(FullyShardedDataParallelPlugin)})
+
+    def resolve_find_unused_parameters(self, ddp_handler: Any) -> bool:
+        """This field; unset, the Accelerator's ``DistributedDataParallelKwargs`` (or off)."""
+        if self.find_unused_parameters is not None:
+            return self.find_unused_parameters
+        return bool(getattr(ddp_handler, "find_unused_parameters", False))
 
     def set_auto_wrap_policy(self, model: nn.Module) -> None:
         """Accelerate's policy resolution, after checking every named layer class exists in ``model``."""

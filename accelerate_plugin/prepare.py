@@ -17,6 +17,7 @@ from accelerate.utils.other import get_module_children_bottom_up
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from vescale_plugins.summary import sharding_summary
 from vescale_plugins.wrap import shard_model
 
 from .full_state import load_model_from_rank0
@@ -49,6 +50,9 @@ def prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     )
     if rank0_state is not None:
         load_model_from_rank0(model, rank0_state)
+    if plugin.resolve_find_unused_parameters(accelerator.ddp_handler):
+        model.set_find_unused_parameters(True)
+    accelerator.print(sharding_summary(model))
     return model
 
 

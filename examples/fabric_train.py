@@ -3,6 +3,7 @@
     python examples/fabric_train.py                                   # 2 CPU processes, Fabric's launcher
     torchrun --standalone --nproc-per-node 2 examples/fabric_train.py # or any launcher
     python examples/fabric_train.py --accelerator gpu --devices 8 --precision bf16-mixed
+    python examples/fabric_train.py --resume                          # 10 more steps from the checkpoint
 
 The loop is Fabric's FSDP recipe: the model is built on the meta device (each rank then
 allocates only its shards), set up before its optimizer, trained with gradient accumulation
@@ -28,7 +29,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (after --resume: this many more)")
     parser.add_argument("--accumulation", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-batch")
     parser.add_argument("--checkpoint", default="fabric_train_output/checkpoint")
@@ -51,8 +52,9 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if args.resume:
         fabric.load(args.checkpoint, state)
+    last_step = state["step"] + args.steps
     batches = iter(loader)
-    while state["step"] < args.steps:
+    while state["step"] < last_step:
         for micro in range(args.accumulation):
             tokens, targets = next(batches)
             with fabric.no_backward_sync(model, enabled=micro < args.accumulation - 1):

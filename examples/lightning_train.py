@@ -2,7 +2,7 @@
 
     python examples/lightning_train.py                                # 2 CPU processes, Lightning's launcher
     python examples/lightning_train.py --accelerator gpu --devices 8 --precision bf16-mixed
-    python examples/lightning_train.py --resume lightning_train_output/last.ckpt
+    python examples/lightning_train.py --resume lightning_train_output/last.ckpt  # 20 more steps
 
 The LightningModule is plain: no sharding code. The only veScale-specific lines are
 ``import lightning_strategy`` (it registers the strategy name) and ``strategy="vescale_fsdp"``
@@ -14,6 +14,7 @@ directories (any world size can resume them). At the end rank 0 prints the losse
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -97,21 +98,38 @@ def counting_sequences(count: int, length: int = 17, vocab: int = 97, seed: int 
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
-def parse_args() -> argparse.Namespace:
+DEFAULT_STEPS = 20
+
+
+def checkpoint_step(path: str) -> int:
+    """The global step a checkpoint was saved at (a sharded directory keeps it in meta.pt)."""
+    file = Path(path, "meta.pt") if Path(path).is_dir() else Path(path)
+    return int(torch.load(file, map_location="cpu", weights_only=False)["global_step"])
+
+
+def last_step(args: argparse.Namespace) -> int:
+    """``--max-steps``, else DEFAULT_STEPS more than the resumed checkpoint's (a resume must train)."""
+    if args.max_steps is not None:
+        return args.max_steps
+    return DEFAULT_STEPS + (checkpoint_step(args.resume) if args.resume else 0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
-    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=None, help=f"stop at this global step (default: {DEFAULT_STEPS}, or {DEFAULT_STEPS} more than --resume's checkpoint)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-batch")
     parser.add_argument("--output-dir", default="lightning_train_output")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    args.max_steps = last_step(args)
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy="vescale_fsdp",

@@ -13,7 +13,6 @@ Two formats, as with Lightning's FSDP strategies:
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from vescale_plugins.checkpoint import OPTIMIZER_KEY, load_sharded, save_sharded
+from vescale_plugins.checkpoint import OPTIMIZER_KEY, load_sharded, write_sharded
+from vescale_plugins.checkpoint_commit import commit_file, committed_directory, resolve_committed
 
 __all__ = [
     "METADATA_FILENAME",
@@ -43,7 +43,17 @@ _DCP_INDEX = ".metadata"
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / _DCP_INDEX).is_file()
+    """A DCP directory, or (its save interrupted between two renames) a name whose committed
+    sibling :func:`resolve_committed` recovers."""
+    if path.is_dir():
+        return (path / _DCP_INDEX).is_file()
+    if path.exists():
+        return False
+    try:
+        resolve_committed(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -89,18 +99,16 @@ def save_sharded_checkpoint(
     is_global_zero: bool,
     broadcast: Broadcast,
 ) -> None:
-    """Write ``module``'s and ``optimizer``'s shards and ``metadata`` to the directory ``path`` (all ranks)."""
+    """Write ``module``'s and ``optimizer``'s shards and ``metadata`` to the directory ``path`` (all ranks).
 
-    def make_directory() -> None:
-        if path.is_file():  # a full checkpoint saved under the same name before
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-
-    run_on_rank_zero(make_directory, is_global_zero=is_global_zero, broadcast=broadcast)
-    save_sharded(path, module, optimizer)
-    run_on_rank_zero(
-        lambda: torch.save(metadata, path / METADATA_FILENAME), is_global_zero=is_global_zero, broadcast=broadcast
-    )
+    Committed atomically: a previous checkpoint at ``path`` (directory or full file) stays
+    until every rank has written everything.
+    """
+    with committed_directory(path) as staging:
+        write_sharded(staging, module, optimizer)
+        run_on_rank_zero(
+            lambda: torch.save(metadata, staging / METADATA_FILENAME), is_global_zero=is_global_zero, broadcast=broadcast
+        )
 
 
 def save_full_checkpoint(
@@ -111,15 +119,16 @@ def save_full_checkpoint(
     broadcast: Broadcast,
     write: Callable[[dict[str, Any], Path], None] = torch.save,
 ) -> None:
-    """Rank 0 writes ``checkpoint`` (full tensors) to the file ``path``, replacing a sharded checkpoint there."""
+    """Rank 0 writes ``checkpoint`` (full tensors) to the file ``path``, replacing a sharded checkpoint there.
+
+    The file is written under a temporary name and renamed into place, so a previous
+    checkpoint survives a crash during the write.
+    """
 
     def write_file() -> None:
-        if path.is_dir():
-            if not is_sharded_checkpoint(path):
-                raise IsADirectoryError(f"cannot write a full checkpoint file to {path}: it is a directory")
-            shutil.rmtree(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(checkpoint, path)
+        if path.is_dir() and not is_sharded_checkpoint(path):
+            raise IsADirectoryError(f"cannot write a full checkpoint file to {path}: it is a directory")
+        commit_file(path, lambda temporary: write(checkpoint, temporary))
 
     run_on_rank_zero(write_file, is_global_zero=is_global_zero, broadcast=broadcast)
 
@@ -128,6 +137,7 @@ def load_sharded_checkpoint(
     path: Path, module: nn.Module, optimizer: Optional[Optimizer], weights_only: Optional[bool] = None
 ) -> dict[str, Any]:
     """Load shards into ``module`` (and ``optimizer`` if the checkpoint has its state); return the metadata."""
+    path = resolve_committed(path)
     if optimizer is not None and not _has_optimizer_state(path):
         optimizer = None  # a weights-only checkpoint: the optimizer starts fresh, as with Lightning's FSDP
     load_sharded(path, module, optimizer)

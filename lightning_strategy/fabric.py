@@ -70,8 +70,9 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
-    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``). Call the
-    model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
+    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
+    ``find_unused_parameters``). Call the model's ``forward`` (``model(x)``): that is where
+    each unit gathers its parameters.
     """
 
     def __init__(
@@ -89,11 +90,12 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        find_unused_parameters: bool = False,
     ) -> None:
         # Validate first: a bad configuration fails in Fabric(...), before any process starts.
         self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
         self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)
@@ -170,8 +172,10 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Also when processes are created externally (every rank but 0 under Lightning's own
+        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
+        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

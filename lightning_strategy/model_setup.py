@@ -16,9 +16,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins import VeScaleFSDPModule
+from vescale_plugins.summary import sharding_summary
 from vescale_plugins.wrap import is_sharded, shard_model
 
 from .options import ShardingOptions
@@ -66,7 +68,10 @@ def shard_for_training(
             mp_policy=mp_policy,
             block_size_fn=options.block_size_fn,
         )
+    if options.find_unused_parameters:  # DDP's switch: data-dependent routing (MoE, conditional branches)
+        module.set_find_unused_parameters(True)
     materialize(module, device)
+    rank_zero_info(sharding_summary(module))
     return module
 
 

@@ -60,6 +60,7 @@ class ShardingOptions:
     reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     block_size_fn: BlockSizeFn | None = None
+    find_unused_parameters: bool = False
 
     @classmethod
     def from_arguments(
@@ -68,6 +69,7 @@ class ShardingOptions:
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy | None,
         block_size_fn: BlockSizeFn | None,
+        find_unused_parameters: bool = False,
     ) -> "ShardingOptions":
         """Check a strategy's sharding arguments and normalise the wrap policy."""
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)) or (
@@ -86,8 +88,10 @@ class ShardingOptions:
             )
         if block_size_fn is not None and not callable(block_size_fn):
             raise TypeError(f"block_size_fn must be a function (name, param) -> rows or None, got {block_size_fn!r}")
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be True or False, got {find_unused_parameters!r}")
         unit_classes, unit_fn = _normalise_wrap_policy(auto_wrap_policy)
-        return cls(unit_classes, unit_fn, reshard_after_forward, mp_policy, block_size_fn)
+        return cls(unit_classes, unit_fn, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters)
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The modules to shard before the root; raises if the policy names no module of ``model``."""

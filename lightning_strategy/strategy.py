@@ -85,6 +85,9 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             modules are wrapped in torch's ``checkpoint_wrapper`` (activations recomputed in
             backward) before sharding. Checkpointing inside the model (``torch.utils.checkpoint``,
             Hugging Face's ``gradient_checkpointing_enable()``) needs no option.
+        find_unused_parameters: Accepted as DDP's, for code that passes it: veScale-FSDP always
+            handles data-dependent routing (a parameter that gets a gradient on some ranks only
+            gets the reduced gradient on every rank; see ``set_find_unused_parameters``).
         process_group_backend, timeout: as for Lightning's other distributed strategies.
     """
 
@@ -106,12 +109,13 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        find_unused_parameters: bool = False,
     ) -> None:
         # Validate first: a bad configuration fails in Trainer(...), before any process starts.
         self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
         self._checkpointed_model: Optional[torch.nn.Module] = None
         self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)
@@ -198,8 +202,10 @@ class VeScaleFSDPStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        # Also when processes are created externally (every rank but 0 under Lightning's own
+        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
+        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()

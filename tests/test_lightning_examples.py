@@ -38,6 +38,15 @@ def test_lightning_example_trains_and_resumes_under_lightnings_launcher(tmp_path
     assert (tmp_path / "out" / "last.ckpt" / "meta.pt").is_file()  # a sharded checkpoint directory
     resumed = _run([sys.executable, script, "--max-steps", "6", "--output-dir", "out", "--resume", "out/last.ckpt"], tmp_path)
     assert "finished at step 6" in resumed
+    # As documented, a resume without --max-steps trains DEFAULT_STEPS more (not none at all).
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import lightning_train
+    finally:
+        sys.path.pop(0)
+    checkpoint = str(tmp_path / "out" / "last.ckpt")
+    assert lightning_train.last_step(lightning_train.parse_args(["--resume", checkpoint])) == 6 + lightning_train.DEFAULT_STEPS
+    assert lightning_train.last_step(lightning_train.parse_args([])) == lightning_train.DEFAULT_STEPS
 
 
 def test_fabric_example_trains_under_torchrun(tmp_path):
@@ -45,3 +54,5 @@ def test_fabric_example_trains_under_torchrun(tmp_path):
     output = _run([*torchrun, str(REPO / "examples" / "fabric_train.py"), "--steps", "3", "--checkpoint", "ckpt"], tmp_path)
     assert "step 3: loss" in output
     assert (tmp_path / "ckpt" / ".metadata").is_file()
+    resumed = _run([*torchrun, str(REPO / "examples" / "fabric_train.py"), "--steps", "2", "--checkpoint", "ckpt", "--resume"], tmp_path)
+    assert "step 4: loss" in resumed and "step 5: loss" in resumed and "step 3: loss" not in resumed

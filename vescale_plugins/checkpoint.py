@@ -4,6 +4,9 @@ Thin wrappers over ``torch.distributed.checkpoint`` (DCP) and its ``state_dict``
 a sharded checkpoint is a DCP directory written with no gathering (each rank writes the
 boxes of its own ragged shards) and loads at any world size; a full checkpoint is one
 ``torch.save`` file written by rank 0 that a plain, unsharded model loads.
+
+Sharded saves commit atomically (see ``checkpoint_commit``): a save that dies part-way
+leaves the previous checkpoint loadable and is itself never loaded.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .checkpoint_commit import committed_directory, resolve_committed
+
 __all__ = [
     "save_sharded",
+    "write_sharded",
     "load_sharded",
     "full_model_state_dict",
     "full_optimizer_state_dict",
@@ -36,20 +42,32 @@ MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
 
 def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
-    """Write a DCP directory: the model's (and optimizer's) shards plus ``extra`` picklable state."""
+    """Write a DCP directory: the model's (and optimizer's) shards plus ``extra`` picklable state.
+
+    Collective. Committed atomically: a previous checkpoint at ``path`` is replaced only once
+    every rank has written everything.
+    """
+    with committed_directory(path) as staging:
+        write_sharded(staging, model, optimizer, extra)
+
+
+def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+    """The DCP files of :func:`save_sharded`, written in place into ``directory`` (no commit)."""
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
     state.update(extra or {})
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(directory))
 
 
 def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load a DCP directory into ``model`` (and ``optimizer``), at any world size.
 
     ``extra`` gives the other entries to read (their current values are the templates);
-    the loaded ``extra`` is returned.
+    the loaded ``extra`` is returned. Only a committed directory loads (see
+    :func:`~vescale_plugins.checkpoint_commit.resolve_committed`).
     """
+    path = resolve_committed(path)
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)

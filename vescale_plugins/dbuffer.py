@@ -29,6 +29,7 @@ from . import record as run_record
 from ._dtensor_bridge import set_version_counter
 from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
+from .ragged_layout import ragged_layout
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
 __all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
@@ -241,7 +242,8 @@ class DBuffer:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         numels = [max(1, math.prod(s)) for s in shapes]
-        blocks = [rows * _row_numel(s) if len(s) else 1 for s, rows in zip(shapes, block_rows)]
+        # A zero-size parameter (FSDP2 accepts them) is planned as one element that holds nothing.
+        blocks = [rows * _row_numel(s) if len(s) and math.prod(s) else 1 for s, rows in zip(shapes, block_rows)]
         # A given layout is kept (a rebuild after module.to() must not move any shard).
         self.layout: Layout = layout or plan_layout(numels, blocks, self.world_size, alignment=max(1, _ALIGNMENT_BYTES // itemsize))
         self.shard_size = self.layout.shard_size
@@ -271,6 +273,8 @@ class DBuffer:
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
+        if math.prod(shape) == 0:
+            length = 0
         return BufferSlot(
             global_offset=self.layout.offsets[index],
             numel=math.prod(shape),
@@ -305,6 +309,8 @@ class DBuffer:
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
+        if slot.numel == 0:  # the whole (empty) tensor is one unit: see RaggedShard(dims=())
+            return flat[:0].view(ragged_layout(slot.shape, (), slot.local_units).slices[self.rank].local_shape)
         return flat[slot.local_offset : slot.local_offset + slot.local_length].view(_local_shape(slot.shape, slot.local_length))
 
     def unsharded_view(self, index: int) -> torch.Tensor:

@@ -143,7 +143,8 @@ class FSDPUnit:
 
     def _placements(self, dbuffer: DBuffer, slot_index: int) -> list[Placement]:
         slot = dbuffer.slots[slot_index]
-        ragged = RaggedShard((0,) if len(slot.shape) else (), slot.local_units)
+        # A zero-size parameter is one (empty) unit: dims=() (see DBuffer's zero-size slots).
+        ragged = RaggedShard((0,) if len(slot.shape) and slot.numel else (), slot.local_units)
         return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
 
     def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import validation
 from .fsdp_unit import FSDPUnit, _iter_units
 
 __all__ = ["fully_shard", "VeScaleFSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -168,6 +169,7 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
             raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
         device_type = "cuda" if device.type == "cuda" else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    validation.check_mesh(mesh)
     if mesh.ndim > 2:
         raise NotImplementedError(
             f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
@@ -281,26 +283,34 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _validate(modules, reshard_after_forward, offload_policy, dp_mesh_dims)
-    ignored = set(ignored_params or ())
-    params, shared = _collect_params(modules, ignored)
-    _check_plain_tensors(params)
-    if shard_placement_fn is not None:
-        _check_shard_placements(params, shard_placement_fn)
-    if shared:
-        raise ValueError(
-            "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
-            + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
-            "module that contains every user of them"
-        )
-    _refuse_parameters_of_sibling_units(modules, params)
-    with_blocks = [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
-    device = next((p.device for _, _, p in params), torch.device("cpu"))
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
     mesh = _resolve_mesh(mesh, device)
+    ignored = set(ignored_params or ())
+
+    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]]:
+        params, shared = _collect_params(modules, ignored)
+        validation.check_not_already_sharded(modules[0], [(fqn, p) for fqn, _, p in params])
+        _check_plain_tensors(params)
+        if shard_placement_fn is not None:
+            _check_shard_placements(params, shard_placement_fn)
+        if shared:
+            raise ValueError(
+                "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
+                + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
+                "module that contains every user of them"
+            )
+        _refuse_parameters_of_sibling_units(modules, params)
+        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
+
+    # Ranks that plan differently (or fail on some ranks only) all raise here, before any collective.
+    with_blocks = validation.agree_on_plan(
+        plan, lambda entries: [(fqn, tuple(p.shape), str(p.dtype), rows) for fqn, _, p, rows in entries], mesh.get_group(mesh.ndim - 1)
+    )
     reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     where = " + ".join(type(m).__name__ for m in modules)
-    for fqn, _, param in params:
+    for fqn, _, param, _ in with_blocks:
         _SHARDED_BY_ANOTHER_CALL[param] = f"{fqn!r} of the {where} unit"
     for m in modules:
         m._vescale_fsdp_unit = unit

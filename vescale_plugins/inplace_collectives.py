@@ -24,7 +24,8 @@ time (a prefetched all-gather beside a reduce-scatter) cannot take each other's 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import weakref
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ __all__ = ["all_gather_into", "reduce_scatter_into", "uses_point_to_point", "POI
 # local write and sums), as what gloo or NCCL do inside theirs.
 POINT_TO_POINT_SCOPE = "vescale_p2p::"
 
+T = TypeVar("T")
+
 # Tags of the point-to-point messages, one per collective kind.
 _ALL_GATHER_TAG = 0x5647
 _REDUCE_SCATTER_TAG = 0x5653
@@ -48,7 +51,29 @@ def uses_point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     return device.type == "cpu" and _cpu_backend_is_gloo(group)
 
 
-@functools.lru_cache(maxsize=None)
+def _per_group(compute: Callable[[dist.ProcessGroup], T]) -> Callable[[dist.ProcessGroup], T]:
+    """Cache ``compute(group)`` once per group, holding the group weakly.
+
+    A strong cache (``functools.lru_cache``) kept every group, its gloo worker threads and
+    its transport alive after ``destroy_process_group``, until interpreter teardown destroyed
+    them in no particular order (an exit-time abort, ``terminate called without an active
+    exception``, in some runs).
+    """
+    cache: weakref.WeakKeyDictionary[dist.ProcessGroup, T] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(compute)
+    def cached(group: dist.ProcessGroup) -> T:
+        try:
+            return cache[group]
+        except KeyError:
+            value = cache[group] = compute(group)
+            return value
+
+    cached.cache = cache  # type: ignore[attr-defined]
+    return cached
+
+
+@_per_group
 def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
     # Looked up once per group: every collective of every unit asks.
     if dist.get_world_size(group) == 1:
@@ -75,7 +100,7 @@ class PointToPointWork:
         return True
 
 
-@functools.lru_cache(maxsize=None)
+@_per_group
 def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     """This rank's index in the group and ``(group index, global rank)`` of every other rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -7,6 +7,8 @@ CUDA is available (NCCL, one rank per GPU). Prints a table, writes JSON and a PN
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from typing import Sequence
 
@@ -18,22 +20,50 @@ from .report import environment, parity_line, render_table, summarize, write_jso
 from .runner import launch, settings_dict
 
 
+def _count(minimum: int):
+    """An argparse type: an int of at least ``minimum``, refused with a clear message otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small: it must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def _model_name(name: str) -> str:
+    """A preset or a local config directory, checked offline (a typo must not wait on the network)."""
+    if name in PRESETS or os.path.isdir(name):
+        return name
+    if "/" not in name:  # not a Hugging Face hub id either
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is neither a preset ({', '.join(PRESETS)}){hint} nor a directory with a Hugging Face config.json"
+        )
+    return name
+
+
 def _bool_or_none(text: str) -> bool | None:
     return {"true": True, "false": False, "default": None}[text.lower()]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench", description=__doc__)
-    parser.add_argument("--model", default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
-    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs if CUDA, else 2)")
+    parser.add_argument("--model", type=_model_name, default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
+    parser.add_argument("--world-size", type=_count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
     parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32", help="bf16-mixed: bf16 params and all-gather, fp32 reduce")
     parser.add_argument("--reshard-after-forward", type=_bool_or_none, default=None, metavar="{true,false,default}")
-    parser.add_argument("--block-rows", type=int, default=None, help="veScale: keep blocks of this many rows whole on one rank")
+    parser.add_argument("--block-rows", type=_count(1), default=None, help="veScale: keep blocks of this many rows whole on one rank")
     parser.add_argument("--frontend", choices=FRONTENDS, default="plain", help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2, help="steps per engine before timing")
-    parser.add_argument("--steps", type=int, default=24, help="timed steps per engine (interleaved)")
+    parser.add_argument("--batch-size", type=_count(1), default=4)
+    parser.add_argument("--seq-len", type=_count(1), default=128)
+    parser.add_argument("--warmup", type=_count(0), default=2, help="steps per engine before timing")
+    parser.add_argument("--steps", type=_count(1), default=24, help="timed steps per engine (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", default="", metavar="PATH", help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before every rank is stopped")

@@ -278,7 +278,9 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
     the engine's collective path (FSDP2 labels them so). Not counted: casts, and what the
     backend does inside its own collective calls.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from .quiet_profiler import profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step(tokens, targets)

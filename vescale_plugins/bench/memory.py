@@ -57,7 +57,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
+
+from .quiet_profiler import profile
 
 __all__ = ["AllocationTracker", "RegionMemory", "BEFORE"]
 

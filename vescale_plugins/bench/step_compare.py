@@ -52,10 +52,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, record_function
 
 from vescale_plugins import fully_shard as vescale_fully_shard
 from vescale_plugins.bench.memory import AllocationTracker, RegionMemory
+from vescale_plugins.bench.quiet_profiler import profile
 from vescale_plugins.dbuffer import GRADIENT_RELEASE_REGION
 from vescale_plugins.inplace_collectives import POINT_TO_POINT_SCOPE
 
