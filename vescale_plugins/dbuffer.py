@@ -30,6 +30,7 @@ from ._dtensor_bridge import set_version_counter
 from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
 from .ragged_layout import ragged_layout
+from .storage_pool import StoragePool
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
 __all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
@@ -93,11 +94,17 @@ def _fp16_pre_divide_factor(factor: float) -> float:
 
 
 class _StorageToggle:
-    """A flat tensor whose storage can be released and re-grown in place (views survive)."""
+    """A flat tensor whose storage can be released and re-grown in place (views survive).
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    With a ``pool`` (CPU), released memory goes to the pool and an allocation takes a pooled
+    block of its ``kind`` and size when there is one (see ``storage_pool``).
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, kind: str) -> None:
         self.tensor = torch.empty(numel, dtype=dtype, device=device)
         self.nbytes = numel * self.tensor.element_size()
+        self.kind = kind
+        self.pool: StoragePool | None = None
         self.release()
 
     @property
@@ -106,13 +113,18 @@ class _StorageToggle:
 
     def allocate(self) -> torch.Tensor:
         storage = self.tensor.untyped_storage()
-        if storage.size() == 0:
+        if storage.size() == 0 and not (self.pool is not None and self.nbytes and self.pool.take(self.kind, storage, self.nbytes)):
             storage.resize_(self.nbytes)
         return self.tensor
 
     def release(self) -> None:
-        if self.tensor.device.type != "meta":
-            self.tensor.untyped_storage().resize_(0)
+        if self.tensor.device.type == "meta":
+            return
+        storage = self.tensor.untyped_storage()
+        if self.pool is not None and storage.size() > 0:
+            self.pool.put(self.kind, storage)
+        else:
+            storage.resize_(0)
 
 
 def _record_scope(name: str) -> Any:
@@ -250,7 +262,7 @@ class DBuffer:
         self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
 
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
-        self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device)
+        self._unsharded = _StorageToggle(self.layout.buffer_size, self.param_dtype, self.device, "unsharded_params")
         # Gradient shards carry one presence flag per parameter after their S elements: every
         # rank writes "I have a local gradient" into each rank's chunk, so the reduce-scatter
         # that already runs tells every rank which parameters got a gradient on some rank
@@ -259,7 +271,7 @@ class DBuffer:
         self.grad_shard_size = self.shard_size + len(self.slots)
         # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
-        self._unsharded_grad = _StorageToggle(self.world_size * self.grad_shard_size, self.reduce_dtype, self.device)
+        self._unsharded_grad = _StorageToggle(self.world_size * self.grad_shard_size, self.reduce_dtype, self.device, "unsharded_grads")
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
@@ -270,6 +282,11 @@ class DBuffer:
         self._post_forward_group: dist.ProcessGroup | None = None
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self.streams = comm_streams_for(self.device)
+
+    def use_storage_pool(self, pool: StoragePool | None) -> None:
+        """Release into / allocate from ``pool`` (the root's; CPU only), or stop (None)."""
+        pool = pool if pool is not None and pool.accepts(self.device) else None
+        self._unsharded.pool = self._unsharded_grad.pool = pool
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -412,7 +429,7 @@ class DBuffer:
         full = self._unsharded.tensor
         chunk = full.numel() // k
         if self._post_forward is None:
-            self._post_forward = _StorageToggle(chunk, self.param_dtype, self.device)
+            self._post_forward = _StorageToggle(chunk, self.param_dtype, self.device, "post_forward_params")
         record = run_record.ACTIVE
         if record is not None and not self._post_forward.allocated:
             record.buffer_allocated("unsharded_params", self._post_forward.nbytes)

@@ -28,6 +28,7 @@ from torch.distributed.utils import _apply_to_tensors
 from ._dtensor_bridge import make_dtensor, set_local_tensor
 from .dbuffer import DBuffer, GatherHandle, ReduceScatterHandle
 from .placement import RaggedShard
+from .storage_pool import StoragePool
 
 __all__ = ["FSDPUnit", "ManagedParam"]
 
@@ -102,6 +103,8 @@ class FSDPUnit:
         self._forward_order: list[FSDPUnit] = []
         self._previous_forward_order: list[FSDPUnit] = []
         self._reduces_in_flight: list[ReduceScatterHandle] = []
+        # (Root) released CPU buffers kept for the next gathers of every unit under it.
+        self._storage_pool = StoragePool()
         # (Root) parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self._reduced_without_local_grad: list[tuple[ManagedParam, FSDPUnit, torch.Tensor]] = []
@@ -178,6 +181,8 @@ class FSDPUnit:
                     layout=dbuffer.layout,
                 )
                 self.dbuffers[dbuffer_index].label = label
+                if self.root is not None:
+                    dbuffer.use_storage_pool(self.root._storage_pool)
             for m, old_local in zip(members, locals_):
                 view = dbuffer.sharded_view(m.slot_index)
                 if old_local.device.type != "meta":
@@ -351,6 +356,8 @@ class FSDPUnit:
         output = self._complete_forward(output)
         if self.root is self:
             output = self._complete_partial_forwards(output)
+            # The loss and the start of backward (usual peaks) hold no pooled memory.
+            self._storage_pool.clear()
         return self._cast_output(output)
 
     def _complete_forward(self, output: Any) -> Any:
@@ -394,6 +401,9 @@ class FSDPUnit:
             unit.root = self
             unit._check_materialized()
         self._root_units = [u for u in units if u.root is self]
+        for unit in self._root_units:
+            for dbuffer in unit.dbuffers:
+                dbuffer.use_storage_pool(self._storage_pool)
         for root_module in self.modules:
             for name, module in root_module.named_modules():
                 unit = getattr(module, "_vescale_fsdp_unit", None)

@@ -214,6 +214,10 @@ class RunRecord:
             return None
         from .bench.memory import AllocationTracker
 
+        # Pooled buffers were allocated before the tracker starts: free them, so every buffer
+        # memory the recorded steps use is allocated (and counted) inside the record.
+        for unit in self._units():
+            unit._storage_pool.clear()
         state = self.sharded_state_bytes()
         # Tensors made before the record opened are invisible to the tracker: count the sharded
         # parameters and optimizer state that existed then (gradients are remade each step).

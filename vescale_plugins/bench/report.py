@@ -31,8 +31,11 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
         per_step = [max(r["seconds"][name][i] for r in results) for i in range(len(results[0]["seconds"][name]))]
         q1, median, q3 = _quantiles(per_step)
         figures = {k: max(r["engines"][name][k] for r in results) for k in results[0]["engines"][name]}
+        # Minor page faults per step: the rank with most, median over steps.
+        faults = [max(r["page_faults"][name][i] for r in results) for i in range(len(per_step))] if "page_faults" in results[0] else []
         engines[name] = {
             "step_ms": {"median": median * 1e3, "q1": q1 * 1e3, "q3": q3 * 1e3, "samples": [s * 1e3 for s in per_step]},
+            "page_faults_per_step": statistics.median(faults) if faults else None,
             "tokens_per_s": tokens_per_step / median,
             **figures,
         }
@@ -95,7 +98,10 @@ def render_table(summary: dict[str, Any]) -> Any:
     table.add_row("step time, median of paired ratios", "", "", f"{r['step_time_paired']:.3f}")
     row("step time, IQR (ms)", lambda x: (x["step_ms"]["q1"], x["step_ms"]["q3"]), lambda v: f"{v[0]:.1f}-{v[1]:.1f}")
     row("tokens/s", lambda x: x["tokens_per_s"], lambda v: f"{v:,.0f}", 1 / r["step_time"])
+    row("minor page faults per step, median", lambda x: x["page_faults_per_step"], lambda v: "-" if v is None else f"{v:,.0f}")
     row("peak tensor memory (MiB)", lambda x: x["peak_bytes"], _mib, r["peak_memory"])
+    if "cuda_max_reserved_bytes" in e["vescale"]:
+        row("CUDA max reserved (MiB)", lambda x: x["cuda_max_reserved_bytes"], _mib)
     row("sharded state per rank (MiB)", lambda x: x["sharded_state_bytes"], _mib, r["sharded_state"])
     row("padding per rank (MiB)", lambda x: x["padding_bytes"], _mib, r["padding"])
     row("all-gather per step (MiB)", lambda x: x["all_gather_bytes_per_step"], _mib)

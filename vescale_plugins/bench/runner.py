@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import resource
 import time
 import traceback
 from dataclasses import asdict
@@ -43,20 +44,28 @@ def _synchronize(device: torch.device) -> None:
 CPU_MEMORY_REPEATS = 3
 
 
-def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, units: list[UnitChoice] | None) -> int:
-    """Peak live tensor bytes of one engine: build, one warm step, one measured step.
+def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, units: list[UnitChoice] | None) -> dict[str, int]:
+    """Peak live tensor bytes of one engine (``peak_bytes``): build, one warm step, one
+    measured step.
 
-    CUDA: the allocator's own peak statistic. CPU: the smallest of ``CPU_MEMORY_REPEATS``
-    allocation-tracker measurements.
+    CUDA: the allocator's own statistics, above what was allocated before the build
+    (``peak_bytes`` = ``cuda_max_allocated_bytes``; ``cuda_max_reserved_bytes``: the caching
+    allocator's peak reservation, fragmentation included). CPU: the smallest of
+    ``CPU_MEMORY_REPEATS`` allocation-tracker measurements.
     """
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         engine = build_engine(name, settings, mesh, device, units)
         for tokens, targets in data[:2]:
             engine.step(tokens.to(device), targets.to(device))
-        return torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.synchronize(device)
+        allocated = torch.cuda.max_memory_allocated(device) - base
+        reserved = torch.cuda.max_memory_reserved(device) - base_reserved
+        del engine
+        return {"peak_bytes": allocated, "cuda_max_allocated_bytes": allocated, "cuda_max_reserved_bytes": reserved}
     peaks = []
     for _ in range(CPU_MEMORY_REPEATS):
         with AllocationTracker() as tracker:
@@ -66,7 +75,7 @@ def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch
                 engine.step(*data[1])
         del engine
         peaks.append(tracker.region_memory("step").peak_bytes)
-    return min(peaks)
+    return {"peak_bytes": min(peaks)}
 
 
 def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, Any]:
@@ -101,20 +110,25 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             engine.step(tokens.to(device), targets.to(device))
             progress("warmup")
     seconds: dict[str, list[float]] = {name: [] for name in ENGINES}
+    # Minor page faults of this process during each step: first touches of memory the C
+    # allocator mapped afresh (memory handed back to the OS and taken again).
+    page_faults: dict[str, list[int]] = {name: [] for name in ENGINES}
     losses: dict[str, float] = {}
     for i, (tokens, targets) in enumerate(data[warmup:]):
         order = ENGINES if i % 2 == 0 else tuple(reversed(ENGINES))
         for name in order:
             _synchronize(device)
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             loss = engines[name].step(tokens.to(device), targets.to(device))
             _synchronize(device)
             seconds[name].append(time.perf_counter() - start)
+            page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
             losses[name] = loss.item()
             progress(name)
     params = {name: parameter_names(engines[name].model) for name in ENGINES}
     max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
-    result: dict[str, Any] = {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "engines": {}, "units": vescale_unit_groups(vescale.model)}
+    result: dict[str, Any] = {"seconds": seconds, "page_faults": page_faults, "loss": losses, "max_param_diff": max_diff, "engines": {}, "units": vescale_unit_groups(vescale.model)}
     tokens, targets = data[-1]
     for name, engine in engines.items():
         result["engines"][name] = {
@@ -127,7 +141,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
     del engines, params
     for name in ENGINES:
-        result["engines"][name]["peak_bytes"] = _measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None)
+        result["engines"][name].update(_measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None))
         progress("memory")
     return result
 
