@@ -181,7 +181,8 @@ class DBuffer:
 
     Args:
         shapes: parameter shapes, in the unit's order.
-        block_rows: rows of dim 0 that must stay on one rank, per parameter.
+        block_rows: rows of dim 0 that must stay on one rank, per parameter, counted from
+            row 0 (need not divide the rows: the last block is then shorter).
         dtype, device: of the sharded (and full-precision) parameters.
         group: the process group that shards them.
         param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
@@ -229,13 +230,19 @@ class DBuffer:
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
+        numel = math.prod(shape)
+        if numel % self.layout.block_sizes[index]:
+            # The last block is shorter: RaggedShard needs equal units, so count rows.
+            local_units = tuple(n // _row_numel(shape) for _, n in self.layout.shard_ranges(index))
+        else:
+            local_units = self.layout.local_units(index)
         return BufferSlot(
             global_offset=self.layout.offsets[index],
-            numel=math.prod(shape),
+            numel=numel,
             shape=shape,
             local_offset=start,
             local_length=length,
-            local_units=self.layout.local_units(index),
+            local_units=local_units,
             block_rows=rows,
         )
 
