@@ -3,9 +3,8 @@
 ``dynamic_map(signed)`` is bitsandbytes' ``create_dynamic_map`` (as torchao's
 ``torchao/optim/quant_utils.py`` vendors it): 256 values in [-1, 1] (signed, for the first
 moment) or [0, 1] (unsigned, for the second), dense near zero. A value ``x`` already divided by
-its block's absmax gets the code of the nearest map value, ties going to the larger code (the
-same rounding as torchao's binary search); ``midpoints`` holds the 255 decision boundaries so
-every implementation (torch, Triton) makes the same comparisons.
+its block's absmax gets the code of the nearest map value, ties going to the larger code,
+decided exactly as torchao's binary search decides it (so codes match torchao's bit for bit).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import functools
 
 import torch
 
-__all__ = ["dynamic_map", "midpoints", "quantize", "dequantize", "SCALE_FLOOR"]
+__all__ = ["dynamic_map", "quantize", "dequantize", "SCALE_FLOOR"]
 
 # A block of zeros gets this scale (torchao's clip), so dividing by it is safe.
 SCALE_FLOOR = 1e-12
@@ -53,17 +52,18 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32, device=device)
 
 
-@functools.lru_cache(maxsize=8)
-def midpoints(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 255 fp32 boundaries between consecutive map values: code ``i`` covers
-    ``[midpoints[i-1], midpoints[i])``."""
-    values = dynamic_map(signed, device)
-    return (values[:-1] + values[1:]) * 0.5
-
-
 def quantize(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
-    """uint8 codes of ``normalized`` (values already divided by their block's absmax)."""
-    return torch.searchsorted(midpoints(signed, normalized.device), normalized.contiguous(), right=True).to(torch.uint8)
+    """uint8 codes of ``normalized`` (values already divided by their block's absmax).
+
+    torchao's rule, to the bit: ``c`` is the last map value ``<= x`` (``0`` below the map),
+    rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``.
+    """
+    qmap = dynamic_map(signed, normalized.device)
+    x = normalized.contiguous()
+    down = (torch.searchsorted(qmap, x, right=True) - 1).clamp_(0, 255)
+    up = (down + 1).clamp_(max=255)
+    val_down, val_up = qmap[down], qmap[up]
+    return torch.where(x - val_down >= (val_up - val_down) * 0.5, up, down).to(torch.uint8)
 
 
 def dequantize(codes: torch.Tensor, signed: bool) -> torch.Tensor:
