@@ -31,7 +31,7 @@ from .comm_streams import CommStreams, comm_streams_for
 from .planner import Layout, plan_layout
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
-__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
+__all__ = ["DBuffer", "sharded_padding_of", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
@@ -176,6 +176,22 @@ class ReduceScatterHandle:
         self.done = True
 
 
+# Sharded buffers by storage address, so a group-level optimizer can tell the padding between
+# parameters from data it must not touch (see ``sharded_padding_of``).
+_SHARDED_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
+
+
+def sharded_padding_of(tensor: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Padding of the sharded DBuffer whose storage ``tensor`` views, as ``(start, end)``
+    element offsets into that storage; ``None`` if the storage is no DBuffer's."""
+    owner = _SHARDED_OWNERS.get(tensor.untyped_storage().data_ptr())
+    if owner is None or owner.sharded.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        return None
+    low, high = owner.rank * owner.shard_size, (owner.rank + 1) * owner.shard_size
+    base = owner.sharded.storage_offset()
+    return [(base + max(a, low) - low, base + min(b, high) - low) for a, b in owner._padding if max(a, low) < min(b, high)]
+
+
 class DBuffer:
     """The flat buffers of one unit's parameters that share a dtype.
 
@@ -223,6 +239,7 @@ class DBuffer:
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
         self._unsharded_grad = _StorageToggle(self.layout.buffer_size, self.reduce_dtype, self.device)
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
+        _SHARDED_OWNERS[self.sharded.untyped_storage().data_ptr()] = self
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None

@@ -4,7 +4,7 @@ Parameters sharded by ``fully_shard`` are views of one sharded DBuffer per unit 
 gradients views of one sharded gradient buffer with the same layout. A *run* is a maximal
 sequence of such parameters, in storage order, whose gradients sit at the same relative
 offsets and that are separated by at most alignment padding (so nothing else lives between
-them). A run is stepped as one flat tensor (one kernel per run instead of one per parameter).
+them, or by a sharded DBuffer's padding). A run is stepped as one flat tensor (one kernel per run instead of one per parameter).
 Any other parameter (a plain tensor, or one whose gradient is its own tensor) is a run of one.
 """
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ..dbuffer import sharded_padding_of
 
 __all__ = ["Member", "Run", "contiguous_runs", "local_of"]
 
@@ -76,11 +78,14 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
     for entries in by_storage.values():
         entries.sort(key=lambda e: e[1].storage_offset())
         align = max(1, _ALIGNMENT_BYTES // entries[0][1].element_size())
+        padding = sharded_padding_of(entries[0][1])
         current = [entries[0]]
         for entry in entries[1:]:
             previous_end = current[-1][1].storage_offset() + current[-1][1].numel()
             start = entry[1].storage_offset()
-            padding_only = previous_end <= start and start - previous_end < align and start % align == 0
+            padding_only = previous_end <= start and (
+                (start - previous_end < align and start % align == 0) or _is_padding(padding, previous_end, start)
+            )
             if padding_only:
                 current.append(entry)
             else:
@@ -88,6 +93,17 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
                 current = [entry]
         runs.append(_run(current))
     return runs
+
+
+def _is_padding(padding: list[tuple[int, int]] | None, start: int, end: int) -> bool:
+    """Whether storage elements ``[start, end)`` are DBuffer padding (no parameter lives there)."""
+    if padding is None:
+        return False
+    covered = start
+    for a, b in padding:
+        if a <= covered < b:
+            covered = b
+    return covered >= end
 
 
 def _run(entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Run:
