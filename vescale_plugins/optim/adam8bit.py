@@ -42,6 +42,8 @@ class _Adam8bitBase(FlatStateOptimizer):
         if not isinstance(tile, int) or tile < 1:
             raise ValueError(f"{type(self).__name__}: tile must be a positive int, got {tile!r}")
         self.tile = tile
+        # Run layout -> its Triton tile table (device tensor), built once per layout.
+        self._tile_tables: dict = {}
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def check_param(self, name: str, param: torch.Tensor) -> None:
@@ -70,10 +72,10 @@ class _Adam8bitBase(FlatStateOptimizer):
     def step_run(self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int) -> None:
         beta1, beta2 = group["betas"]
         hyper = AdamHyper(float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], step, self._decoupled)
-        if run.param_flat.is_cuda and _triton_available():
+        if run.param_flat.is_cuda and run.param_flat.is_contiguous() and run.grad_flat.is_contiguous() and _triton_available():
             from ..kernels.adam8bit_triton import adam8bit_run_step_
 
-            adam8bit_run_step_(run, flats, offsets, self.tile, hyper)
+            adam8bit_run_step_(run, flats, offsets, self.tile, hyper, self._tile_tables)
             return
         for index, m in enumerate(run.members):
             if not m.numel:
