@@ -86,7 +86,7 @@ class FlatStateOptimizer(Optimizer):
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["step"] += 1
+                state["step"] = state["step"] + 1  # a new tensor: a loaded one may be shared
             # Parameters at different step counts (added later) step in separate runs.
             by_step: dict[int, list[torch.Tensor]] = {}
             for p in params:
