@@ -89,3 +89,17 @@ def test_tile_rows_rule():
     assert TileGrid.of((2500,)).num_tiles == 3
     with pytest.raises(ValueError, match="tile must be a positive int"):
         tile_rows(0)
+
+
+def test_bands_of_tile_rows_step_like_the_whole_matrix(monkeypatch):
+    import vescale_plugins.kernels.adam8bit_torch as reference
+
+    gen = torch.Generator().manual_seed(1)
+    p, g = torch.randn(103, 70, generator=gen), torch.randn(103, 70, generator=gen)
+    state = [torch.zeros(103, 70, dtype=torch.uint8), torch.zeros(4, 3), torch.zeros(103, 70, dtype=torch.uint8), torch.zeros(4, 3)]
+    banded_p, banded_state = p.clone(), [s.clone() for s in state]
+    hyper = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
+    adam8bit_step_(p, g, *state, 32, 32, hyper)
+    monkeypatch.setattr(reference, "_BAND_ELEMENTS", 32 * 70)  # one tile row per band
+    adam8bit_step_(banded_p, g, *banded_state, 32, 32, hyper)
+    assert torch.equal(p, banded_p) and all(torch.equal(a, b) for a, b in zip(state, banded_state))

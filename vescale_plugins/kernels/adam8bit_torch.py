@@ -20,6 +20,10 @@ from .quant_map import SCALE_FLOOR, dequantize, quantize
 
 __all__ = ["AdamHyper", "adam8bit_step_", "tile_regions"]
 
+# Elements per band of tile rows stepped at once: a few fp32 temporaries of this size live
+# during the step (1 MiB each), whatever the parameter's size.
+_BAND_ELEMENTS = 1 << 18
+
 
 @dataclass(frozen=True)
 class AdamHyper:
@@ -84,12 +88,18 @@ def adam8bit_step_(
     """
     rows, cols = param.shape
     for rs, cs, nr, th, nc, tw, srs, scs in tile_regions(rows, cols, tile_h, tile_w):
-        shape = (nr, th, nc, tw)
-        _step_region(
-            param[rs, cs].view(shape), grad[rs, cs].view(shape),
-            exp_avg_codes[rs, cs].view(shape), exp_avg_scales[srs, scs],
-            exp_avg_sq_codes[rs, cs].view(shape), exp_avg_sq_scales[srs, scs], hyper,
-        )
+        # Bands of whole tile rows bound the fp32 temporaries (and keep them in cache).
+        band = max(1, _BAND_ELEMENTS // max(1, th * (cs.stop - cs.start)))
+        for first in range(0, nr, band):
+            count = min(band, nr - first)
+            r = slice(rs.start + first * th, rs.start + (first + count) * th)
+            sr = slice(srs.start + first, srs.start + first + count)
+            shape = (count, th, nc, tw)
+            _step_region(
+                param[r, cs].view(shape), grad[r, cs].view(shape),
+                exp_avg_codes[r, cs].view(shape), exp_avg_scales[sr, scs],
+                exp_avg_sq_codes[r, cs].view(shape), exp_avg_sq_scales[sr, scs], hyper,
+            )
 
 
 def _step_region(p, g, m_codes, m_scales, v_codes, v_scales, hyper: AdamHyper) -> None:
