@@ -18,8 +18,11 @@ def test_map_is_torchaos_dynamic_map_and_codes_match_its_quantizer():
     for signed in (True, False):
         qmap = torch.tensor(quant_utils.create_dynamic_map(signed=signed), dtype=torch.float32)
         assert torch.equal(qmap, dynamic_map(signed))
-        x = torch.rand(20_000, generator=torch.Generator().manual_seed(0))
-        x = x * 2 - 1 if signed else x
+        gen = torch.Generator().manual_seed(0)
+        # Every magnitude the map covers, its own values, the exact midpoints, out-of-range values.
+        x = torch.cat([torch.rand(20_000, generator=gen) * scale for scale in (1.0, 1e-3, 1e-6, 1e-9)]
+                      + [qmap, (qmap[1:] + qmap[:-1]) / 2, torch.tensor([0.0, 1.0, 2.0])])
+        x = torch.cat([x, -x]) if signed else x
         assert torch.equal(quantize(x, signed), quant_utils.quantize_8bit_with_qmap(x, qmap))
 
 

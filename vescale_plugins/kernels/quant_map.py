@@ -52,6 +52,26 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32, device=device)
 
 
+# A float32's top bits (sign, exponent, 10 mantissa bits) name a bucket of relative width
+# 2**-10, narrower than the closest pair of map values (0.35% apart near 1.0), so a bucket
+# holds at most one map value and one comparison finishes the search.
+_BUCKET_SHIFT = 13
+_BUCKETS = 1 << (32 - _BUCKET_SHIFT)
+
+
+@functools.lru_cache(maxsize=8)
+def _bucket_floor_codes(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per bucket: the last map code whose value is <= the bucket's smallest float (int64)."""
+    values = dynamic_map(signed, "cpu")
+    buckets = torch.arange(_BUCKETS, dtype=torch.int64)
+    negative = buckets >= _BUCKETS // 2
+    # Smallest float of a bucket: the lowest bit pattern if positive, the highest if negative.
+    low_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, (1 << _BUCKET_SHIFT) - 1, 0)
+    smallest = (low_bits - (1 << 32) * (low_bits >= 1 << 31)).to(torch.int32).view(torch.float32)
+    smallest = torch.nan_to_num(smallest, nan=0.0, posinf=3e38, neginf=-3e38)
+    return (torch.searchsorted(values, smallest, right=True) - 1).clamp_(0, 255).to(device)
+
+
 def quantize(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
     """uint8 codes of ``normalized`` (values already divided by their block's absmax).
 
@@ -60,10 +80,20 @@ def quantize(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
     """
     qmap = dynamic_map(signed, normalized.device)
     x = normalized.contiguous()
-    down = (torch.searchsorted(qmap, x, right=True) - 1).clamp_(0, 255)
-    up = (down + 1).clamp_(max=255)
-    val_down, val_up = qmap[down], qmap[up]
-    return torch.where(x - val_down >= (val_up - val_down) * 0.5, up, down).to(torch.uint8)
+    bucket = (x.view(torch.int32) >> _BUCKET_SHIFT) & (_BUCKETS - 1)
+    down = _bucket_floor_codes(signed, x.device)[bucket]
+    # At most one map value lies in the bucket above its floor: step past it if x reached it.
+    down = (down + (qmap[(down + 1).clamp_(max=255)] <= x)).clamp_(max=255)
+    return (down + (x - qmap[down] >= _half_gaps(signed, x.device)[down])).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=8)
+def _half_gaps(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(q[c + 1] - q[c]) * 0.5`` per code, in fp32 as torchao computes it; +inf for the last
+    code (nothing to round up to)."""
+    values = dynamic_map(signed, device)
+    gaps = (values[1:] - values[:-1]) * 0.5
+    return torch.cat([gaps, torch.tensor([float("inf")], device=device)])
 
 
 def dequantize(codes: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -82,9 +82,11 @@ class FlatStateOptimizer(Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             specs = self.state_specs(group)
-            for p in params:
+            for index, p in enumerate(params):
                 state = self.state[p]
                 if "step" not in state:
+                    # Also here: front ends (Accelerate) swap sharded parameters in after __init__.
+                    self.check_param(f"parameter {index} of param group {self.param_groups.index(group)}", p)
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["step"] = state["step"] + 1  # a new tensor: a loaded one may be shared
             # Parameters at different step counts (added later) step in separate runs.
