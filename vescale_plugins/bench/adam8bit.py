@@ -105,9 +105,9 @@ def _timed_step(optimizer: torch.optim.Optimizer) -> float:
     return seconds
 
 
-def _peak_bytes(name: str, settings: BenchSettings, mesh: Any, data: list) -> int:
+def _peak_bytes(name: str, settings: BenchSettings, mesh: Any, data: list, repeats: int) -> int:
     peaks = []
-    for _ in range(3):  # the tracker can only over-count on CPU: keep the smallest
+    for _ in range(repeats):  # the tracker can only over-count on CPU: keep the smallest
         with AllocationTracker() as tracker:
             model, optimizer = _build(name, settings, mesh)
             _forward_backward(model, *data[0])
@@ -136,7 +136,15 @@ def learnable_batches(settings: BenchSettings, rank: int, count: int) -> list[tu
     return [(s[:, :-1], s[:, 1:]) for s in seqs]
 
 
-def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int) -> dict[str, Any]:
+def _quality_engines(pairs: list[str]) -> list[str]:
+    """fp32 flat AdamW (the baseline) first, then every engine of the selected pairs."""
+    names = ["veScale + flat AdamW"]
+    for pair in pairs:
+        names += [name for name in PAIRS[pair] if name not in names]
+    return names
+
+
+def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int = 3) -> dict[str, Any]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     data = batches(settings, dist.get_rank(), warmup + steps)
@@ -163,10 +171,10 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
             }
         del built
         for name in names:
-            result[name]["peak_bytes"] = _peak_bytes(name, settings, mesh, data)
+            result[name]["peak_bytes"] = _peak_bytes(name, settings, mesh, data, memory_repeats)
     if quality_steps:
         quality_data = learnable_batches(settings, dist.get_rank(), quality_steps)
-        for name in ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit", "veScale + flat AdamW"):
+        for name in _quality_engines(pairs):
             model, optimizer = _build(name, settings, mesh, lr=QUALITY_LR)
             losses = []
             for tokens, targets in quality_data:
@@ -181,13 +189,13 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
     return result
 
 
-def _worker(rank: int, world: int, port: int, settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         torch.manual_seed(settings.seed)
-        result = run_rank(settings, pairs, warmup, steps, quality_steps)
+        result = run_rank(settings, pairs, warmup, steps, quality_steps, memory_repeats)
         everyone: list[dict] = [{}] * world
         dist.all_gather_object(everyone, result)
         if rank == 0:
@@ -230,7 +238,7 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
     if "quality_final_loss" in results.get("veScale + flat AdamW", {}):
         base = results["veScale + flat AdamW"]["quality_final_loss"]
         lines.append("quality (learnable synthetic task, final loss = mean of the last 10 steps):")
-        for name in ("veScale + flat AdamW", "veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit"):
+        for name in _quality_engines(pairs):
             loss = results[name]["quality_final_loss"]
             lines.append(f"  {name:<28} first {results[name]['quality_first_loss']:.4f}  final {loss:.4f}  vs fp32 AdamW {loss / base - 1:+.2%}")
     return "\n".join(lines)
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per engine")
     parser.add_argument("--quality-steps", type=int, default=0, help="also train this many steps per optimizer and compare final losses")
+    parser.add_argument("--memory-repeats", type=int, default=3, help="peak-memory measurements per engine (the smallest is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="write every figure here")
     args = parser.parse_args(argv)
@@ -253,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pairs = ["adamw8bit", "adamw"] if args.optimizer == "both" else [args.optimizer]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    mp.start_processes(_worker, args=(args.world_size, _free_port(), settings, pairs, args.warmup, args.steps, args.quality_steps, queue), nprocs=args.world_size, start_method="spawn")
+    mp.start_processes(_worker, args=(args.world_size, _free_port(), settings, pairs, args.warmup, args.steps, args.quality_steps, args.memory_repeats, queue), nprocs=args.world_size, start_method="spawn")
     results = queue.get(timeout=60)
     print(f"W={args.world_size} gloo ranks on CPU, model {args.model}, batch {args.batch_size} x {args.seq_len}")
     print(render(results, pairs))
