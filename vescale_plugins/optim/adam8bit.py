@@ -83,7 +83,7 @@ class _Adam8bitBase(FlatStateOptimizer):
             grid = TileGrid.of(m.local.shape, self.tile)
             views = {}
             for name in ("exp_avg_codes", "exp_avg_sq_codes"):
-                views[name] = self._member_view(flats[name], None, m.local, offsets[name][index], grid)
+                views[name] = self._matrix_view(flats[name], offsets[name][index], grid)
             for name in ("exp_avg_scales", "exp_avg_sq_scales"):
                 start = offsets[name][index]
                 views[name] = flats[name][start : start + grid.num_tiles].view(grid.tile_rows, grid.tile_cols)
@@ -94,9 +94,8 @@ class _Adam8bitBase(FlatStateOptimizer):
             )
 
     @staticmethod
-    def _member_view(flat: torch.Tensor, spec: Any, local: torch.Tensor, offset: int, grid: TileGrid | None = None) -> torch.Tensor:
-        if grid is None:
-            return FlatStateOptimizer._member_view(flat, spec, local, offset)
+    def _matrix_view(flat: torch.Tensor, offset: int, grid: TileGrid) -> torch.Tensor:
+        """A member's codes as its ``rows x cols`` matrix (a run of one keeps its own shape)."""
         if flat.dim() != 1:
             return flat.view(grid.rows, grid.cols)
         return flat[offset : offset + grid.numel].view(grid.rows, grid.cols)

@@ -21,10 +21,12 @@ __all__ = ["FlatStateOptimizer", "StateSpec"]
 
 
 class StateSpec:
-    """One state entry: ``flat_numel(member)`` elements of ``dtype`` per parameter.
+    """One state entry of each parameter, as functions of the parameter's local tensor.
 
-    ``local_shape(member)`` is the local view's shape; ``wrap(local, param)`` makes the
-    per-parameter entry (a DTensor for DTensor parameters).
+    ``dtype(local)``; ``numel(local)``: its elements in the run's flat buffer, or ``None`` for
+    element-wise state laid out like the parameters (the flat buffer spans the run, padding
+    included); ``local_shape(local)``: the view's shape; ``wrap(view, param)``: the entry in
+    ``optimizer.state`` (a DTensor for DTensor parameters).
     """
 
     def __init__(self, dtype: Callable[[torch.Tensor], torch.dtype], numel: Callable[[torch.Tensor], int], local_shape: Callable[[torch.Tensor], tuple[int, ...]], wrap: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
