@@ -96,10 +96,30 @@ def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: tor
     return loss.detach()
 
 
+class PeerFailed(RuntimeError):
+    """An optimizer step raised on some rank (every rank raises this together)."""
+
+
+def _agreed_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``; if it raises on any rank, every rank raises :class:`PeerFailed`
+    (a rank that went on alone would hang in the next collective)."""
+    error = ""
+    try:
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden: it becomes the figure
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    failed = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(failed)
+    if failed.item():
+        errors: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise PeerFailed("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+
+
 def _timed_step(optimizer: torch.optim.Optimizer) -> float:
     dist.barrier()
     start = time.perf_counter()
-    optimizer.step()
+    _agreed_step(optimizer)
     seconds = time.perf_counter() - start
     optimizer.zero_grad(set_to_none=True)
     return seconds
@@ -153,15 +173,24 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
         names = PAIRS[pair]
         built = {name: _build(name, settings, mesh) for name in names}
         seconds: dict[str, list[float]] = {name: [] for name in names}
+        failures: dict[str, str] = {}
         for index, (tokens, targets) in enumerate(data):
             order = names if index % 2 == 0 else names[::-1]
             for name in order:
+                if name in failures:
+                    continue
                 model, optimizer = built[name]
                 _forward_backward(model, tokens, targets)
-                elapsed = _timed_step(optimizer)
+                try:
+                    elapsed = _timed_step(optimizer)
+                except PeerFailed as exc:
+                    failures[name] = f"failed at step {index}: {exc}"
+                    continue
                 if index >= warmup:
                     seconds[name].append(elapsed)
-        for name in names:
+        for name, failure in failures.items():
+            result[name] = {"failed": failure}
+        for name in [n for n in names if n not in failures]:
             slowest = torch.tensor(seconds[name], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             result[name] = {
@@ -170,17 +199,23 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
                 "parameter_elements": sum(getattr(p, "_local_tensor", p).numel() for p in built[name][0].parameters()),
             }
         del built
-        for name in names:
+        for name in [n for n in names if n not in failures]:
             result[name]["peak_bytes"] = _peak_bytes(name, settings, mesh, data, memory_repeats)
     if quality_steps:
         quality_data = learnable_batches(settings, dist.get_rank(), quality_steps)
         for name in _quality_engines(pairs):
             model, optimizer = _build(name, settings, mesh, lr=QUALITY_LR)
             losses = []
-            for tokens, targets in quality_data:
-                losses.append(_forward_backward(model, tokens, targets))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            try:
+                for tokens, targets in quality_data:
+                    losses.append(_forward_backward(model, tokens, targets))
+                    _agreed_step(optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+            except PeerFailed as exc:
+                result.setdefault(name, {})["quality_failed"] = f"failed at step {len(losses) - 1}: {exc}"
+                del model, optimizer
+                continue
+            del model, optimizer
             mean_loss = torch.stack(losses).double()
             dist.all_reduce(mean_loss)
             mean_loss /= world
@@ -204,7 +239,7 @@ def _worker(rank: int, world: int, port: int, settings: BenchSettings, pairs: li
             for name, figures in merged.items():
                 for key in ("peak_bytes", "state_bytes", "parameter_elements"):
                     if key in figures:
-                        figures[key] = max(r[name][key] for r in everyone)
+                        figures[key] = max(r[name][key] for r in everyone if key in r.get(name, {}))
             queue.put(merged)
     finally:
         dist.destroy_process_group()
@@ -225,6 +260,10 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
     for pair in pairs:
         ours, peer = PAIRS[pair]
         o, p = results[ours], results[peer]
+        failed = [f"{name}: {results[name]['failed']}" for name in (ours, peer) if "failed" in results[name]]
+        if failed:
+            lines += [f"{pair}: " + " | ".join(failed), ""]
+            continue
         lines.append(f"{'figure':<34} {peer:>26} {ours:>22} {'ours / peer':>12}")
         rows = [
             ("optimizer step, median (ms)", o["optimizer_step_s"] * 1e3, p["optimizer_step_s"] * 1e3),
@@ -239,6 +278,9 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
         base = results["veScale + flat AdamW"]["quality_final_loss"]
         lines.append("quality (learnable synthetic task, final loss = mean of the last 10 steps):")
         for name in _quality_engines(pairs):
+            if "quality_final_loss" not in results.get(name, {}):
+                lines.append(f"  {name:<28} {results.get(name, {}).get('quality_failed', 'not run')}")
+                continue
             loss = results[name]["quality_final_loss"]
             lines.append(f"  {name:<28} first {results[name]['quality_first_loss']:.4f}  final {loss:.4f}  vs fp32 AdamW {loss / base - 1:+.2%}")
     return "\n".join(lines)
