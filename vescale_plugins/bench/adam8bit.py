@@ -134,7 +134,7 @@ def _peak_bytes(name: str, settings: BenchSettings, mesh: Any, data: list, repea
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             with tracker.region("step"):
-                _forward_backward(model, *data[1])
+                _forward_backward(model, *data[min(1, len(data) - 1)])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         del model, optimizer
