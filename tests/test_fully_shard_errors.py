@@ -49,8 +49,8 @@ def _every_bad_input():
 
     _expect(
         ValueError,
-        r"block_size_fn\('up.weight'\) asks for blocks of 32 rows, but the parameter has 97 rows",
-        lambda: fully_shard(model.layers[0], block_size_fn=lambda name, p: 32 if name == "up.weight" else None),
+        r"block_size_fn\('up.weight'\) returned 0; it must return None or a positive int",
+        lambda: fully_shard(model.layers[0], block_size_fn=lambda name, p: 0 if name == "up.weight" else None),
     )
     _untouched(model, before)
 

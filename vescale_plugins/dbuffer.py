@@ -33,7 +33,7 @@ from .ragged_layout import ragged_layout
 from .storage_pool import StoragePool
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
-__all__ = ["DBuffer", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
+__all__ = ["DBuffer", "sharded_padding_of", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
@@ -220,12 +220,29 @@ class ReduceScatterHandle:
             sharded_grad.copy_(out)
 
 
+# Sharded buffers by storage address, so a group-level optimizer can tell the padding between
+# parameters from data it must not touch (see ``sharded_padding_of``).
+_SHARDED_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
+
+
+def sharded_padding_of(tensor: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Padding of the sharded DBuffer whose storage ``tensor`` views, as ``(start, end)``
+    element offsets into that storage; ``None`` if the storage is no DBuffer's."""
+    owner = _SHARDED_OWNERS.get(tensor.untyped_storage().data_ptr())
+    if owner is None or owner.sharded.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        return None
+    low, high = owner.rank * owner.shard_size, (owner.rank + 1) * owner.shard_size
+    base = owner.sharded.storage_offset()
+    return [(base + max(a, low) - low, base + min(b, high) - low) for a, b in owner._padding if max(a, low) < min(b, high)]
+
+
 class DBuffer:
     """The flat buffers of one unit's parameters that share a dtype.
 
     Args:
         shapes: parameter shapes, in the unit's order.
-        block_rows: rows of dim 0 that must stay on one rank, per parameter.
+        block_rows: rows of dim 0 that must stay on one rank, per parameter, counted from
+            row 0 (need not divide the rows: the last block is then shorter).
         dtype, device: of the sharded (and full-precision) parameters.
         group: the process group that shards them.
         param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
@@ -273,6 +290,7 @@ class DBuffer:
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
         self._unsharded_grad = _StorageToggle(self.world_size * self.grad_shard_size, self.reduce_dtype, self.device, "unsharded_grads")
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], self.layout.buffer_size)
+        _SHARDED_OWNERS[self.sharded.untyped_storage().data_ptr()] = self
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
@@ -290,15 +308,21 @@ class DBuffer:
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
-        if math.prod(shape) == 0:
+        numel = math.prod(shape)
+        if numel == 0:
             length = 0
+        if numel and numel % self.layout.block_sizes[index]:
+            # The last block is shorter: RaggedShard needs equal units, so count rows.
+            local_units = tuple(n // _row_numel(shape) for _, n in self.layout.shard_ranges(index))
+        else:
+            local_units = self.layout.local_units(index)
         return BufferSlot(
             global_offset=self.layout.offsets[index],
-            numel=math.prod(shape),
+            numel=numel,
             shape=shape,
             local_offset=start,
             local_length=length,
-            local_units=self.layout.local_units(index),
+            local_units=local_units,
             block_rows=rows,
         )
 

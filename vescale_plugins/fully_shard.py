@@ -246,13 +246,6 @@ def _block_rows(fqn: str, param: nn.Parameter, block_size_fn: BlockSizeFn | None
         return 1
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"block_size_fn({fqn!r}) returned {rows!r}; it must return None or a positive int (rows)")
-    leading = param.shape[0] if param.dim() > 0 else 1
-    if leading % rows:
-        divisors = [d for d in range(1, leading + 1) if leading % d == 0]
-        raise ValueError(
-            f"block_size_fn({fqn!r}) asks for blocks of {rows} rows, but the parameter has "
-            f"{leading} rows (shape {tuple(param.shape)}); use a divisor of {leading}: {divisors}"
-        )
     return rows
 
 
@@ -279,6 +272,9 @@ def fully_shard(
     Parameters become ``nn.Parameter(DTensor)`` with a :class:`RaggedShard` placement whose
     local tensor is a view of the unit's sharded DBuffer, laid out by the planner so that no
     block of ``block_size_fn(name, param)`` rows (default one row) straddles two ranks.
+    Blocks are counted from row 0 and need not divide the rows (1031 rows in blocks of 32:
+    32 blocks of 32 rows and a last one of 7); ``vescale_plugins.optim.tile_rows(32)`` asks
+    for the 32x32 tiles of block-wise 8-bit optimizers.
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]

@@ -3,7 +3,9 @@
 A buffer of ``world_size * shard_size`` elements is cut into ``world_size`` equal shards; rank
 ``r`` owns ``[r * shard_size, (r + 1) * shard_size)``. Each tensor is one contiguous interval of
 the buffer. Everything here is in elements (never bytes); "blocks" are a tensor's indivisible
-units of ``block_size`` elements (a block of rows, or single elements).
+units of ``block_size`` elements (a block of rows, or single elements), counted from the
+tensor's start; when ``block_size`` does not divide the numel the last block is shorter
+(1031 rows in blocks of 32 rows: 32 blocks of 32 rows and one of 7).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Layout", "check_plan_inputs"]
+__all__ = ["Layout", "check_plan_inputs", "effective_block_sizes"]
 
 
 def check_plan_inputs(
@@ -20,8 +22,9 @@ def check_plan_inputs(
     """Validate a planning problem and return it as tuples of ints.
 
     Raises ``ValueError`` naming the offending tensor index and values: the rules are
-    positive numels and block sizes, each block size dividing its numel, ``world_size >= 1``,
-    ``alignment >= 1`` and one block size per numel.
+    positive numels and block sizes, ``world_size >= 1``, ``alignment >= 1`` and one block
+    size per numel. A block size need not divide its numel (the last block is shorter);
+    the block sizes come back capped at their numels (:func:`effective_block_sizes`).
     """
     numels, block_sizes = tuple(numels), tuple(block_sizes)
     if len(numels) != len(block_sizes):
@@ -38,12 +41,14 @@ def check_plan_inputs(
             raise ValueError(f"tensor {index}: numel must be a positive int, got {numel!r}")
         if not _is_int(block) or block < 1:
             raise ValueError(f"tensor {index}: block size must be a positive int, got {block!r}")
-        if numel % block:
-            raise ValueError(
-                f"tensor {index}: block size {block} does not divide numel {numel} "
-                f"(remainder {numel % block}); a tensor must be a whole number of blocks"
-            )
-    return tuple(int(x) for x in numels), tuple(int(x) for x in block_sizes)
+    numels = tuple(int(x) for x in numels)
+    return numels, effective_block_sizes(numels, tuple(int(x) for x in block_sizes))
+
+
+def effective_block_sizes(numels: Sequence[int], block_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Each block size capped at its tensor's numel: a tensor shorter than one block is one
+    (short) block, so it needs no rank larger than itself."""
+    return tuple(min(numel, block) for numel, block in zip(numels, block_sizes))
 
 
 def _is_int(value: object) -> bool:
@@ -199,10 +204,11 @@ class Layout:
         return tuple(ranges)
 
     def local_units(self, index: int) -> tuple[int, ...]:
-        """Blocks of tensor ``index`` held by each rank: ``RaggedShard``'s ``local_units``.
+        """Blocks of tensor ``index`` held by each rank (the last block may be shorter).
 
         One unit is one block of ``block_sizes[index]`` elements; the tuple has
-        ``world_size`` entries (zeros allowed) summing to ``numels[index] // block_sizes[index]``.
+        ``world_size`` entries (zeros allowed) summing to ``ceil(numels[index] / block)``.
+        When the block divides the numel this is ``RaggedShard``'s ``local_units``.
         """
         block = self.block_sizes[index]
-        return tuple(length // block for _, length in self.shard_ranges(index))
+        return tuple(-(-length // block) for _, length in self.shard_ranges(index))

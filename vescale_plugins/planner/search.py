@@ -65,8 +65,9 @@ def plan_layout(
     Args:
         numels: elements of each tensor.
         block_sizes: elements of each tensor's smallest unit that must stay on one rank
-            (1 element-wise, the row length row-wise, ``k * row length`` for k-row blocks);
-            each must divide its numel.
+            (1 element-wise, the row length row-wise, ``k * row length`` for k-row blocks),
+            counted from the tensor's start; it need not divide the numel (the last block
+            is then shorter, and a block larger than the tensor is the whole tensor).
         world_size: ranks sharing the buffer.
         alignment: elements; every offset and the shard size are multiples of it.
 

@@ -1,0 +1,318 @@
+"""8-bit and flat fp32 AdamW side by side: veScale-FSDP + ours against FSDP2 + the peers.
+
+    python -m vescale_plugins.bench.adam8bit [--optimizer adamw8bit|adamw|both] [--world-size 2]
+        [--model small] [--batch-size 4] [--seq-len 128] [--steps 10] [--quality-steps 200]
+
+Pairs, each built on the same model, data and seed, stepped alternately (A B A B ...):
+
+* ``adamw8bit``: veScale-FSDP (``block_size_fn=tile_rows(32)``) + ``vescale_plugins.optim.AdamW8bit``
+  against FSDP2 + ``torchao.optim.AdamW8bit`` (block 256 of the flattened local shard).
+* ``adamw``: veScale-FSDP + ``vescale_plugins.optim.AdamW`` (flat, fused) against FSDP2 +
+  ``torch.optim.AdamW(foreach=True)``.
+
+Per engine: optimizer-step time (median over ``--steps`` of the slowest rank's
+``optimizer.step()``), peak live tensor bytes of a steady-state training step (allocator
+events, smallest of 3; ``bench.memory``), and optimizer state bytes per rank. With
+``--quality-steps N`` every optimizer also trains N steps on a learnable synthetic sequence
+task (a fixed random token permutation followed 90% of the time) from the same seed and
+data; the final loss is the mean of the last 10 steps. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from .. import fully_shard
+from ..optim import AdamW, AdamW8bit, tile_rows
+from .engines import BenchSettings, _loss, _units, batches, build_model
+from .llama import PRESETS
+from .memory import AllocationTracker
+
+__all__ = ["ENGINES", "main", "state_bytes"]
+
+LR, WEIGHT_DECAY = 1e-3, 0.1
+QUALITY_LR = 3e-3
+
+
+def _shard(model: torch.nn.Module, vescale: bool, mesh: Any) -> None:
+    for unit in _units(model):
+        if vescale:
+            fully_shard(unit, mesh=mesh, block_size_fn=tile_rows(32))
+        else:
+            torch_fully_shard(unit, mesh=mesh)
+
+
+def _torchao_adamw8bit(params: Any, lr: float) -> torch.optim.Optimizer:
+    from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+
+    return TorchaoAdamW8bit(params, lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+# name -> (veScale-FSDP?, optimizer factory)
+ENGINES: dict[str, tuple[bool, Callable[[Any, float], torch.optim.Optimizer]]] = {
+    "veScale + AdamW8bit": (True, lambda ps, lr: AdamW8bit(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
+    "FSDP2 + torchao AdamW8bit": (False, _torchao_adamw8bit),
+    "veScale + flat AdamW": (True, lambda ps, lr: AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
+    "FSDP2 + AdamW(foreach)": (False, lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True)),
+}
+PAIRS = {"adamw8bit": ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit"), "adamw": ("veScale + flat AdamW", "FSDP2 + AdamW(foreach)")}
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer state bytes this rank holds (local shards; torchao's codes and scales)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = getattr(value, "_local_tensor", value)
+            parts = [local.codes, local.scale] if hasattr(local, "codes") else [local]
+            total += sum(p.numel() * p.element_size() for p in parts)
+    return total
+
+
+def _build(name: str, settings: BenchSettings, mesh: Any, lr: float = LR) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    vescale, make_optimizer = ENGINES[name]
+    model = build_model(settings, torch.device("cpu"))
+    _shard(model, vescale, mesh)
+    return model, make_optimizer(model.parameters(), lr)
+
+
+def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    loss = _loss(model(tokens), targets)
+    loss.backward()
+    return loss.detach()
+
+
+class PeerFailed(RuntimeError):
+    """An optimizer step raised on some rank (every rank raises this together)."""
+
+
+def _agreed_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``; if it raises on any rank, every rank raises :class:`PeerFailed`
+    (a rank that went on alone would hang in the next collective)."""
+    error = ""
+    try:
+        optimizer.step()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden: it becomes the figure
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    failed = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(failed)
+    if failed.item():
+        errors: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        raise PeerFailed("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+
+
+def _timed_step(optimizer: torch.optim.Optimizer) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    _agreed_step(optimizer)
+    seconds = time.perf_counter() - start
+    optimizer.zero_grad(set_to_none=True)
+    return seconds
+
+
+def _peak_bytes(name: str, settings: BenchSettings, mesh: Any, data: list, repeats: int) -> int:
+    peaks = []
+    for _ in range(repeats):  # the tracker can only over-count on CPU: keep the smallest
+        with AllocationTracker() as tracker:
+            model, optimizer = _build(name, settings, mesh)
+            _forward_backward(model, *data[0])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with tracker.region("step"):
+                _forward_backward(model, *data[min(1, len(data) - 1)])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del model, optimizer
+        peaks.append(tracker.region_memory("step").peak_bytes)
+    return min(peaks)
+
+
+def learnable_batches(settings: BenchSettings, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences where each token is followed by ``perm[token]`` 90% of the time (else a
+    uniform token): a task the model can learn, so optimizers' losses separate."""
+    vocab = settings.config.vocab_size
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(settings.seed))
+    g = torch.Generator().manual_seed(settings.seed * 1000 + rank + 17)
+    seqs = torch.empty(count, settings.batch_size, settings.seq_len + 1, dtype=torch.long)
+    seqs[..., 0] = torch.randint(0, vocab, (count, settings.batch_size), generator=g)
+    for i in range(1, settings.seq_len + 1):
+        follow = torch.rand(count, settings.batch_size, generator=g) < 0.9
+        seqs[..., i] = torch.where(follow, perm[seqs[..., i - 1]], torch.randint(0, vocab, (count, settings.batch_size), generator=g))
+    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+
+
+def _quality_engines(pairs: list[str]) -> list[str]:
+    """fp32 flat AdamW (the baseline) first, then every engine of the selected pairs."""
+    names = ["veScale + flat AdamW"]
+    for pair in pairs:
+        names += [name for name in PAIRS[pair] if name not in names]
+    return names
+
+
+def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int = 3) -> dict[str, Any]:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    data = batches(settings, dist.get_rank(), warmup + steps)
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        names = PAIRS[pair]
+        built = {name: _build(name, settings, mesh) for name in names}
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        failures: dict[str, str] = {}
+        for index, (tokens, targets) in enumerate(data):
+            order = names if index % 2 == 0 else names[::-1]
+            for name in order:
+                if name in failures:
+                    continue
+                model, optimizer = built[name]
+                _forward_backward(model, tokens, targets)
+                try:
+                    elapsed = _timed_step(optimizer)
+                except PeerFailed as exc:
+                    failures[name] = f"failed at step {index}: {exc}"
+                    continue
+                if index >= warmup:
+                    seconds[name].append(elapsed)
+        for name, failure in failures.items():
+            result[name] = {"failed": failure}
+        for name in [n for n in names if n not in failures]:
+            slowest = torch.tensor(seconds[name], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            result[name] = {
+                "optimizer_step_s": statistics.median(slowest.tolist()),
+                "state_bytes": state_bytes(built[name][1]),
+                "parameter_elements": sum(getattr(p, "_local_tensor", p).numel() for p in built[name][0].parameters()),
+            }
+        del built
+        for name in [n for n in names if n not in failures]:
+            result[name]["peak_bytes"] = _peak_bytes(name, settings, mesh, data, memory_repeats)
+    if quality_steps:
+        quality_data = learnable_batches(settings, dist.get_rank(), quality_steps)
+        for name in _quality_engines(pairs):
+            model, optimizer = _build(name, settings, mesh, lr=QUALITY_LR)
+            losses = []
+            try:
+                for tokens, targets in quality_data:
+                    losses.append(_forward_backward(model, tokens, targets))
+                    _agreed_step(optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+            except PeerFailed as exc:
+                result.setdefault(name, {})["quality_failed"] = f"failed at step {len(losses) - 1}: {exc}"
+                del model, optimizer
+                continue
+            del model, optimizer
+            mean_loss = torch.stack(losses).double()
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+            result.setdefault(name, {})["quality_final_loss"] = mean_loss[-10:].mean().item()
+            result[name]["quality_first_loss"] = mean_loss[0].item()
+    return result
+
+
+def _worker(rank: int, world: int, port: int, settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(settings.seed)
+        result = run_rank(settings, pairs, warmup, steps, quality_steps, memory_repeats)
+        everyone: list[dict] = [{}] * world
+        dist.all_gather_object(everyone, result)
+        if rank == 0:
+            # Memory and state bytes: the largest rank's; times are already the slowest rank's.
+            merged = {name: dict(figures) for name, figures in result.items()}
+            for name, figures in merged.items():
+                for key in ("peak_bytes", "state_bytes", "parameter_elements"):
+                    if key in figures:
+                        figures[key] = max(r[name][key] for r in everyone if key in r.get(name, {}))
+            queue.put(merged)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.3f}" if a is not None and b else "-"
+
+
+def render(results: dict[str, Any], pairs: list[str]) -> str:
+    lines = []
+    for pair in pairs:
+        ours, peer = PAIRS[pair]
+        o, p = results[ours], results[peer]
+        failed = [f"{name}: {results[name]['failed']}" for name in (ours, peer) if "failed" in results[name]]
+        if failed:
+            lines += [f"{pair}: " + " | ".join(failed), ""]
+            continue
+        lines.append(f"{'figure':<34} {peer:>26} {ours:>22} {'ours / peer':>12}")
+        rows = [
+            ("optimizer step, median (ms)", o["optimizer_step_s"] * 1e3, p["optimizer_step_s"] * 1e3),
+            ("peak tensor memory (MiB)", o["peak_bytes"] / 2**20, p["peak_bytes"] / 2**20),
+            ("optimizer state per rank (MiB)", o["state_bytes"] / 2**20, p["state_bytes"] / 2**20),
+            ("state bytes per parameter element", o["state_bytes"] / o["parameter_elements"], p["state_bytes"] / p["parameter_elements"]),
+        ]
+        for label, ov, pv in rows:
+            lines.append(f"{label:<34} {pv:>26.3f} {ov:>22.3f} {_ratio(ov, pv):>12}")
+        lines.append("")
+    if "quality_final_loss" in results.get("veScale + flat AdamW", {}):
+        base = results["veScale + flat AdamW"]["quality_final_loss"]
+        lines.append("quality (learnable synthetic task, final loss = mean of the last 10 steps):")
+        for name in _quality_engines(pairs):
+            if "quality_final_loss" not in results.get(name, {}):
+                lines.append(f"  {name:<28} {results.get(name, {}).get('quality_failed', 'not run')}")
+                continue
+            loss = results[name]["quality_final_loss"]
+            lines.append(f"  {name:<28} first {results[name]['quality_first_loss']:.4f}  final {loss:.4f}  vs fp32 AdamW {loss / base - 1:+.2%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench.adam8bit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizer", choices=["adamw8bit", "adamw", "both"], default="both")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per engine")
+    parser.add_argument("--quality-steps", type=int, default=0, help="also train this many steps per optimizer and compare final losses")
+    parser.add_argument("--memory-repeats", type=int, default=3, help="peak-memory measurements per engine (the smallest is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="", help="write every figure here")
+    args = parser.parse_args(argv)
+    settings = BenchSettings(PRESETS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
+    pairs = ["adamw8bit", "adamw"] if args.optimizer == "both" else [args.optimizer]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    mp.start_processes(_worker, args=(args.world_size, _free_port(), settings, pairs, args.warmup, args.steps, args.quality_steps, args.memory_repeats, queue), nprocs=args.world_size, start_method="spawn")
+    results = queue.get(timeout=60)
+    print(f"W={args.world_size} gloo ranks on CPU, model {args.model}, batch {args.batch_size} x {args.seq_len}")
+    print(render(results, pairs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arguments": vars(args), "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Contiguous runs of parameters: the unit of a group-level (flat) optimizer step.
+
+Parameters sharded by ``fully_shard`` are views of one sharded DBuffer per unit and their
+gradients views of one sharded gradient buffer with the same layout. A *run* is a maximal
+sequence of such parameters, in storage order, whose gradients sit at the same relative
+offsets and that are separated by at most alignment padding (so nothing else lives between
+them, or by a sharded DBuffer's padding). A run is stepped as one flat tensor (one kernel per run instead of one per parameter).
+Any other parameter (a plain tensor, or one whose gradient is its own tensor) is a run of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..dbuffer import sharded_padding_of
+
+__all__ = ["Member", "Run", "contiguous_runs", "local_of"]
+
+# DBuffer aligns every parameter to 16 bytes: a smaller gap is padding, never a tensor.
+_ALIGNMENT_BYTES = 16
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor, else the tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class Member:
+    """One parameter of a run; ``offset`` is its first element's index in the run (elements)."""
+
+    param: torch.Tensor
+    local: torch.Tensor
+    grad: torch.Tensor
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+
+@dataclass
+class Run:
+    """Parameters stepped as one flat tensor of ``span`` elements (gaps are padding)."""
+
+    members: list[Member]
+    span: int
+    param_flat: torch.Tensor
+    grad_flat: torch.Tensor
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the run's layout: same key, same flat state buffers."""
+        return (self.span, tuple((id(m.param), m.offset, tuple(m.local.shape)) for m in self.members))
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.dtype, t.device)
+
+
+def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
+    """Split parameters (each with a ``.grad``) into runs; order within a run is storage order."""
+    by_storage: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    singles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for p in params:
+        local, grad = local_of(p), local_of(p.grad)
+        entry = (p, local, grad)
+        if local.numel() and local.is_contiguous() and grad.is_contiguous() and grad.dtype == local.dtype:
+            key = (_storage_key(local), _storage_key(grad), grad.storage_offset() - local.storage_offset())
+            by_storage.setdefault(key, []).append(entry)
+        else:
+            singles.append(entry)
+    runs: list[Run] = [_run([e]) for e in singles]
+    for entries in by_storage.values():
+        entries.sort(key=lambda e: e[1].storage_offset())
+        align = max(1, _ALIGNMENT_BYTES // entries[0][1].element_size())
+        padding = sharded_padding_of(entries[0][1])
+        current = [entries[0]]
+        for entry in entries[1:]:
+            previous_end = current[-1][1].storage_offset() + current[-1][1].numel()
+            start = entry[1].storage_offset()
+            padding_only = previous_end <= start and (
+                (start - previous_end < align and start % align == 0) or _is_padding(padding, previous_end, start)
+            )
+            if padding_only:
+                current.append(entry)
+            else:
+                runs.append(_run(current))
+                current = [entry]
+        runs.append(_run(current))
+    return runs
+
+
+def _is_padding(padding: list[tuple[int, int]] | None, start: int, end: int) -> bool:
+    """Whether storage elements ``[start, end)`` are DBuffer padding (no parameter lives there)."""
+    if padding is None:
+        return False
+    covered = start
+    for a, b in padding:
+        if a <= covered < b:
+            covered = b
+    return covered >= end
+
+
+def _run(entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Run:
+    first_local, first_grad = entries[0][1], entries[0][2]
+    base = first_local.storage_offset()
+    last = entries[-1][1]
+    span = last.storage_offset() + last.numel() - base
+    members = [Member(p, local, grad, local.storage_offset() - base) for p, local, grad in entries]
+    if len(entries) == 1:
+        # Stepped in its own shape (it may be a non-contiguous plain tensor).
+        return Run([Member(entries[0][0], first_local, first_grad, 0)], first_local.numel(), first_local, first_grad)
+    param_flat = first_local.as_strided((span,), (1,), base)
+    grad_flat = first_grad.as_strided((span,), (1,), first_grad.storage_offset())
+    gaps = []
+    for a, b in zip(members, members[1:]):
+        if a.offset + a.numel < b.offset:
+            gaps.append((a.offset + a.numel, b.offset))
+    return Run(members, span, param_flat, grad_flat, gaps)
