@@ -262,7 +262,12 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
         o, p = results[ours], results[peer]
         failed = [f"{name}: {results[name]['failed']}" for name in (ours, peer) if "failed" in results[name]]
         if failed:
-            lines += [f"{pair}: " + " | ".join(failed), ""]
+            lines += [f"{pair}: " + " | ".join(failed)]
+            for name in (ours, peer):
+                if "failed" not in results[name]:
+                    figures = results[name]
+                    lines.append(f"  {name}: optimizer step {figures['optimizer_step_s'] * 1e3:.3f} ms, peak {figures['peak_bytes'] / 2**20:.3f} MiB, state {figures['state_bytes'] / 2**20:.3f} MiB ({figures['state_bytes'] / figures['parameter_elements']:.3f} bytes per element)")
+            lines.append("")
             continue
         lines.append(f"{'figure':<34} {peer:>26} {ours:>22} {'ours / peer':>12}")
         rows = [
