@@ -12,7 +12,13 @@ import torch.distributed as dist
 from models import clone, make_decoder, reference_step
 from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins.dbuffer import _StorageToggle
+import vescale_plugins.storage_pool as storage_pool
 from vescale_plugins.storage_pool import MAX_PER_KEY, StoragePool
+
+
+@pytest.fixture(autouse=True)
+def _pool_enabled(monkeypatch):
+    monkeypatch.setattr(storage_pool, "ENABLED", True)
 
 
 def _toggle(pool, numel=1000, kind="unsharded_params"):
@@ -61,6 +67,14 @@ def test_only_same_kind_and_size_is_reused_and_the_pool_is_bounded():
 
 
 def _pool_reuse_and_parity():
+    storage_pool.ENABLED = True  # off by default (see storage_pool); this worker only
+    try:
+        return _train_with_pool()
+    finally:
+        storage_pool.ENABLED = False
+
+
+def _train_with_pool():
     world = dist.get_world_size()
     reference = make_decoder()
     model = shard_decoder(clone(reference), reshard_after_forward=True)
@@ -78,11 +92,11 @@ def _pool_reuse_and_parity():
     for layer in model.layers:
         assert all(b._unsharded.pool is pool for b in layer._vescale_fsdp_unit.dbuffers)
     assert pool.reused > 0
-    # End of forward: the pool is emptied before the loss (the usual peak).
+    # End of forward: the pool is emptied before the loss (the usual peak); end of backward too.
     held_at_loss = []
     model.register_forward_hook(lambda *_: held_at_loss.append(pool.held_bytes), always_call=True)
     sharded_step(model, 3)
-    assert held_at_loss == [0]
+    assert held_at_loss == [0] and pool.held_bytes == 0
     return pool.reused
 
 

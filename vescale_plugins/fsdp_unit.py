@@ -617,6 +617,7 @@ class FSDPUnit:
             for unit in self._root_units:
                 if unit.is_unsharded and unit._iteration.reduced:
                     unit.reshard()
+        self._storage_pool.clear()  # the optimizer step holds no pooled memory
 
     def reset_iteration(self) -> None:
         """(Root) After an exception aborted a forward or backward: finish every collective

@@ -170,19 +170,22 @@ def forecast_memory(
     # veScale-FSDP
     shard = sum(u.count * layouts[id(u)].vescale.shard_size for u in spec.units.units)
     gathered = [n * layouts[id(u)].vescale.shard_size for u in order]
+    # The unsharded gradient buffer carries one presence flag per parameter after each rank's
+    # chunk (DBuffer's grad_shard_size): W x P more elements.
+    gathered_grads = [n * (layouts[id(u)].vescale.shard_size + len(u.params)) for u in order]
     vescale = MemoryBreakdown(
         sharded_params=shard * sharded_b,
         sharded_grads=shard * sharded_b,
         optimizer_state=math.ceil(max(vescale_optimizer_bytes_per_rank(spec, n, optimizer, block_rows))),
         unsharded_params=_adjacent_pair_peak(gathered) * compute_b,
-        unsharded_grads=max(gathered) * reduce_b + autograd_grads,
+        unsharded_grads=max(gathered_grads) * reduce_b + autograd_grads,
         comm_buffers=max(layouts[id(u)].vescale.shard_size for u in order) * compute_b if compute_b != sharded_b else 0,
         optimizer_transient=muon,
         activations=activation_bytes[0],
         activations_checkpointed=activation_bytes[1],
         padding_elements=sum(u.count * layouts[id(u)].vescale.padding for u in spec.units.units) // n,
         unsharded_params_buffer_peak=_adjacent_pair_peak(gathered) * compute_b,
-        unsharded_grads_buffer_peak=max(gathered) * reduce_b,
+        unsharded_grads_buffer_peak=max(gathered_grads) * reduce_b,
         largest_unsharded_bytes=max(gathered) * compute_b,
     )
 
