@@ -12,8 +12,10 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   random in-place initialisers, so sharded init draws exactly what the full tensor would.
 - ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
   ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
-- ``distribute_tensor`` (public, but placement handling is internal): ragged split. Both
-  it and ``redistribute_local_tensor`` are rebound in every module already imported.
+- ``distribute_tensor`` (public, but placement handling is internal): ragged split. It,
+  ``redistribute_local_tensor``, ``compute_local_shape_and_global_offset`` and
+  ``DTensor.from_local`` are redirected in place (``_redirect``: the function object's code
+  becomes a call to ours), so references taken before our import work too.
 - ``DTensor.from_local`` (public): validate a ragged layout and demand the global shape.
 - ``_utils.compute_local_shape_and_global_offset`` (private; bound by name in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
@@ -28,7 +30,7 @@ Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputShard
 from __future__ import annotations
 
 import math
-import sys
+import types
 from typing import Any, Sequence
 
 import torch
@@ -623,20 +625,30 @@ def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
 # --------------------------------------------------------------------------------------
 
 
-def _rebind_everywhere(original: Any, replacement: Any) -> None:
-    """Point every already-imported module's reference to ``original`` at ``replacement``.
+def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionType:
+    """Make ``original`` itself call ``replacement``; return an untouched copy of it.
 
-    torch modules (and user code) bind these functions by name at import time, e.g.
-    ``torch.distributed._state_dict_utils`` imports ``distribute_tensor``; rebinding them all
-    makes the result independent of import order.
+    torch modules and user code bind these functions by name (``from ... import
+    distribute_tensor``), some before ``vescale_plugins`` is imported. Rebinding names would
+    miss references taken earlier (locals, partials, other objects), so the function object
+    is changed instead: its code becomes a call to ``replacement``, and ``replacement``
+    calls the returned copy for what it leaves to torch. Import order no longer matters.
     """
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for name, value in list(namespace.items()):
-            if value is original:
-                namespace[name] = replacement
+    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__)
+    copy.__kwdefaults__ = original.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = original.__qualname__, original.__doc__, original.__module__
+    copy.__dict__.update(original.__dict__)
+    # The trampoline looks ``replacement`` up in the original's module globals, under a name
+    # no torch code uses.
+    name = f"_vescale_plugins_{original.__name__}"
+    original.__globals__[name] = replacement
+    namespace: dict[str, Any] = {}
+    exec(f"def trampoline(*args, **kwargs):\n    return {name}(*args, **kwargs)\n", {}, namespace)
+    original.__code__ = namespace["trampoline"].__code__
+    original.__defaults__ = None
+    original.__kwdefaults__ = None
+    original.__wrapped__ = copy  # inspect.signature shows the real signature
+    return copy
 
 
 def install() -> None:
@@ -646,25 +658,25 @@ def install() -> None:
     dispatcher_cls = dtensor_dispatch.OpDispatcher
     propagator_cls = type(DTensor._op_dispatcher.sharding_propagator)
     _ORIGINAL.update(
-        redistribute_local_tensor=dtensor_redistribute.redistribute_local_tensor,
         slow_path=dispatcher_cls._propagate_op_sharding_dispatch_slow_path,
         propagate_non_cached=propagator_cls.propagate_op_sharding_non_cached,
-        distribute_tensor=dtensor_api.distribute_tensor,
-        from_local=DTensor.from_local,
-        compute_local_shape_and_global_offset=dtensor_utils.compute_local_shape_and_global_offset,
         __create_write_items__=DTensor.__create_write_items__,
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
     )
-    _rebind_everywhere(_ORIGINAL["redistribute_local_tensor"], redistribute_local_tensor)
+    # Module-level functions (and from_local, a staticmethod) are redirected in place, so
+    # references taken before this import reach our code too.
+    _ORIGINAL["redistribute_local_tensor"] = _redirect(dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor)
+    _ORIGINAL["distribute_tensor"] = _redirect(dtensor_api.distribute_tensor, distribute_tensor)
+    _ORIGINAL["compute_local_shape_and_global_offset"] = _redirect(
+        dtensor_utils.compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
+    )
+    _ORIGINAL["from_local"] = _redirect(DTensor.__dict__["from_local"].__func__, from_local)
     dispatcher_cls._propagate_op_sharding_dispatch_slow_path = _propagate_op_sharding_dispatch_slow_path
     DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = _vector_norm_handler
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
     for op in _RANDOM_INPLACE:
         DTensor._op_dispatcher._custom_op_handlers[op] = _random_inplace_handler
-    _rebind_everywhere(_ORIGINAL["distribute_tensor"], distribute_tensor)
-    _rebind_everywhere(_ORIGINAL["compute_local_shape_and_global_offset"], compute_local_shape_and_global_offset)
-    DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard

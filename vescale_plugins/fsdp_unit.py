@@ -231,7 +231,7 @@ class FSDPUnit:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._modules_run:
             self._modules_run.add(id(module))
-            return args, kwargs
+            return self._cast_forward_inputs(args, kwargs)  # every module of a grouped unit
         self._modules_run.add(id(module))
         if self.root is None:
             self._lazy_init_as_root()
@@ -243,12 +243,18 @@ class FSDPUnit:
         self.use_unsharded_params()
         for unit in self._forward_prefetch_targets():
             unit.unshard(async_op=True)
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.is_grad_enabled():
             self._iteration.reduced = False
             self._iteration.pre_backward_done = False
             args, kwargs = self._attach_post_backward((args, kwargs))
+        return args, kwargs
+
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``MixedPrecisionPolicy(cast_forward_inputs=True)``: floating-point inputs to
+        ``param_dtype``, wherever they are nested (as FSDP2, see ``_cast_forward_inputs``)."""
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_forward_inputs(self.mp_policy.param_dtype, args, kwargs)
         return args, kwargs
 
     def _forward_prefetch_targets(self) -> list[FSDPUnit]:
@@ -521,6 +527,17 @@ def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> A
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def _cast_forward_inputs(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point tensors in ``args``/``kwargs`` to ``dtype``, reaching into lists, tuples,
+    dicts, namedtuples and dataclasses (torch's ``_apply_to_tensors``, which FSDP2 uses)."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
