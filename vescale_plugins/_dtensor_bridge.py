@@ -21,6 +21,10 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+- ``DTensor.__deepcopy__`` / ``__reduce_ex__`` (inherited from Tensor): torch tells a
+  wrapper subclass by ``data_ptr() == 0``, which a DTensor over a view at an offset (our
+  shards and their ``detach()``) misses; such a DTensor is copied/pickled through an
+  offset-0 twin over the same local tensor (``_dtensor_at_offset_zero``).
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
 ``_NormPartial``, the ``DTensor(local, spec, requires_grad=)`` constructor and
 ``DTensor._local_tensor`` (re-pointed by ``set_local_tensor``), and
@@ -617,7 +621,49 @@ def set_version_counter(tensor: torch.Tensor, version: int) -> None:
 def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=requires_grad)
+    return _dtensor_at_offset_zero(local, spec, requires_grad)
+
+
+def _dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """A DTensor over ``local`` whose wrapper has storage offset 0.
+
+    DTensor's wrapper copies its local tensor's storage offset, and torch's ``deepcopy`` and
+    pickling recognise a wrapper subclass by ``data_ptr() == 0``: over a view at an offset
+    (a slice of a DBuffer, or a ``detach()`` of one, as ``state_dict()`` returns), the
+    DTensor is taken for a tensor owning storage and copying or saving it fails. Built over
+    an alias of the same storage at offset 0 (no copy), then pointed at the real view.
+    """
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    alias = torch.empty(0, dtype=local.dtype, device=local.device).set_(local.untyped_storage(), 0, local.shape, local.stride())
+    dtensor = DTensor(alias, spec, requires_grad=requires_grad)
+    dtensor._local_tensor = local
+    return dtensor
+
+
+def _offset_free(self: DTensor) -> DTensor:
+    twin = _dtensor_at_offset_zero(self._local_tensor, self._spec, self.requires_grad)
+    if self.grad is not None:
+        twin.grad = self.grad
+    return twin
+
+
+def _dtensor_deepcopy(self: DTensor, memo: dict) -> DTensor:
+    """``copy.deepcopy`` of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0 or id(self) in memo or not self.is_leaf:
+        return _ORIGINAL["__deepcopy__"](self, memo)
+    twin = _offset_free(self)
+    result = _ORIGINAL["__deepcopy__"](twin, memo)
+    memo[id(self)] = result
+    memo.setdefault(id(memo), []).append(twin)  # as copy._keep_alive: the twin's id stays unique
+    return result
+
+
+def _dtensor_reduce_ex(self: DTensor, protocol: int) -> Any:
+    """Pickling (``torch.save``) of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0:
+        return _ORIGINAL["__reduce_ex__"](self, protocol)
+    return _ORIGINAL["__reduce_ex__"](_offset_free(self), protocol)
 
 
 # --------------------------------------------------------------------------------------
@@ -663,6 +709,8 @@ def install() -> None:
         __create_write_items__=DTensor.__create_write_items__,
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
+        __deepcopy__=DTensor.__deepcopy__,
+        __reduce_ex__=DTensor.__reduce_ex__,
     )
     # Module-level functions (and from_local, a staticmethod) are redirected in place, so
     # references taken before this import reach our code too.
@@ -680,3 +728,5 @@ def install() -> None:
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard
+    DTensor.__deepcopy__ = _dtensor_deepcopy
+    DTensor.__reduce_ex__ = _dtensor_reduce_ex
