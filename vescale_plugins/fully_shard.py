@@ -244,7 +244,8 @@ class VeScaleFSDPModule(FSDPModule):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
-        result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        # Past FSDPModule: its _apply reads FSDP2's private state.
+        result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]
         self._vescale_fsdp_unit.readopt_sharded_params()
         return result
 
