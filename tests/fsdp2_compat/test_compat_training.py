@@ -492,11 +492,19 @@ def _train_parity_with_activation_checkpointing(impl, reshard_after_forward, che
         check_sharded_parity(tc, ref_model, model, prefixes_to_ignore=prefixes_to_ignore)
 
 
-AC_RUNTIME = "issue 11 runtime: activation checkpointing leaves the unit unsharded with unreduced grads"
+AC_RUNTIME = (
+    "issue 11 runtime: with torch.utils.checkpoint or composable checkpoint in a unit, the unit's "
+    "parameters are left unsharded (plain tensors) after backward"
+)
+CHUNKED_HEAD = (
+    "issue 11 runtime: grouped unit fully_shard([norm, head]) with the head skipped in forward and "
+    "called per chunk: wrong head gradient / output_dtype not applied / DTensor params in forward"
+)
 
 
 @pytest.mark.parametrize("module_grouping", ["block", "mem_eff", "mem_eff_weight_tied"])
-@pytest.mark.parametrize("checkpoint_impl", ["composable", "utils", "wrapper"])
+@pytest.mark.parametrize("checkpoint_impl", [
+    pytest.param("composable", marks=vescale_xfail(AC_RUNTIME)), pytest.param("utils", marks=vescale_xfail(AC_RUNTIME)), "wrapper"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_train_parity_with_activation_checkpointing(dist_run, impl, reshard_after_forward, checkpoint_impl, module_grouping):
     dist_run(_train_parity_with_activation_checkpointing, 2, impl, reshard_after_forward, checkpoint_impl, module_grouping, timeout=T)
@@ -637,6 +645,7 @@ def _partial_group_forward_then_standalone(impl, reshard_after_forward, weight_t
                 tc.assertEqual(ug_p.to_local(), p.to_local(), msg=f"param {name}")
 
 
+@vescale_xfail(CHUNKED_HEAD)
 @pytest.mark.parametrize("mp_policy_mode", ["none", "bf16_everywhere", "bf16_inner_only"])
 @pytest.mark.parametrize("weight_tying", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
@@ -644,6 +653,7 @@ def test_partial_group_forward_then_standalone(dist_run, impl, reshard_after_for
     dist_run(_partial_group_forward_then_standalone, 2, impl, reshard_after_forward, weight_tying, mp_policy_mode, False, timeout=T)
 
 
+@vescale_xfail(CHUNKED_HEAD)
 def test_partial_group_forward_then_standalone_ac(dist_run, impl):
     dist_run(_partial_group_forward_then_standalone, 2, impl, True, False, "none", True, timeout=T)
 
@@ -690,6 +700,7 @@ def _partial_group_forward_grad_accum_chunked(impl, reshard_after_forward):
         tc.assertEqual(ref_p.grad.to_local(), p.grad.to_local(), msg=f"grad mismatch for {name}")
 
 
+@vescale_xfail(CHUNKED_HEAD)
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_partial_group_forward_grad_accum_chunked(dist_run, impl, reshard_after_forward):
     dist_run(_partial_group_forward_grad_accum_chunked, 2, impl, reshard_after_forward, timeout=T)
@@ -727,6 +738,7 @@ def _reset_iter_state_after_exception(impl):
         tc.assertIsNotNone(param.grad, f"grad None for {name} after reset")
 
 
+@vescale_xfail("issue 11 runtime: reset_iter_state() raises NotImplementedError")
 def test_reset_iter_state_after_exception(dist_run, impl):
     dist_run(_reset_iter_state_after_exception, 2, impl, timeout=T)
 
@@ -818,7 +830,7 @@ def _train_shared_params(impl, reshard_after_forward, use_activation_checkpointi
         tc.assertEqual(losses[0], losses[1])
 
 
-@pytest.mark.parametrize("use_activation_checkpointing", [False, True])
+@pytest.mark.parametrize("use_activation_checkpointing", [False, pytest.param(True, marks=vescale_xfail(AC_RUNTIME))])
 @pytest.mark.parametrize("reshard_after_forward", [False, True])
 def test_train_parity_with_shared_params(dist_run, impl, reshard_after_forward, use_activation_checkpointing):
     dist_run(_train_shared_params, 2, impl, reshard_after_forward, use_activation_checkpointing, timeout=T)
@@ -891,6 +903,10 @@ def _shared_params_separate_fsdp_groups_error(impl):
         model(ids)
 
 
+@vescale_xfail(
+    "issue 11 runtime: a weight tied across sibling units (fully_shard on each, then the root) is "
+    "silently untied; FSDP2 raises ValueError('... already managed by another ...') at the first forward"
+)
 def test_shared_params_separate_fsdp_groups_error(dist_run, impl):
     dist_run(_shared_params_separate_fsdp_groups_error, 2, impl, timeout=T)
 
@@ -997,8 +1013,11 @@ def _gradient_accumulation(impl, reshard_after_forward, mode, reshard_after_back
             expected_rs += (num_mlps - num_mlps_to_disable_reduce_scatter + 1) * (num_microbatches - 1)
         elif mode == "root_only":
             expected_rs += num_mlps * (num_microbatches - 1)
-        tc.assertEqual(reduce_scatter_count, expected_rs)
-        tc.assertEqual(all_reduce_count, 0)
+        # Which c10d ops carry the collectives is FSDP2's implementation (veScale's in-place
+        # DBuffer collectives are other ops): counted for torch only (README).
+        if impl == "torch":
+            tc.assertEqual(reduce_scatter_count, expected_rs)
+            tc.assertEqual(all_reduce_count, 0)
         expected_ag = num_mlps + 1
         if reshard_after_forward is not False:
             expected_ag += num_mlps + 1
@@ -1009,7 +1028,8 @@ def _gradient_accumulation(impl, reshard_after_forward, mode, reshard_after_back
             pass
         elif mode == "root_only":
             expected_ag += num_mlps * (num_microbatches - 1)
-        tc.assertEqual(all_gather_count, expected_ag)
+        if impl == "torch":
+            tc.assertEqual(all_gather_count, expected_ag)
         allreduce_avg_grads(ref_model)
         check_sharded_parity(tc, ref_model, model)
         for _optim in (optim, ref_optim):
