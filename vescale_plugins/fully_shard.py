@@ -425,8 +425,9 @@ def _validate(modules: list[nn.Module], reshard_after_forward: Any, shard_placem
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
-                f"fully_shard on an {type(m).__name__}: it has no forward, so no hook would ever "
-                "gather its parameters; shard each of its blocks, or pass them as a list"
+                f"fully_shard does not support containers that do not implement forward (got a "
+                f"{type(m).__name__}): no hook would ever gather its parameters; shard each of its "
+                "blocks, or pass them as a list"
             )
 
 

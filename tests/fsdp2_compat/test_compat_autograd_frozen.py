@@ -30,6 +30,10 @@ T = 180
 ISSUE15_INT = "issue 15: reshard_after_forward=int (resharding to a smaller group)"
 vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
 RAF = [True, False, pytest.param(2, marks=vescale_xfail(ISSUE15_INT))]
+AC_RUNTIME = (
+    "issue 11 runtime: with torch.utils.checkpoint or composable checkpoint in a unit, the unit's "
+    "parameters are left unsharded (plain tensors) after backward"
+)
 
 
 def _world(reshard_after_forward) -> int:
@@ -268,7 +272,7 @@ def _train_mixed_requires_grad_per_group(impl, reshard_after_forward, use_activa
 
 
 @pytest.mark.parametrize("freeze_after_init", [False, True])
-@pytest.mark.parametrize("use_activation_checkpointing", [False, True])
+@pytest.mark.parametrize("use_activation_checkpointing", [False, pytest.param(True, marks=vescale_xfail(AC_RUNTIME))])
 @pytest.mark.parametrize("reshard_after_forward", RAF)
 def test_train_mixed_requires_grad_per_group(dist_run, impl, reshard_after_forward, use_activation_checkpointing, freeze_after_init):
     dist_run(_train_mixed_requires_grad_per_group, _world(reshard_after_forward), impl, reshard_after_forward,

@@ -53,7 +53,10 @@ def _clip_grad_norm_1d(impl, norm_type):
         for ref_grad, param in zip(ref_grads, model.parameters()):
             tc.assertEqual(ref_grad, param.grad.full_tensor())
         tc.assertTrue(all(vector_norm_fn(g).item() > max_norm for g in ref_grads))
-        tc.assertTrue(all(vector_norm_fn(g).item() > max_norm for g in local_grads))
+        if impl == "torch":
+            # Every local shard above max_norm holds for FSDP2's even Shard(0) chunks only: a
+            # RaggedShard may give a rank a small or empty part of a tensor (README).
+            tc.assertTrue(all(vector_norm_fn(g).item() > max_norm for g in local_grads))
         ref_total_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=max_norm, norm_type=norm_type)
         comm_mode = CommDebugMode()
         with comm_mode:
@@ -65,6 +68,8 @@ def _clip_grad_norm_1d(impl, norm_type):
             if torch.count_nonzero(grad):
                 tc.assertFalse(torch.equal(param.grad, grad))
         for param, grad in zip(model.parameters(), local_grads):
+            if grad.numel() == 0:
+                continue  # nothing to clip here (never the case with FSDP2's layout)
             tc.assertTrue(vector_norm_fn(param.grad.to_local()).item() <= max_norm)
             if torch.count_nonzero(grad):
                 tc.assertFalse(torch.equal(param.grad.to_local(), grad))

@@ -21,9 +21,10 @@ from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs
 from ._compat import api, tc
 
 T = 180
+vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
 
 
-def _state_dict_save_load(model):
+def _state_dict_save_load(model, impl):
     rank = dist.get_rank()
     for name, param in model.named_parameters():
         tc.assertIsInstance(param, DTensor, f"{name} is {type(param)}")
@@ -41,7 +42,8 @@ def _state_dict_save_load(model):
     for name, tensor in state_dict.items():
         tc.assertTrue(isinstance(tensor, DTensor))
         if name_to_data_ptr[name] == 0:
-            tc.assertGreater(rank, 0)
+            if impl == "torch":  # only trailing ranks are empty under FSDP2's Shard(0) (README)
+                tc.assertGreater(rank, 0)
             tc.assertEqual(torch.count_nonzero(tensor.to_local()).item(), 0)
         else:
             tc.assertEqual(tensor.to_local().data_ptr(), name_to_data_ptr[name])
@@ -66,12 +68,12 @@ def _dp_state_dict_save_load(impl, mlp_dim):
     for module in model1:
         fully_shard_fn(module)
     fully_shard_fn(model1)
-    _state_dict_save_load(model1)
+    _state_dict_save_load(model1, impl)
     model2 = copy.deepcopy(base_model)
     for module in model2:
         fully_shard_fn(module, reshard_after_forward=False)
     fully_shard_fn(model2, reshard_after_forward=False)
-    _state_dict_save_load(model2)
+    _state_dict_save_load(model2, impl)
     ref_sharded_sd = model2.state_dict()
     model2(torch.randn((2, mlp_dim)))  # parameters are not resharded after this forward
     sharded_sd = model2.state_dict()
@@ -145,6 +147,7 @@ def _meta_load_state_dict_assign(impl):
         tc.assertEqual(dtensor.full_tensor(), full[name])
 
 
+@vescale_xfail("issue 11 runtime: load_state_dict(sd, assign=True) after meta init is ignored (parameters stay on meta)")
 def test_meta_load_state_dict_assign(dist_run, impl):
     dist_run(_meta_load_state_dict_assign, 2, impl, timeout=T)
 
