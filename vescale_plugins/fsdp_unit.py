@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.utils import _apply_to_tensors
 from torch.utils import _pytree as pytree
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
@@ -532,8 +533,6 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 def _cast_forward_inputs(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Floating-point tensors in ``args``/``kwargs`` to ``dtype``, reaching into lists, tuples,
     dicts, namedtuples and dataclasses (torch's ``_apply_to_tensors``, which FSDP2 uses)."""
-    from torch.distributed.utils import _apply_to_tensors
-
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
