@@ -110,6 +110,9 @@ def _surface():
     model.set_gradient_divide_factor(float(dist.get_world_size()))
     model(torch.randn(2, 8)).sum().backward()
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+    # nn.Module methods reach ours, never FSDPModule's (which reads FSDP2's private state).
+    model.to(torch.float64)
+    assert all(p.dtype == torch.float64 and p.to_local().dtype == torch.float64 for p in model.parameters())
     return outcome
 
 
