@@ -12,13 +12,19 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   random in-place initialisers, so sharded init draws exactly what the full tensor would.
 - ``_redistribute.redistribute_local_tensor`` (private; also bound by name in ``_api`` and
   ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and their backward.
-- ``distribute_tensor`` (public, but placement handling is internal): ragged split. Both
-  it and ``redistribute_local_tensor`` are rebound in every module already imported.
+- ``distribute_tensor`` (public, but placement handling is internal): ragged split. It,
+  ``redistribute_local_tensor``, ``compute_local_shape_and_global_offset`` and
+  ``DTensor.from_local`` are redirected in place (``_redirect``: the function object's code
+  becomes a call to ours), so references taken before our import work too.
 - ``DTensor.from_local`` (public): validate a ragged layout and demand the global shape.
 - ``_utils.compute_local_shape_and_global_offset`` (private; bound by name in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+- ``DTensor.__deepcopy__`` / ``__reduce_ex__`` (inherited from Tensor): torch tells a
+  wrapper subclass by ``data_ptr() == 0``, which a DTensor over a view at an offset (our
+  shards and their ``detach()``) misses; such a DTensor is copied/pickled through an
+  offset-0 twin over the same local tensor (``_dtensor_at_offset_zero``).
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
 ``_NormPartial``, the ``DTensor(local, spec, requires_grad=)`` constructor and
 ``DTensor._local_tensor`` (re-pointed by ``set_local_tensor``), and
@@ -28,7 +34,7 @@ Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputShard
 from __future__ import annotations
 
 import math
-import sys
+import types
 from typing import Any, Sequence
 
 import torch
@@ -649,7 +655,49 @@ def set_version_counter(tensor: torch.Tensor, version: int) -> None:
 def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], requires_grad: bool = False) -> DTensor:
     """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=requires_grad)
+    return _dtensor_at_offset_zero(local, spec, requires_grad)
+
+
+def _dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """A DTensor over ``local`` whose wrapper has storage offset 0.
+
+    DTensor's wrapper copies its local tensor's storage offset, and torch's ``deepcopy`` and
+    pickling recognise a wrapper subclass by ``data_ptr() == 0``: over a view at an offset
+    (a slice of a DBuffer, or a ``detach()`` of one, as ``state_dict()`` returns), the
+    DTensor is taken for a tensor owning storage and copying or saving it fails. Built over
+    an alias of the same storage at offset 0 (no copy), then pointed at the real view.
+    """
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    alias = torch.empty(0, dtype=local.dtype, device=local.device).set_(local.untyped_storage(), 0, local.shape, local.stride())
+    dtensor = DTensor(alias, spec, requires_grad=requires_grad)
+    dtensor._local_tensor = local
+    return dtensor
+
+
+def _offset_free(self: DTensor) -> DTensor:
+    twin = _dtensor_at_offset_zero(self._local_tensor, self._spec, self.requires_grad)
+    if self.grad is not None:
+        twin.grad = self.grad
+    return twin
+
+
+def _dtensor_deepcopy(self: DTensor, memo: dict) -> DTensor:
+    """``copy.deepcopy`` of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0 or id(self) in memo or not self.is_leaf:
+        return _ORIGINAL["__deepcopy__"](self, memo)
+    twin = _offset_free(self)
+    result = _ORIGINAL["__deepcopy__"](twin, memo)
+    memo[id(self)] = result
+    memo.setdefault(id(memo), []).append(twin)  # as copy._keep_alive: the twin's id stays unique
+    return result
+
+
+def _dtensor_reduce_ex(self: DTensor, protocol: int) -> Any:
+    """Pickling (``torch.save``) of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0:
+        return _ORIGINAL["__reduce_ex__"](self, protocol)
+    return _ORIGINAL["__reduce_ex__"](_offset_free(self), protocol)
 
 
 # --------------------------------------------------------------------------------------
@@ -657,20 +705,30 @@ def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
 # --------------------------------------------------------------------------------------
 
 
-def _rebind_everywhere(original: Any, replacement: Any) -> None:
-    """Point every already-imported module's reference to ``original`` at ``replacement``.
+def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionType:
+    """Make ``original`` itself call ``replacement``; return an untouched copy of it.
 
-    torch modules (and user code) bind these functions by name at import time, e.g.
-    ``torch.distributed._state_dict_utils`` imports ``distribute_tensor``; rebinding them all
-    makes the result independent of import order.
+    torch modules and user code bind these functions by name (``from ... import
+    distribute_tensor``), some before ``vescale_plugins`` is imported. Rebinding names would
+    miss references taken earlier (locals, partials, other objects), so the function object
+    is changed instead: its code becomes a call to ``replacement``, and ``replacement``
+    calls the returned copy for what it leaves to torch. Import order no longer matters.
     """
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not namespace:
-            continue
-        for name, value in list(namespace.items()):
-            if value is original:
-                namespace[name] = replacement
+    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__)
+    copy.__kwdefaults__ = original.__kwdefaults__
+    copy.__qualname__, copy.__doc__, copy.__module__ = original.__qualname__, original.__doc__, original.__module__
+    copy.__dict__.update(original.__dict__)
+    # The trampoline looks ``replacement`` up in the original's module globals, under a name
+    # no torch code uses.
+    name = f"_vescale_plugins_{original.__name__}"
+    original.__globals__[name] = replacement
+    namespace: dict[str, Any] = {}
+    exec(f"def trampoline(*args, **kwargs):\n    return {name}(*args, **kwargs)\n", {}, namespace)
+    original.__code__ = namespace["trampoline"].__code__
+    original.__defaults__ = None
+    original.__kwdefaults__ = None
+    original.__wrapped__ = copy  # inspect.signature shows the real signature
+    return copy
 
 
 def install() -> None:
@@ -680,25 +738,29 @@ def install() -> None:
     dispatcher_cls = dtensor_dispatch.OpDispatcher
     propagator_cls = type(DTensor._op_dispatcher.sharding_propagator)
     _ORIGINAL.update(
-        redistribute_local_tensor=dtensor_redistribute.redistribute_local_tensor,
         slow_path=dispatcher_cls._propagate_op_sharding_dispatch_slow_path,
         propagate_non_cached=propagator_cls.propagate_op_sharding_non_cached,
-        distribute_tensor=dtensor_api.distribute_tensor,
-        from_local=DTensor.from_local,
-        compute_local_shape_and_global_offset=dtensor_utils.compute_local_shape_and_global_offset,
         __create_write_items__=DTensor.__create_write_items__,
         __create_chunk_list__=DTensor.__create_chunk_list__,
         __get_tensor_shard__=DTensor.__get_tensor_shard__,
+        __deepcopy__=DTensor.__deepcopy__,
+        __reduce_ex__=DTensor.__reduce_ex__,
     )
-    _rebind_everywhere(_ORIGINAL["redistribute_local_tensor"], redistribute_local_tensor)
+    # Module-level functions (and from_local, a staticmethod) are redirected in place, so
+    # references taken before this import reach our code too.
+    _ORIGINAL["redistribute_local_tensor"] = _redirect(dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor)
+    _ORIGINAL["distribute_tensor"] = _redirect(dtensor_api.distribute_tensor, distribute_tensor)
+    _ORIGINAL["compute_local_shape_and_global_offset"] = _redirect(
+        dtensor_utils.compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
+    )
+    _ORIGINAL["from_local"] = _redirect(DTensor.__dict__["from_local"].__func__, from_local)
     dispatcher_cls._propagate_op_sharding_dispatch_slow_path = _propagate_op_sharding_dispatch_slow_path
     DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = _vector_norm_handler
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = _foreach_norm_handler
     for op in _RANDOM_INPLACE:
         DTensor._op_dispatcher._custom_op_handlers[op] = _random_inplace_handler
-    _rebind_everywhere(_ORIGINAL["distribute_tensor"], distribute_tensor)
-    _rebind_everywhere(_ORIGINAL["compute_local_shape_and_global_offset"], compute_local_shape_and_global_offset)
-    DTensor.from_local = staticmethod(from_local)
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard
+    DTensor.__deepcopy__ = _dtensor_deepcopy
+    DTensor.__reduce_ex__ = _dtensor_reduce_ex

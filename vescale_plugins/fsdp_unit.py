@@ -303,7 +303,7 @@ class FSDPUnit:
             return self._cast_forward_inputs(args, kwargs)
         if self._modules_run:
             self._modules_run.add(id(module))
-            return args, kwargs
+            return self._cast_forward_inputs(args, kwargs)  # every module of a grouped unit
         self._modules_run.add(id(module))
         if self.root is None:
             self._lazy_init_as_root()
@@ -323,6 +323,8 @@ class FSDPUnit:
         return args, kwargs
 
     def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``MixedPrecisionPolicy(cast_forward_inputs=True)``: floating-point inputs to
+        ``param_dtype``, wherever they are nested (as FSDP2: lists, dicts, dataclasses)."""
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             return _cast_floating((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs

@@ -12,7 +12,8 @@ from typing import Any, Callable, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -24,19 +25,62 @@ __all__ = ["fully_shard", "VeScaleFSDPModule", "UnshardHandle", "register_fsdp_f
 BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
 
 
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` blocks until the parameters are full."""
+class UnshardHandle(_TorchUnshardHandle):
+    """Returned by ``unshard(async_op=True)``, as FSDP2's: ``wait()`` blocks until the
+    all-gather is done and registers the unsharded parameters; waiting is optional (the
+    unit's next forward waits for it) and a second ``wait()`` does nothing."""
 
     def __init__(self, unit: FSDPUnit) -> None:
-        self._unit = unit
+        self._unit: FSDPUnit | None = unit
 
     def wait(self) -> None:
-        self._unit.use_unsharded_params()
+        if self._unit is not None:
+            if self._unit._pending_unshard:  # not yet waited for (nor resharded) elsewhere
+                self._unit.use_unsharded_params()
+            self._unit = None  # as FSDP2: keep no reference after waiting
 
 
-class VeScaleFSDPModule:
-    """Mixed into every module ``fully_shard`` manages (FSDP2's ``FSDPModule`` methods)."""
+class _FSDPStateAdapter:
+    """What ``_get_fsdp_state()`` returns for our modules: FSDP2's private state object is
+    reached by torch's own helpers (``torch.distributed.fsdp.register_fsdp_forward_method``,
+    which transformers' Trainer calls for ``generate``); its forward hooks are provided,
+    anything else raises naming what to use instead."""
 
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _unit_of(module).pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return _unit_of(module).post_forward(module, output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(
+            f"FSDP2's private state attribute {name!r} does not exist on a module managed by "
+            "vescale_plugins.fully_shard; use the public FSDPModule methods"
+        )
+
+
+def _refuse_deepcopy(*args: Any, **kwargs: Any) -> Any:
+    # FSDP2 raises the same error (an AssertionError) for its modules.
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization "
+        "(vescale_plugins.fully_shard manages this module)."
+    )
+
+
+class VeScaleFSDPModule(FSDPModule):
+    """Mixed into every module ``fully_shard`` manages: FSDP2's ``FSDPModule`` methods.
+
+    It subclasses torch's ``FSDPModule`` so ``isinstance(m, FSDPModule)`` checks (Accelerate,
+    transformers, Lightning, user code) see a managed module; every public method of
+    FSDPModule is overridden here, so none of FSDP2's internals run on our modules.
+    """
+
+    # FSDPModule.__new__ builds the original class, found at this index of the MRO:
+    # [VeScaleFSDP<Orig>, VeScaleFSDPModule, FSDPModule, Orig, ...].
+    _orig_cls_mro_index: int = 3
     _vescale_fsdp_unit: FSDPUnit
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -51,6 +95,88 @@ class VeScaleFSDPModule:
     def reshard(self) -> None:
         """Free this unit's unsharded parameters; the sharded ones are registered again."""
         self._vescale_fsdp_unit.reshard()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_all_gather: veScale-FSDP all-gathers its DBuffers in place and takes no "
+            "custom all-gather; use torch.distributed.fsdp.fully_shard for custom collectives"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: veScale-FSDP reduce-scatters its gradient DBuffers itself "
+            "and takes no custom reduce-scatter; use torch.distributed.fsdp.fully_shard for that"
+        )
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        raise NotImplementedError(
+            "set_all_reduce_hook is not supported by vescale_plugins.fully_shard yet; reduce the "
+            "sharded gradients (param.grad) after backward instead"
+        )
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """FSDP2 makes the next all-gathers wait for ``event``; ours waits for it here (on the
+        host), which orders them after the optimizer step just the same."""
+        event.synchronize()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2: use :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Already so: veScale-FSDP always reduces with SUM and divides once afterwards."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Already so: every unit that ran backward reduce-scatters all its parameters, with
+        zeros where no gradient arrived, so the collectives always match across ranks."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Validated as FSDP2 does; veScale-FSDP keeps one reduce-scatter in flight (FSDP2's
+        default, 1), so only 1 is accepted."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        if max_input_buffers > 1:
+            raise NotImplementedError(
+                f"set_reduce_scatter_max_input_buffers({max_input_buffers}): veScale-FSDP keeps one "
+                "reduce-scatter in flight; use 1 (the default)"
+            )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        if enable:
+            raise NotImplementedError(
+                "set_separate_reduce_scatter_group(True): veScale-FSDP issues reduce-scatters on "
+                "the unit's own process group; leave it off"
+            )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """A memory hint in FSDP2 (skip the backward all-gather of a unit whose parameters
+        backward does not read, e.g. an embedding). veScale-FSDP gathers anyway, which gives
+        the same gradients; the value is validated and kept."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
+        self._vescale_fsdp_unit.unshard_in_backward = unshard_in_backward
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): veScale-FSDP communicates "
+                "from its persistent DBuffers, not process-group staging buffers; leave it off"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: symmetric-memory all-gathers are not supported by "
+            "vescale_plugins.fully_shard; use torch.distributed.fsdp.fully_shard for them"
+        )
+
+    def _get_fsdp_state(self) -> _FSDPStateAdapter:
+        return _FSDPStateAdapter(self)  # type: ignore[arg-type]
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         return _iter_units([self]) if recurse else [self._vescale_fsdp_unit]
@@ -102,6 +228,8 @@ class VeScaleFSDPModule:
         """HSDP: with ``False``, backward reduce-scatters within the shard group but does not
         all-reduce across replicas; the sums wait (no gradient is attached) until a backward
         with ``True`` all-reduces them with its own, as FSDP2. No effect on a 1-D mesh."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
         for unit in self._units(recurse):
             unit.requires_all_reduce = requires_all_reduce
 
@@ -118,7 +246,8 @@ class VeScaleFSDPModule:
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
-        result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        # Past FSDPModule: its _apply reads FSDP2's private state.
+        result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]
         self._vescale_fsdp_unit.readopt_sharded_params()
         return result
 
@@ -128,7 +257,7 @@ _CLASS_CACHE: dict[type, type] = {}
 
 def _fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {})
+        _CLASS_CACHE[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
     return _CLASS_CACHE[cls]
 
 
@@ -296,6 +425,7 @@ def fully_shard(
                 "module that contains every user of them"
             )
         _refuse_parameters_of_sibling_units(modules, params)
+        _refuse_tensor_extensions(params)
         return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
 
     # Ranks that plan differently (or fail on some ranks only) all raise here, before any collective.
@@ -316,6 +446,23 @@ def fully_shard(
     return module
 
 
+_TENSOR_EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _refuse_tensor_extensions(params: list[tuple[str, Any, nn.Parameter]]) -> None:
+    """FSDP2's tensor-subclass all-gather extensions (e.g. float8 all-gather) would be
+    ignored by our DBuffer all-gather, silently changing what is communicated: refuse."""
+    for fqn, _, param in params:
+        hooks = [h for h in _TENSOR_EXTENSION_HOOKS if hasattr(param, h)]
+        if hooks:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a {type(param).__name__} with FSDP2 all-gather extensions "
+                f"({', '.join(hooks)}); vescale_plugins.fully_shard does not run them. Use "
+                "torch.distributed.fsdp.fully_shard for this model, or keep the parameter a plain "
+                "tensor (e.g. float8 training without float8 all-gather)"
+            )
+
+
 def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
     _check_reshard_after_forward(reshard_after_forward)
     if dp_mesh_dims is not None:
@@ -330,8 +477,9 @@ def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_poli
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
-                f"fully_shard on an {type(m).__name__}: it has no forward, so no hook would ever "
-                "gather its parameters; shard each of its blocks, or pass them as a list"
+                f"fully_shard does not support containers that do not implement forward (got a "
+                f"{type(m).__name__}): no hook would ever gather its parameters; shard each of its "
+                "blocks, or pass them as a list"
             )
 
 

@@ -65,6 +65,17 @@ class RaggedShard(Placement):
     def __hash__(self) -> int:
         return hash((RaggedShard, self.dims, self.local_units))
 
+    def __reduce__(self) -> tuple:
+        # The C++ base has no pickle support; rebuild from the arguments (torch.save of a
+        # state dict with DTensors, copy.deepcopy of a placement or a DTensor spec).
+        return (RaggedShard, (self.dims, self.local_units))
+
+    def __deepcopy__(self, memo: dict) -> "RaggedShard":
+        return RaggedShard(self.dims, self.local_units)
+
+    def __copy__(self) -> "RaggedShard":
+        return RaggedShard(self.dims, self.local_units)
+
     def __repr__(self) -> str:
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
 
