@@ -211,9 +211,13 @@ class FSDPUnit:
             return m.sharded
         if self.dbuffers[m.buffer_index].sharded.device.type == "meta":
             # Assigned over a meta-initialised unit: its buffer moves to the value's device
-            # (what to_empty would do); the other parameters wait for their own values.
+            # (what to_empty would do; new DTensors, as to_empty makes, since a DTensor's
+            # device is fixed); the other parameters wait for their own values.
             for member in self._members[m.buffer_index]:
-                set_local_tensor(member.sharded, torch.empty(member.sharded._local_tensor.shape, dtype=member.sharded.dtype, device=value.device))
+                old = member.sharded
+                local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=value.device)
+                member.sharded = nn.Parameter(make_dtensor(local, self.mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+                member.register(member.sharded)
             self.readopt_sharded_params()
         dbuffer = self.dbuffers[m.buffer_index]
         slot = dbuffer.slots[m.slot_index]
@@ -354,7 +358,7 @@ class FSDPUnit:
         if self._iteration.pre_backward_done:
             return self._cast_output(output)  # a recomputation (see pre_forward)
         if len(self._modules_run) < len(self.modules):
-            return output
+            return self._cast_output(output)  # each module of a grouped unit, as FSDP2
         output = self._complete_forward(output)
         if self.root is self:
             output = self._complete_partial_forwards(output)

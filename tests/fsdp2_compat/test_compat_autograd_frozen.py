@@ -27,13 +27,8 @@ from torch.testing._internal.common_fsdp import MLP, DoubleLinear, check_sharded
 from ._compat import api, tc
 
 T = 180
-ISSUE15_INT = "issue 15: reshard_after_forward=int (resharding to a smaller group)"
 vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
-RAF = [True, False, pytest.param(2, marks=vescale_xfail(ISSUE15_INT))]
-AC_RUNTIME = (
-    "issue 11 runtime: with torch.utils.checkpoint or composable checkpoint in a unit, the unit's "
-    "parameters are left unsharded (plain tensors) after backward"
-)
+RAF = [True, False, 2]
 
 
 def _world(reshard_after_forward) -> int:
@@ -272,7 +267,7 @@ def _train_mixed_requires_grad_per_group(impl, reshard_after_forward, use_activa
 
 
 @pytest.mark.parametrize("freeze_after_init", [False, True])
-@pytest.mark.parametrize("use_activation_checkpointing", [False, pytest.param(True, marks=vescale_xfail(AC_RUNTIME))])
+@pytest.mark.parametrize("use_activation_checkpointing", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", RAF)
 def test_train_mixed_requires_grad_per_group(dist_run, impl, reshard_after_forward, use_activation_checkpointing, freeze_after_init):
     dist_run(_train_mixed_requires_grad_per_group, _world(reshard_after_forward), impl, reshard_after_forward,

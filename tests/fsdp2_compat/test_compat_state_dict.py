@@ -147,7 +147,6 @@ def _meta_load_state_dict_assign(impl):
         tc.assertEqual(dtensor.full_tensor(), full[name])
 
 
-@vescale_xfail("issue 11 runtime: load_state_dict(sd, assign=True) after meta init is ignored (parameters stay on meta)")
 def test_meta_load_state_dict_assign(dist_run, impl):
     dist_run(_meta_load_state_dict_assign, 2, impl, timeout=T)
 
