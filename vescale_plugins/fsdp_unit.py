@@ -12,6 +12,7 @@ reduce-scatter per DBuffer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.utils import _apply_to_tensors
+from torch.utils import _pytree as pytree
 
 from ._dtensor_bridge import make_dtensor, set_local_tensor
 from .dbuffer import DBuffer, GatherHandle, ReduceScatterHandle
@@ -421,12 +423,13 @@ class FSDPUnit:
 
     def _attach_post_backward(self, inputs: Any) -> Any:
         tensors = _tensors_requiring_grad(inputs)
-        if not tensors:
+        if not tensors or torch._C._are_functorch_transforms_active():
+            # (under torch.func transforms the final callback reduces the unit instead)
             return inputs
         self._iteration.pending_post_backward += 1
         outs = _PostBackward.apply(self, *tensors)
         replacements = iter(outs if isinstance(outs, tuple) else (outs,))
-        return _apply_to_tensors(lambda t: next(replacements) if t.requires_grad else t, inputs)
+        return _map_grad_tensors(inputs, lambda t: next(replacements))
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         if self._iteration.pre_backward_done:
@@ -663,12 +666,9 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(unit: FSDPUnit, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, unit: FSDPUnit, *inputs: torch.Tensor) -> Any:
+        ctx.unit = unit
         return inputs if len(inputs) > 1 else inputs[0]
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.unit = inputs[0]  # (the separate setup_context lets torch.func transforms run it)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -711,12 +711,24 @@ def _run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:
                 hook(m.sharded)
 
 
+def _map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor that requires grad in a module's inputs or outputs:
+    pytree containers (tuples, lists, dicts, named tuples, Hugging Face's ``ModelOutput``) and
+    dataclasses, which pytree leaves whole (FSDP2 traverses them too)."""
+    flat, spec = pytree.tree_flatten(tree)
+    for i, leaf in enumerate(flat):
+        if torch.is_tensor(leaf):
+            if leaf.requires_grad:
+                flat[i] = fn(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = {f.name: _map_grad_tensors(getattr(leaf, f.name), fn) for f in dataclasses.fields(leaf) if f.init}
+            flat[i] = dataclasses.replace(leaf, **fields)
+    return pytree.tree_unflatten(flat, spec)
+
+
 def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
-    """The tensors that require grad in a module's inputs or outputs, in traversal order:
-    tuples, lists, dicts, named tuples and dataclasses (Hugging Face's ``ModelOutput``), as
-    FSDP2 traverses them."""
     found: list[torch.Tensor] = []
-    _apply_to_tensors(lambda t: (found.append(t) if t.requires_grad else None) or t, tree)
+    _map_grad_tensors(tree, lambda t: found.append(t) or t)
     return found
 
 
