@@ -39,6 +39,7 @@ from vescale_plugins.planner.baselines import (  # noqa: E402
     megatron_fsdp_padding,
 )
 from vescale_plugins.planner.exact import exact_min_shard_size  # noqa: E402
+from vescale_plugins.planner.split_bounds import split_padding_lower_bound  # noqa: E402
 
 WORLD_SIZES = (8, 64, 256, 1024, 8192)
 GRANULARITIES = (1, 16, 128)
@@ -127,6 +128,18 @@ def split(model: ModelUnits, world_size: int, rows: int) -> Split:
     return cell
 
 
+def split_bound_percent(model: ModelUnits, world_size: int, rows: int) -> float:
+    """The least padding % any split into at most 4 buffers per unit can have
+    (``split_padding_lower_bound``, summed over the model's units)."""
+    payload = bound = 0
+    for unit in model.units:
+        numels, blocks = unit_problem(unit, rows)
+        payload += unit.count * sum(numels)
+        bound += unit.count * split_padding_lower_bound(
+            numels, blocks, world_size, max_buffers=SPLIT_BUDGETS[-1])
+    return 100 * bound / payload
+
+
 def single_buffer_table(rows: int, cells: dict) -> list[str]:
     lines = [
         f"### Single buffer per unit, {rows}-row blocks",
@@ -184,10 +197,21 @@ def target_lines(singles: dict, splits: dict) -> list[str]:
                  if key[0] == rows and 100 * c.by_budget[-1] < c.payload]
         cells = [key for key in splits if key[0] == rows]
         missed = sorted(set(cells) - set(below), key=lambda k: (k[1], k[2]))
+        proven = {key: split_bound_percent(CATALOG[key[1]], key[2], rows) for key in missed}
+        out_of_reach = [key for key in missed if proven[key] >= 1.0]
+        open_cells = [key for key in missed if proven[key] < 1.0]
         lines.append(
             f"- Splitting, {rows}-row blocks: below 1 % with at most {SPLIT_BUDGETS[-1]} "
-            f"buffers per unit in {len(below)}/{len(cells)} cells; missed: "
-            + (", ".join(f"{m} W={w}" for _, m, w in missed) or "none") + "."
+            f"buffers per unit in {len(below)}/{len(cells)} cells. Proven out of reach for "
+            f"any split into at most {SPLIT_BUDGETS[-1]} buffers (bound on the padding, "
+            f"planned %): "
+            + (", ".join(f"{m} W={w} (>= {proven[r, m, w]:.2f} %, "
+                         f"{percent(splits[r, m, w].by_budget[-1], splits[r, m, w].payload)} %)"
+                         for r, m, w in out_of_reach) or "none")
+            + ". Open (neither reached nor proven; bound, planned %): "
+            + (", ".join(f"{m} W={w} ({proven[r, m, w]:.2f} %, "
+                         f"{percent(splits[r, m, w].by_budget[-1], splits[r, m, w].payload)} %)"
+                         for r, m, w in open_cells) or "none") + "."
         )
     return lines + [""]
 

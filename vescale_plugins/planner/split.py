@@ -27,12 +27,14 @@ Defaults: 20 us per collective (NCCL all-gather latency at scale is tens of micr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .bounds import padding_lower_bound
 from .layout import Layout, check_plan_inputs
 from .search import plan_layout
+from .split_bounds import least_bound_partitions
 
 __all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
 
@@ -41,6 +43,20 @@ MAX_ATOMS = 8
 # Stop once the best planned partition pads at most this fraction of the payload more than
 # the best any partition could (by the bounds of the subsets not yet planned).
 PARTITION_TOLERANCE = 1e-4
+# Finer atoms (splitting block-size classes) are searched, for budgets up to
+# FINE_MAX_BUFFERS, only where whole classes leave more padding than this fraction of the
+# payload: elsewhere there is little to gain, and the search costs planning more subsets.
+FINE_SEARCH_ABOVE = 0.01
+FINE_MAX_BUFFERS = 4
+# The lazy search over fine atoms stops within this fraction of the payload of its optimum
+# (it plans subsets of hundreds of tensors in MoE units; 0.1 % is what the targets need).
+FINE_TOLERANCE = 1e-3
+# ... and stops refining once it has planned this many subsets (deterministic, unlike a
+# time limit): what keeps MoE units at W in the thousands to a second.
+FINE_MAX_PLANS = 24
+# Tensors that together hold at most this fraction of the payload (norms, biases) form one
+# fine atom.
+TINY_FRACTION = 1e-3
 
 
 @dataclass(frozen=True)
@@ -132,27 +148,72 @@ def unit_plan_options(
     """Least-padding plans by buffer budget: ``result[k]`` uses at most ``k + 1`` buffers.
 
     One entry per atom count (module docstring); padding never increases along the tuple.
+    Where whole block-size classes leave more than ``FINE_SEARCH_ABOVE`` of the payload as
+    padding, budgets up to ``FINE_MAX_BUFFERS`` are searched again over finer atoms
+    (:func:`_fine_atoms`) and the better plan of the two is kept.
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
-    search = _PartitionSearch(numels, block_sizes, world_size, alignment)
+    return _unit_plan_options(numels, block_sizes, world_size, alignment)
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_plan_options(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
+                       alignment: int) -> tuple[UnitPlan, ...]:
+    """:func:`unit_plan_options` on validated input, cached (plans are immutable)."""
+    coarse = _PartitionSearch(numels, block_sizes, world_size, alignment,
+                              _merge_lightest(_classes(block_sizes), numels))
+    plans = [coarse.best_plan(parts) for parts in range(1, len(coarse.atoms) + 1)]
+    payload = sum(numels)
+    if min(p.padding for p in plans[:FINE_MAX_BUFFERS]) > FINE_SEARCH_ABOVE * payload:
+        _improve_by_splitting_classes(plans, numels, block_sizes, world_size, alignment)
     best: UnitPlan | None = None
     options = []
-    for parts in range(1, len(search.atoms) + 1):
-        plan = search.best_plan(parts)
+    for plan in plans:
         if best is None or plan.padding < best.padding:
             best = plan
         options.append(best)
     return tuple(options)
 
 
+def _improve_by_splitting_classes(plans: list[UnitPlan], numels: tuple[int, ...],
+                                  block_sizes: tuple[int, ...], world_size: int,
+                                  alignment: int) -> None:
+    """Replace ``plans[k - 1]`` (``k <= FINE_MAX_BUFFERS``) by better plans that split
+    block-size classes: first the partitions whose bounds sum to the least, then, for
+    budgets those do not settle (planned above the bound on every split), the lazy search
+    over :func:`_fine_atoms` (to within ``FINE_TOLERANCE``)."""
+    def offer(plan: UnitPlan) -> None:
+        parts = len(plan.buffers)
+        while parts > len(plans):
+            plans.append(plans[-1])
+        if plan.padding < plans[parts - 1].padding:
+            plans[parts - 1] = plan
+
+    tolerance = int(PARTITION_TOLERANCE * sum(numels))
+    bounds = {}
+    for budget, bound, plan in _bound_guided_plans(numels, block_sizes, world_size, alignment):
+        offer(plan)
+        bounds[budget] = bound
+    atoms = _fine_atoms(numels, block_sizes)
+    unsettled = [k for k in range(2, min(FINE_MAX_BUFFERS, len(atoms)) + 1)
+                 if k not in bounds or min(p.padding for p in plans[:k]) > bounds[k] + tolerance]
+    if unsettled and sorted(atoms) != sorted(_merge_lightest(_classes(block_sizes), numels)):
+        fine = _PartitionSearch(numels, block_sizes, world_size, alignment, atoms,
+                                tolerance=FINE_TOLERANCE, max_plans=FINE_MAX_PLANS)
+        for parts in unsettled:
+            offer(fine.best_plan(parts))
+
+
 class _PartitionSearch:
     """Lazy exact search over partitions of the atoms (module docstring)."""
 
     def __init__(self, numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
-                 alignment: int):
+                 alignment: int, atoms: list[tuple[int, ...]],
+                 tolerance: float = PARTITION_TOLERANCE, max_plans: int | None = None):
+        self.tolerance, self.max_plans = tolerance, max_plans
         self.numels, self.block_sizes = numels, block_sizes
         self.world_size, self.alignment = world_size, alignment
-        self.atoms = _atoms(numels, block_sizes)
+        self.atoms = atoms
         self._planned: dict[int, Layout] = {}
         self._bounds: dict[int, int] = {}
 
@@ -163,9 +224,10 @@ class _PartitionSearch:
 
     def best_plan(self, parts: int) -> UnitPlan:
         """The least-padding partition into exactly ``parts`` buffers (to within
-        ``PARTITION_TOLERANCE``), every buffer planned."""
+        ``tolerance``), every buffer planned; once ``max_plans`` subsets have been planned
+        (over all calls), the best partition planned so far."""
         full = (1 << len(self.atoms)) - 1
-        tolerance = int(PARTITION_TOLERANCE * sum(self.numels))
+        tolerance = int(self.tolerance * sum(self.numels))
         best_planned: tuple[int, list[int]] | None = None
         while True:
             optimistic, partition = _best_partition(full, parts, self._padding)
@@ -174,7 +236,8 @@ class _PartitionSearch:
             actual = sum(self._planned[mask].padding for mask in partition)
             if best_planned is None or actual < best_planned[0]:
                 best_planned = (actual, partition)
-            if best_planned[0] - optimistic <= tolerance:
+            if best_planned[0] - optimistic <= tolerance or (
+                    self.max_plans is not None and len(self._planned) >= self.max_plans):
                 return self._unit_plan(best_planned[1])
 
     def _plan(self, mask: int) -> None:
@@ -210,12 +273,103 @@ class _PartitionSearch:
         )
 
 
-def _atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Block-size classes in order of first appearance; the lightest merged past MAX_ATOMS."""
+def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...],
+                        world_size: int, alignment: int) -> list[tuple[int, int, UnitPlan]]:
+    """``(budget, bound, plan)`` for budgets 2 to ``FINE_MAX_BUFFERS``: the bound on any
+    split and the plan of a partition whose part bounds sum to the least
+    (:func:`.split_bounds.least_bound_partitions`); each part is planned, and the tiny
+    tensors join the part where they add the least padding. Empty where that search is
+    too large."""
+    found = least_bound_partitions(numels, block_sizes, world_size, alignment, FINE_MAX_BUFFERS)
+    if found is None:
+        return []
+    tiny, partitions = found
+    results = []
+    for budget, (bound, partition) in enumerate(partitions[1:], start=2):
+        parts = [list(part) for part in partition]
+        if tiny and not parts:
+            parts = [list(tiny)]
+        elif tiny:
+            def padding_with_tiny(k: int) -> int:
+                joined = sorted(parts[k] + list(tiny))
+                return (_layout(numels, block_sizes, joined, world_size, alignment).padding
+                        - _layout(numels, block_sizes, parts[k], world_size, alignment).padding)
+            host = min(range(len(parts)), key=padding_with_tiny)
+            parts[host] = sorted(parts[host] + list(tiny))
+        results.append((budget, bound, _assemble(numels, block_sizes, [tuple(p) for p in parts],
+                                                 world_size, alignment)))
+    return results
+
+
+def _layout(numels, block_sizes, members, world_size, alignment) -> Layout:
+    return plan_layout([numels[i] for i in members], [block_sizes[i] for i in members],
+                       world_size, alignment=alignment)
+
+
+def _assemble(numels, block_sizes, parts: list[tuple[int, ...]], world_size: int,
+              alignment: int) -> UnitPlan:
+    """A :class:`UnitPlan` of the given parts, buffers ordered by their first tensor."""
+    groups = sorted(tuple(sorted(part)) for part in parts if part)
+    buffer_of, slot_of = [0] * len(numels), [0] * len(numels)
+    for buffer, members in enumerate(groups):
+        for slot, index in enumerate(members):
+            buffer_of[index], slot_of[index] = buffer, slot
+    return UnitPlan(
+        tuple(_layout(numels, block_sizes, members, world_size, alignment) for members in groups),
+        tuple(groups), tuple(buffer_of), tuple(slot_of),
+    )
+
+
+def _classes(block_sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Block-size classes in order of first appearance."""
     classes: dict[int, list[int]] = {}
     for index, block in enumerate(block_sizes):
         classes.setdefault(block, []).append(index)
-    atoms = [tuple(members) for members in classes.values()]
+    return [tuple(members) for members in classes.values()]
+
+
+def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Atoms that split block-size classes, for units the classes leave padded.
+
+    Where a tensor has few blocks per rank, whole classes cannot make every buffer's
+    payload a whole number of blocks per rank; moving single tensors between buffers can
+    (Llama-3-8B at W=256, 16-row blocks: ``down`` with ``gate`` alone packs exactly, two
+    ``down`` blocks or seven ``gate`` blocks per rank, while no split of whole classes pads
+    under 3.8 %). Tiny tensors (together at most ``TINY_FRACTION`` of the payload: norms,
+    biases) form one atom. The rest: one atom per tensor when at most ``MAX_ATOMS`` - 1
+    remain; else per kind of identical tensors (numel, block size), a kind of several
+    tensors as one tensor plus the others, so that a buffer can take one of them. The
+    lightest atoms are merged past ``MAX_ATOMS``.
+    """
+    tiny = _tiny_tensors(numels)
+    rest = [i for i in range(len(numels)) if i not in tiny]
+    if len(rest) <= MAX_ATOMS - (1 if tiny else 0):
+        atoms = [(i,) for i in rest]
+    else:
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for index in rest:
+            kinds.setdefault((numels[index], block_sizes[index]), []).append(index)
+        atoms = []
+        for members in kinds.values():
+            atoms += [tuple(members)] if len(members) == 1 else [(members[0],), tuple(members[1:])]
+    if tiny:
+        atoms.append(tuple(sorted(tiny)))
+    return _merge_lightest(sorted(atoms), numels)
+
+
+def _tiny_tensors(numels: tuple[int, ...]) -> set[int]:
+    """The smallest tensors whose elements sum to at most ``TINY_FRACTION`` of the payload."""
+    budget, tiny = TINY_FRACTION * sum(numels), set()
+    for index in sorted(range(len(numels)), key=lambda i: (numels[i], i)):
+        budget -= numels[index]
+        if budget < 0:
+            break
+        tiny.add(index)
+    return tiny
+
+
+def _merge_lightest(atoms: list[tuple[int, ...]], numels: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``atoms`` unchanged up to ``MAX_ATOMS``; past it, the lightest merged into one."""
     if len(atoms) <= MAX_ATOMS:
         return atoms
     by_weight = sorted(atoms, key=lambda atom: (-sum(numels[i] for i in atom), atom[0]))
