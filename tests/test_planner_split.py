@@ -121,3 +121,65 @@ def test_bound_never_exceeds_the_exact_optimum(tensors, world, alignment, budget
 def test_bound_rejects_a_bad_budget():
     with pytest.raises(ValueError, match="max_buffers"):
         split_padding_lower_bound([4], [1], 2, max_buffers=0)
+
+
+# ----------------------------------------------------------------------------------
+# the alpha-beta cost of extra buffers
+# ----------------------------------------------------------------------------------
+
+
+def test_ring_cost_is_the_forecast_ring_model():
+    from vescale_plugins.forecast.comm_model import Link, ring_collective_s
+    from vescale_plugins.planner import RingCost, plan_layout
+
+    layout = plan_layout([4096 * 3, 100], [4096, 1], 24)
+    cost = RingCost(alpha_s=7e-6, beta_bytes_per_s=50e9, bytes_per_element=2)
+    expected = ring_collective_s(layout.buffer_size * 2, 24, Link((7e-6, 50e9)))
+    assert cost.buffer_seconds(layout) == pytest.approx(expected, rel=1e-12)
+    assert cost.break_even_elements() == pytest.approx(7e-6 * 50e9 / 2)
+
+
+def test_split_pays_exactly_past_the_break_even_latency():
+    from vescale_plugins.planner import RingCost, choose_split
+
+    numels, blocks = catalogue_unit("Llama-3-8B", 16)
+    options = unit_plan_options(numels, blocks, 256)
+    one, best = options[0], options[-1]
+    saved = sum(b.shard_size for b in one.buffers) - sum(b.shard_size for b in best.buffers)
+    assert saved > 0 and len(best.buffers) > 1
+    counts = []
+    for alpha in (0.0, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1.0):
+        plan = choose_split(numels, blocks, 256, alpha_s=alpha, beta_bytes_per_s=100e9)
+        cost = RingCost(alpha, 100e9, 2)
+        assert cost.seconds(plan.buffers) == min(cost.seconds(o.buffers) for o in options[:4])
+        counts.append(len(plan.buffers))
+    assert counts == sorted(counts, reverse=True)  # more latency, never more buffers
+    assert counts[0] == len(best.buffers) and counts[-1] == 1
+    # Between one buffer and the best split alone: the split wins below alpha*beta/bytes.
+    extra = len(best.buffers) - 1
+    threshold = saved * 2 / 100e9 / extra
+    two_way = [one, best]
+    for alpha, expected in ((threshold * 0.99, best), (threshold * 1.01, one)):
+        cost = RingCost(alpha, 100e9, 2)
+        assert min(two_way, key=lambda p: (cost.seconds(p.buffers), len(p.buffers))) is expected
+
+
+def test_small_worlds_keep_one_buffer():
+    # A small MLP unit at W=2 (the default bench's scale): padding is at most a few
+    # elements per rank, far below the 500 000 elements one extra collective costs.
+    from vescale_plugins.planner import choose_split
+
+    numels, blocks = [256 * 64, 256, 64 * 256, 64, 10 * 64, 10], [64, 1, 256, 1, 64, 1]
+    for world in (1, 2, 3):
+        assert len(choose_split(numels, blocks, world).buffers) == 1
+
+
+def test_choose_split_rejects_nonsense():
+    from vescale_plugins.planner import choose_split
+
+    with pytest.raises(ValueError, match="alpha_s"):
+        choose_split([4], [1], 2, alpha_s=-1.0)
+    with pytest.raises(ValueError, match="beta_bytes_per_s"):
+        choose_split([4], [1], 2, beta_bytes_per_s=0)
+    with pytest.raises(ValueError, match="max_buffers"):
+        choose_split([4], [1], 2, max_buffers=0)

@@ -8,6 +8,8 @@ Pure Python (no torch, no process group). Sizes are in elements unless a name sa
 * :func:`plan_unit` may split a unit into several buffers when a cost model says the padding
   saved pays for the extra collectives; it returns a :class:`UnitPlan`.
   :func:`unit_plan_options` gives the least-padding plan for every buffer budget.
+* :func:`choose_split` picks the split under the alpha-beta ring model (:class:`RingCost`);
+  :func:`.split_bounds.split_padding_lower_bound` is what no split into k buffers beats.
 
 Guarantees, for every valid input: no block straddles a rank boundary; every tensor is one
 contiguous interval and tensors do not overlap; every rank owns exactly ``shard_size``
@@ -15,6 +17,7 @@ elements; the same input gives the same layout on every rank, run and hash seed.
 """
 
 from .bounds import padding_lower_bound, shard_size_lower_bound
+from .cost import RingCost, choose_split
 from .layout import Layout
 from .search import clear_plan_cache, plan_layout
 from .split import CostModel, UnitPlan, plan_unit, unit_plan_options
@@ -22,7 +25,9 @@ from .split import CostModel, UnitPlan, plan_unit, unit_plan_options
 __all__ = [
     "CostModel",
     "Layout",
+    "RingCost",
     "UnitPlan",
+    "choose_split",
     "clear_plan_cache",
     "padding_lower_bound",
     "plan_layout",
