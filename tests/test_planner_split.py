@@ -183,3 +183,18 @@ def test_choose_split_rejects_nonsense():
         choose_split([4], [1], 2, beta_bytes_per_s=0)
     with pytest.raises(ValueError, match="max_buffers"):
         choose_split([4], [1], 2, max_buffers=0)
+
+
+def test_padding_table_rows_and_markdown(tmp_path):
+    from vescale_plugins.planner import padding_table, plan_layout
+
+    rows = padding_table.padding_rows(["Llama-3-8B"], [16], [256])
+    (row,) = rows
+    numels, blocks = catalogue_unit("Llama-3-8B", 16)
+    decoder_count = next(u.count for u in CATALOG["Llama-3-8B"].units if u.name == "decoder_layer")
+    # The decoder layers dominate: 32 of them, each 6.97 % in one buffer.
+    assert row["before_padding_elements"] >= decoder_count * plan_layout(numels, blocks, 256).padding
+    assert row["least_padding_elements_max4"] <= row["after_padding_elements"] <= row["before_padding_elements"]
+    assert row["before_mib_per_rank"] == pytest.approx(row["before_padding_elements"] * 2 / 256 / 2**20)
+    table = padding_table.markdown(rows)
+    assert "| Llama-3-8B | 16 | 256 | 4.17 (6.97) |" in table
