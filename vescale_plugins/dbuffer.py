@@ -33,7 +33,7 @@ from .ragged_layout import ragged_layout
 from .storage_pool import StoragePool
 from .inplace_collectives import all_gather_into as _all_gather, reduce_scatter_into as _reduce_scatter
 
-__all__ = ["DBuffer", "sharded_padding_of", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
+__all__ = ["DBuffer", "planner_inputs", "sharded_padding_of", "BufferSlot", "GatherHandle", "ReduceScatterHandle", "ALL_GATHER_REGION", "REDUCE_SCATTER_REGION", "GRADIENT_BUFFER_REGION", "GRADIENT_RELEASE_REGION", "COMM_BUFFER_REGION"]
 
 # Profiler record-function names around the library's collective paths (tests count the
 # copies inside them; the run record times them).
@@ -61,6 +61,16 @@ class BufferSlot:
     local_length: int
     local_units: tuple[int, ...]
     block_rows: int
+
+
+def planner_inputs(shapes: Sequence[torch.Size], block_rows: Sequence[int], dtype: torch.dtype) -> tuple[list[int], list[int], int]:
+    """What the planner is asked for these parameters: numels, block sizes and alignment, in
+    elements (``_ALIGNMENT_BYTES`` of ``dtype``). A zero-size parameter (FSDP2 accepts them)
+    is planned as one element that holds nothing."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numels = [max(1, math.prod(s)) for s in shapes]
+    blocks = [rows * _row_numel(s) if len(s) and math.prod(s) else 1 for s, rows in zip(shapes, block_rows)]
+    return numels, blocks, max(1, _ALIGNMENT_BYTES // itemsize)
 
 
 def _row_numel(shape: torch.Size) -> int:
@@ -269,12 +279,9 @@ class DBuffer:
         self.dtype, self.device = dtype, torch.device(device)
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numels = [max(1, math.prod(s)) for s in shapes]
-        # A zero-size parameter (FSDP2 accepts them) is planned as one element that holds nothing.
-        blocks = [rows * _row_numel(s) if len(s) and math.prod(s) else 1 for s, rows in zip(shapes, block_rows)]
+        numels, blocks, alignment = planner_inputs(shapes, block_rows, dtype)
         # A given layout is kept (a rebuild after module.to() must not move any shard).
-        self.layout: Layout = layout or plan_layout(numels, blocks, self.world_size, alignment=max(1, _ALIGNMENT_BYTES // itemsize))
+        self.layout: Layout = layout or plan_layout(numels, blocks, self.world_size, alignment=alignment)
         self.shard_size = self.layout.shard_size
         self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
 

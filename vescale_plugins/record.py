@@ -136,7 +136,10 @@ class RunRecord:
         for unit in units:
             names = [_module_name(self.model, m) for m in unit.modules]
             figures = unit_sharding_figures([(b.layout, _itemsize(b.param_dtype)) for b in unit.dbuffers])
-            rows.append({"modules": names, **figures})
+            # Which parameters each buffer (one all-gather and one reduce-scatter) holds: a
+            # (dtype, requires_grad) group gets several when the planner's split pays.
+            members = [[m.fqn for m in unit._members[i]] for i in range(len(unit.dbuffers))]
+            rows.append({"modules": names, **figures, "buffer_parameters": members})
         return {
             "backend": dist.get_backend(group) if group is not None else None,
             "group_size": dist.get_world_size(group) if group is not None else 1,
@@ -262,7 +265,7 @@ class RunRecord:
         for u in s["units"]:
             lines.append(
                 f"  unit {', '.join(u['modules']) or '<root>'}: {u['parameters']:,} params, largest unsharded "
-                f"{_mib(u['largest_unsharded_bytes'])}, padding {u['padding_ratio']:.2%}"
+                f"{_mib(u['largest_unsharded_bytes'])}, padding {u['padding_ratio']:.2%}, {u['buffers']} buffer(s)"
             )
         p = d["precision"]
         lines.append(f"  precision: params {p['sharded_parameters']}, all-gather {p['all_gather']}, grads {p['gradients']}, reduce-scatter {p['reduce_scatter']}, optimizer {p['optimizer_state']}")

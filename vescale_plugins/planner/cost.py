@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .layout import Layout
+from .search import plan_layout
 from .split import UnitPlan, unit_plan_options
 
 __all__ = ["RingCost", "choose_split"]
@@ -68,8 +69,13 @@ def choose_split(
     cost = RingCost(alpha_s, beta_bytes_per_s, bytes_per_element)
     if max_buffers is not None and (not isinstance(max_buffers, int) or max_buffers < 1):
         raise ValueError(f"max_buffers must be None or an int >= 1, got {max_buffers!r}")
+    single = plan_layout(numels, block_sizes, world_size, alignment=alignment)
+    # Any split's shard sizes sum to at least payload / W: if one buffer is that close,
+    # no split saves an extra collective's latency (and the search is skipped).
+    slack = single.shard_size - sum(numels) / world_size
+    if world_size == 1 or max_buffers == 1 or slack <= cost.break_even_elements():
+        count = len(single.numels)
+        return UnitPlan((single,), (tuple(range(count)),), (0,) * count, tuple(range(count)))
     options = unit_plan_options(numels, block_sizes, world_size, alignment=alignment)
-    if world_size == 1:
-        return options[0]
     allowed = options if max_buffers is None else options[:max_buffers]
     return min(allowed, key=lambda plan: (cost.seconds(plan.buffers), len(plan.buffers)))

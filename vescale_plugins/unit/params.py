@@ -8,11 +8,13 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement
 
 from .._dtensor_bridge import make_dtensor, set_local_tensor
 from ..dbuffer import DBuffer
+from .buffer_split import split_group
 from .managed import ManagedParam, track_slots
 from .mesh import post_forward_group
 from .traversal import outside_functorch
@@ -31,20 +33,19 @@ class UnitParams:
     # -- construction -----------------------------------------------------------------
 
     def _build(self: "FSDPUnit", params: list[ParamSpec]) -> list[ManagedParam]:
-        """Plan and allocate one DBuffer per (dtype, requires_grad) group; shard into it."""
+        """Plan and allocate the DBuffers of each (dtype, requires_grad) group, one or more
+        as the planner's split says (:mod:`.buffer_split`); shard into them."""
         groups: dict[tuple[torch.dtype, bool], list[int]] = {}
         for i, (_, _, param, _) in enumerate(params):
             groups.setdefault((param.dtype, param.requires_grad), []).append(i)
         self.dbuffers: list[DBuffer] = []
         managed: list[ManagedParam | None] = [None] * len(params)
-        for (dtype, requires_grad), indices in groups.items():
-            device = params[indices[0]][2].device
-            dbuffer = self._new_dbuffer([params[i][2].shape for i in indices], [params[i][3] for i in indices], dtype, device)
-            self.dbuffers.append(dbuffer)
-            for slot_index, i in enumerate(indices):
-                fqn, owners, param, _ = params[i]
-                sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
-                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param))
+        for (dtype, requires_grad), group_indices in groups.items():
+            device = params[group_indices[0]][2].device
+            shapes, block_rows = [params[i][2].shape for i in group_indices], [params[i][3] for i in group_indices]
+            comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
+            for positions, layout in split_group(shapes, block_rows, dtype, comm_dtype, dist.get_world_size(self.group)):
+                self._build_buffer(params, [group_indices[p] for p in positions], dtype, requires_grad, device, layout, managed)
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)
@@ -52,6 +53,16 @@ class UnitParams:
         # Which parameters live in which DBuffer is fixed here; per-step code reads it.
         self._members: list[list[ManagedParam]] = [[m for m in result if m.buffer_index == i] for i in range(len(self.dbuffers))]
         return result
+
+    def _build_buffer(self: "FSDPUnit", params: list[ParamSpec], indices: list[int], dtype: torch.dtype, requires_grad: bool,
+                      device: torch.device, layout, managed: list[ManagedParam | None]) -> None:
+        """One DBuffer over ``params[indices]`` with the planned ``layout``; shard into it."""
+        dbuffer = self._new_dbuffer([params[i][2].shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout)
+        self.dbuffers.append(dbuffer)
+        for slot_index, i in enumerate(indices):
+            fqn, owners, param, _ = params[i]
+            sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
+            managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param))
 
     def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None) -> DBuffer:
         floating = dtype.is_floating_point
