@@ -17,6 +17,10 @@ and their own collective. Which split:
   is never below its bound, so nothing unplanned can beat it), or until the best planned
   partition is within ``PARTITION_TOLERANCE`` of the payload of that bound (planning every
   subset to shave a few millionths of padding is not worth seconds).
+* Where whole classes leave more than ``FINE_SEARCH_ABOVE`` of the payload, classes are
+  split too (``_improve_by_splitting_classes``): the partition whose per-part bounds sum to
+  the least (:mod:`.split_bounds`, exact over count vectors of identical tensors) is planned,
+  then finer atoms are searched for the budgets that plan does not settle.
 * The cost model picks the buffer count:
   ``cost = buffers * collective_latency_s + sum(world_size * shard_size) * bytes_per_element
   / bandwidth_bytes_per_s``.
@@ -43,9 +47,9 @@ MAX_ATOMS = 8
 # Stop once the best planned partition pads at most this fraction of the payload more than
 # the best any partition could (by the bounds of the subsets not yet planned).
 PARTITION_TOLERANCE = 1e-4
-# Finer atoms (splitting block-size classes) are searched, for budgets up to
-# FINE_MAX_BUFFERS, only where whole classes leave more padding than this fraction of the
-# payload: elsewhere there is little to gain, and the search costs planning more subsets.
+# Block-size classes are split, for budgets up to FINE_MAX_BUFFERS, only where whole
+# classes leave more padding than this fraction of the payload (the 1 % target): elsewhere
+# there is little to gain, and the search costs planning more subsets.
 FINE_SEARCH_ABOVE = 0.01
 FINE_MAX_BUFFERS = 4
 # The lazy search over fine atoms stops within this fraction of the payload of its optimum
