@@ -21,6 +21,8 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+- ``DeviceMesh._concatenate`` (private): the (dp, tp) mesh of a tensor-parallel parameter
+  sharded by FSDP, as FSDP2 builds it (``concatenate_meshes``).
 - ``DTensor.__deepcopy__`` / ``__reduce_ex__`` (inherited from Tensor): torch tells a
   wrapper subclass by ``data_ptr() == 0``, which a DTensor over a view at an offset (our
   shards and their ``detach()``) misses; such a DTensor is copied/pickled through an
@@ -734,6 +736,12 @@ def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int,
         if low < high:
             out[low - start : high - start].copy_(drawn[low - position : high - position])
         position += size
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (submeshes of one root, by name), as FSDP2
+    builds its (dp, tp) mesh for tensor-parallel parameters; no collective."""
+    return DeviceMesh._concatenate(meshes)
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:

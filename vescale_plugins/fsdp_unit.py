@@ -31,6 +31,7 @@ from ._dtensor_bridge import make_dtensor, set_local_tensor
 from .dbuffer import DBuffer, GatherHandle, ReduceScatterHandle
 from .placement import RaggedShard
 from .storage_pool import StoragePool
+from .tensor_parallel import ParallelSpec
 
 __all__ = ["FSDPUnit", "ManagedParam"]
 
@@ -51,6 +52,16 @@ class ManagedParam:
     # Gradients of micro-batches that did not sync, in the reduce dtype when it differs from
     # the unsharded parameters' (FSDP2 accumulates there, not in bf16 on the parameter).
     accumulated_grad: torch.Tensor | None = None
+    # Set when the parameter was already a DTensor (tensor/expert parallel, SPMD mesh): the
+    # DBuffer holds its local tensor and the gathered parameter is that DTensor again.
+    parallel: ParallelSpec | None = None
+
+    def gathered_grad(self) -> torch.Tensor | None:
+        """The gathered parameter's gradient as a local tensor (a TP DTensor's local shard)."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None or self.parallel is None:
+            return grad
+        return self.parallel.local_grad(grad)
 
     def register(self, param: nn.Parameter) -> None:
         # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
@@ -74,7 +85,7 @@ class FSDPUnit:
     def __init__(
         self,
         modules: list[nn.Module],
-        params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]],
+        params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, ParallelSpec | None]],
         mesh: DeviceMesh,
         reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
@@ -114,17 +125,17 @@ class FSDPUnit:
 
     # -- construction -----------------------------------------------------------------
 
-    def _build(self, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]]) -> list[ManagedParam]:
+    def _build(self, params: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, ParallelSpec | None]]) -> list[ManagedParam]:
         """Plan and allocate one DBuffer per (dtype, requires_grad) group; shard into it."""
         groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, (_, _, param, _) in enumerate(params):
+        for i, (_, _, param, _, _) in enumerate(params):
             groups.setdefault((param.dtype, param.requires_grad), []).append(i)
         self.dbuffers: list[DBuffer] = []
         managed: list[ManagedParam | None] = [None] * len(params)
         for (dtype, requires_grad), indices in groups.items():
             device = params[indices[0]][2].device
             dbuffer = DBuffer(
-                [params[i][2].shape for i in indices],
+                [_local(params[i][2]).shape for i in indices],
                 [params[i][3] for i in indices],
                 dtype,
                 device,
@@ -134,9 +145,9 @@ class FSDPUnit:
             )
             self.dbuffers.append(dbuffer)
             for slot_index, i in enumerate(indices):
-                fqn, owners, param, _ = params[i]
-                sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
-                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param))
+                fqn, owners, param, _, parallel = params[i]
+                sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param, parallel), requires_grad=requires_grad)
+                managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param), parallel=parallel)
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)
@@ -152,15 +163,21 @@ class FSDPUnit:
         ragged = RaggedShard((0,) if len(slot.shape) and slot.numel else (), slot.local_units)
         return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
 
-    def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:
-        """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor."""
+    def _shard_into(self, dbuffer: DBuffer, slot_index: int, param: torch.Tensor, parallel: ParallelSpec | None) -> torch.Tensor:
+        """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor.
+
+        A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
+        (dp, tp) mesh with the ragged cut on the dp dim (see ``tensor_parallel``)."""
         slot = dbuffer.slots[slot_index]
         local = dbuffer.sharded_view(slot_index)
         if param.device.type != "meta":
             with torch.no_grad():
-                flat = param.detach().reshape(-1)
+                flat = _local(param).detach().reshape(-1)
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
+        if parallel is not None:
+            (ragged,) = self._placements(dbuffer, slot_index)
+            return make_dtensor(local, parallel.sharded_mesh, parallel.sharded_placements(ragged), parallel.shape, parallel.stride)
         return make_dtensor(local, self.mesh, self._placements(dbuffer, slot_index), slot.shape, _contiguous_stride(slot.shape))
 
     def readopt_sharded_params(self) -> None:
@@ -218,17 +235,19 @@ class FSDPUnit:
             for member in self._members[m.buffer_index]:
                 old = member.sharded
                 local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=value.device)
-                member.sharded = nn.Parameter(make_dtensor(local, self.mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+                member.sharded = nn.Parameter(make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
                 member.register(member.sharded)
             self.readopt_sharded_params()
         dbuffer = self.dbuffers[m.buffer_index]
         slot = dbuffer.slots[m.slot_index]
         with torch.no_grad():
             if isinstance(value, DTensor):
-                local = value.to_local() if value.placements == m.sharded.placements else value.redistribute(self.mesh, m.sharded.placements).to_local()
+                same = value.placements == m.sharded.placements and value.device_mesh == m.sharded.device_mesh
+                local = value.to_local() if same else value.redistribute(m.sharded.device_mesh, m.sharded.placements).to_local()
             else:
+                full = value.detach() if m.parallel is None else m.parallel.local_part(value.detach()).contiguous()
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
-                local = value.detach().reshape(-1)[start : start + slot.local_length]
+                local = full.reshape(-1)[start : start + slot.local_length]
             dbuffer.sharded_view(m.slot_index).reshape(-1).copy_(local.reshape(-1))
         return m.sharded
 
@@ -267,7 +286,9 @@ class FSDPUnit:
         for m in self.managed:
             if m.unsharded is None:
                 dbuffer = self.dbuffers[m.buffer_index]
-                m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
+                view = dbuffer.unsharded_view(m.slot_index)
+                gathered = view if m.parallel is None else m.parallel.unsharded_param(view)
+                m.unsharded = nn.Parameter(gathered, requires_grad=m.sharded.requires_grad)
                 if m.unsharded.requires_grad:
                     m.unsharded.register_post_accumulate_grad_hook(self._after_gradient)
             m.register(m.unsharded)
@@ -504,7 +525,7 @@ class FSDPUnit:
         differs from the gradient's (bf16 compute, fp32 reduce), as FSDP2 does; otherwise
         autograd keeps accumulating on the parameter in place."""
         for m in self.managed:
-            grad = m.unsharded.grad if m.unsharded is not None else None
+            grad = m.gathered_grad()
             if grad is None:
                 continue
             reduce_dtype = self.dbuffers[m.buffer_index].reduce_dtype
@@ -538,7 +559,7 @@ class FSDPUnit:
             # are zeroed.
             grads = {}
             for m in members:
-                grad = m.unsharded.grad if m.unsharded is not None else None
+                grad = m.gathered_grad()
                 if m.unsharded is not None:
                     m.unsharded.grad = None
                 if m.accumulated_grad is not None:
@@ -572,7 +593,7 @@ class FSDPUnit:
 
     def _attach_sharded_grad(self, m: ManagedParam) -> None:
         local = self.dbuffers[m.buffer_index].sharded_grad_view(m.slot_index)
-        m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+        m.sharded.grad = make_dtensor(local, m.sharded.device_mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
 
     def _attach_remote_gradients(self) -> None:
         """(Root, once every reduce-scatter of the backward is done) Give a gradient to each
@@ -740,6 +761,11 @@ def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], None]) -> A
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What a unit's DBuffer holds of a parameter: a DTensor's (TP/EP) local tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
