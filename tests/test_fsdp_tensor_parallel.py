@@ -192,7 +192,7 @@ def _train_and_save(path):
         opt.zero_grad()
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    return {name: p.full_tensor() for name, p in model.named_parameters()}, {
+    return {name: p.detach().full_tensor() for name, p in model.named_parameters()}, {
         f"{name}.{key}": v.full_tensor() for name, state in optim_state["state"].items() for key, v in state.items() if isinstance(v, DTensor)
     }
 
@@ -209,7 +209,7 @@ def _load_at_dp1_tp2(path):
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_state, optim_state = get_state_dict(model, opt)
-    return {name: p.full_tensor() for name, p in model.named_parameters()}, {
+    return {name: p.detach().full_tensor() for name, p in model.named_parameters()}, {
         f"{name}.{key}": v.full_tensor() for name, state in optim_state["state"].items() for key, v in state.items() if isinstance(v, DTensor)
     }
 
@@ -302,7 +302,9 @@ def _ep_fsdp_parity():
         model = _expert_parallel(copy.deepcopy(reference), mesh["ep"])
         # torchtitan: experts over the dp-mod-ep ranks; their gradients summed over the EP
         # group's tokens too, so divided by every data-parallel rank
-        shard(model.experts, mesh=mesh["dp_mod_ep"]).set_gradient_divide_factor(world)
+        experts = shard(model.experts, mesh=mesh["dp_mod_ep"])
+        experts.set_gradient_divide_factor(world)
+        experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (FSDP2's divide)
         shard(model, mesh=dp_shard)
         models.append(model)
     ours, theirs = models
