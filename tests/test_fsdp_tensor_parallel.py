@@ -401,7 +401,7 @@ def _unsupported_combinations():
     with pytest.raises(ValueError, match="parameter 'weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh"):
         fully_shard(lin, mesh=mesh["dp"])
     # the modules are untouched: still usable as before
-    assert not isinstance(uneven.weight.placements[0], RaggedShard) and uneven.weight.device_mesh is mesh["tp"]
+    assert not isinstance(uneven.weight.placements[0], RaggedShard) and uneven.weight.device_mesh == mesh["tp"]
     dist.barrier()
 
 

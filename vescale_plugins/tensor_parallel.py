@@ -143,9 +143,6 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-_CONCATENATED: dict[tuple[int, int], DeviceMesh] = {}
-
-
 def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: SpmdMesh | None) -> ParallelSpec | None:
     """The parameter's ParallelSpec (``None`` for a plain tensor without ``dp_mesh_dims``),
     validated: every error names the parameter and is raised before any collective."""
@@ -165,18 +162,15 @@ def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: 
             "composes with one tensor- or expert-parallel dim (a 1-D TP/EP mesh)"
         )
     _check_placements(fqn, param)
-    key = (id(dp_mesh), id(tp_mesh))
-    if key not in _CONCATENATED:
-        try:
-            _CONCATENATED[key] = concatenate_meshes([dp_mesh, tp_mesh])
-        except (RuntimeError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} that cannot be combined with the "
-                f"data-parallel mesh {dp_mesh} ({e}); build both as named dims of one mesh, e.g. "
-                "mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp')), and pass "
-                "mesh['dp'] to fully_shard and mesh['tp'] to parallelize_module"
-            ) from e
-    sharded_mesh = _CONCATENATED[key]
+    try:
+        sharded_mesh = concatenate_meshes([dp_mesh, tp_mesh])
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} that cannot be combined with the "
+            f"data-parallel mesh {dp_mesh} ({e}); build both as named dims of one mesh, e.g. "
+            "mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp')), and pass "
+            "mesh['dp'] to fully_shard and mesh['tp'] to parallelize_module"
+        ) from e
     return ParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(), sharded_mesh, 0, ())
 
 
