@@ -56,3 +56,42 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     assert abs(gathered[0] - gathered[1]) <= 0.01 * gathered[0], gathered
     parity = data["summary"]["parity"]
     assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
+
+
+def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
+    """``--hsdp 2`` at W=4: both engines on the same (replicate, shard) mesh, trained alike."""
+    result_json = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "4", "--hsdp", "2",
+               "--seq-len", "32", "--warmup", "1", "--steps", "2", "--json", str(result_json), "--plot", ""]
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads(result_json.read_text())
+    assert data["settings"]["replicate"] == 2 and data["environment"]["world_size"] == 4
+    parity = data["summary"]["parity"]
+    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
+    # sharded over the 2 ranks of a shard group, not 4: parameters, gradients and AdamW's two
+    # moments (16 bytes per fp32 parameter) of half the model per rank
+    from vescale_plugins.bench.llama import PRESETS, Llama
+
+    half_model_bytes = 16 * sum(p.numel() for p in Llama(PRESETS["tiny"]).parameters()) / 2
+    for name in ("fsdp2", "vescale"):
+        assert data["summary"]["engines"][name]["sharded_state_bytes"] == pytest.approx(half_model_bytes, rel=1e-2)
+
+
+@pytest.mark.parametrize("text, expected", [("true", True), ("false", False), ("default", None), ("2", 2)])
+def test_reshard_after_forward_takes_a_bool_or_a_number_of_ranks(text, expected):
+    from vescale_plugins.bench.__main__ import parse_args
+
+    assert parse_args(["--reshard-after-forward", text]).reshard_after_forward == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "4", "--hsdp", "3"], "--hsdp 3 must divide the world size (4)"),
+    (["--world-size", "4", "--hsdp", "2", "--frontend", "fabric"], "--hsdp runs with --frontend plain"),
+    (["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"], "--reshard-after-forward 4 must divide the shard group's size (2)"),
+])
+def test_bench_refuses_meshes_it_cannot_build(argv, message):
+    from vescale_plugins.bench.__main__ import main
+
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        main(argv)

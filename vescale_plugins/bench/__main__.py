@@ -48,8 +48,18 @@ def _model_name(name: str) -> str:
     return name
 
 
-def _bool_or_none(text: str) -> bool | None:
-    return {"true": True, "false": False, "default": None}[text.lower()]
+def _reshard_choice(text: str) -> bool | int | None:
+    """true / false / default (FSDP2's: every unit but the root), or a number of ranks."""
+    choices = {"true": True, "false": False, "default": None}
+    if text.lower() in choices:
+        return choices[text.lower()]
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false, default or a number of ranks") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is too small: a number of ranks is at least 1")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -57,7 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=_model_name, default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
     parser.add_argument("--world-size", type=_count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
     parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32", help="bf16-mixed: bf16 params and all-gather, fp32 reduce")
-    parser.add_argument("--reshard-after-forward", type=_bool_or_none, default=None, metavar="{true,false,default}")
+    parser.add_argument("--reshard-after-forward", type=_reshard_choice, default=None, metavar="{true,false,default,K}", help="K: keep parameters sharded over groups of K ranks between forward and backward")
+    parser.add_argument("--hsdp", type=_count(1), default=1, metavar="R", help="HSDP: R replicas of world/R-rank shard groups (a 2-D mesh, plain front end)")
     parser.add_argument("--block-rows", type=_count(1), default=None, help="veScale: keep blocks of this many rows whole on one rank")
     parser.add_argument("--frontend", choices=FRONTENDS, default="plain", help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)")
     parser.add_argument("--batch-size", type=_count(1), default=4)
@@ -100,9 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     world = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     config = _model_config(args.model)
+    if world % args.hsdp:
+        raise SystemExit(f"--hsdp {args.hsdp} must divide the world size ({world})")
+    if args.hsdp > 1 and args.frontend != "plain":
+        raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
+    shard_size = world // args.hsdp
+    reshard = args.reshard_after_forward
+    if not isinstance(reshard, bool) and reshard is not None and shard_size % reshard:
+        raise SystemExit(f"--reshard-after-forward {reshard} must divide the shard group's size ({shard_size})")
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
-    settings = BenchSettings(config, args.batch_size, args.seq_len, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, args.frontend, args.seed)
+    settings = BenchSettings(config, args.batch_size, args.seq_len, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, args.frontend, args.seed, args.hsdp)
     console = Console()
     total = len(ENGINES) * (args.warmup + args.steps + 1)
     with Progress(console=console, transient=True) as progress:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -36,10 +36,17 @@ class BenchSettings:
     batch_size: int
     seq_len: int
     mixed_precision: bool
-    reshard_after_forward: bool | None
+    reshard_after_forward: bool | int | None
     block_rows: int | None
     frontend: str
     seed: int
+    replicate: int = 1  # HSDP: replicas (mesh dim 0); the ranks of each shard the rest
+
+    def mesh(self, device_type: str, world: int) -> DeviceMesh:
+        """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
+        if self.replicate == 1:
+            return init_device_mesh(device_type, (world,))
+        return init_device_mesh(device_type, (self.replicate, world // self.replicate), mesh_dim_names=("replicate", "shard"))
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision:
@@ -77,7 +84,7 @@ def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]
 
 # One unit as a front end chose it: its module names (as in the user's model) and the
 # ``reshard_after_forward`` it was given.
-UnitChoice = tuple[list[str], Optional[bool]]
+UnitChoice = tuple[list[str], Optional[Union[bool, int]]]
 
 
 def vescale_units(model: nn.Module) -> list[UnitChoice]:
@@ -219,7 +226,7 @@ def sharded_state_bytes(engine: Engine) -> int:
 
 def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, int]:
     """Padding bytes per rank (fp32 shards), and all-gather / reduce-scatter bytes per step."""
-    world = dist.get_world_size()
+    world = dist.get_world_size() // settings.replicate  # the shard group's ranks
     gather_itemsize = 2 if settings.mixed_precision else 4
     reduce_itemsize = 4
     if engine.name == "vescale":

@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 
 from .engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
 from .memory import AllocationTracker
@@ -92,7 +91,7 @@ def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, 
 def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None], record_steps: int = 0) -> dict[str, Any]:
     """Everything one rank measures; returns plain data."""
     device = _device()
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = settings.mesh(device.type, dist.get_world_size())
     data = batches(settings, dist.get_rank(), warmup + steps)
     # A front end's own wrap policy chooses veScale-FSDP's units (and their resharding), and
     # FSDP2 gets the same, so veScale-FSDP is built first there. Plain: FSDP2 first, so
