@@ -348,6 +348,64 @@ def _spmd_model(mesh):
     return model
 
 
+class SpmdMLP(nn.Module):
+    """Two linears whose parameters live on the full (dp, tp) mesh, as FSDP2's SPMD form
+    (``dp_mesh_dims``) expects: Replicate on dp; Colwise then Rowwise on tp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(IN, 6), nn.Linear(6, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.w2(F.gelu(self.w1(x)))
+        if isinstance(out, DTensor):  # (batch on dp, Partial on tp) -> this rank's batch
+            out = out.redistribute(out.device_mesh, [Shard(0), Replicate()]).to_local()
+        return out
+
+
+def _on_spmd_mesh(model: SpmdMLP, mesh) -> SpmdMLP:
+    tp = {"w1.weight": Shard(0), "w1.bias": Shard(0), "w2.weight": Shard(1), "w2.bias": Replicate()}
+    for name, p in list(model.named_parameters()):
+        module, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(module), attr, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), tp[name]])))
+    return model
+
+
+def _dp_mesh_dims_parity():
+    mesh = _mesh_2x2()
+    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
+    reference = SpmdMLP()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = _on_spmd_mesh(copy.deepcopy(reference), mesh)
+        shard(model.w1, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        models.append(model)
+    ours, theirs = models
+    assert ours.w1.weight.device_mesh is mesh and ours.w1.weight.placements[1] == Shard(0)
+    assert type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
+    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    for step in range(STEPS):
+        batches = [_moe_batch(step, d) for d in range(dp_size)]
+        x, y = batches[dp_rank]
+        x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
+        losses = [F.mse_loss(m(x), y) for m in (ours, theirs)]
+        for loss in losses:
+            loss.backward()
+        ref_loss = sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size
+        ref_loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], **LOSS_TOL)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_same(ours, theirs, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
+
+
+def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
+    dist_run(_dp_mesh_dims_parity, 4)
+
+
 def _dp_mesh_dims_errors():
     mesh = _mesh_2x2()
     cases = [

@@ -27,6 +27,10 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   wrapper subclass by ``data_ptr() == 0``, which a DTensor over a view at an offset (our
   shards and their ``detach()``) misses; such a DTensor is copied/pickled through an
   offset-0 twin over the same local tensor (``_dtensor_at_offset_zero``).
+Next to even ``Shard`` placements on other mesh dims (tensor/expert parallel), a RaggedShard
+cuts this rank's local tensor of those dims, whatever its mesh-dim position
+(``StridedRaggedShard`` names the case where, read left to right, its rows are strided):
+every path above goes through ``_other_dims_box`` / ``_other_dims_local_shape`` for that.
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
 ``_NormPartial``, the ``DTensor(local, spec, requires_grad=)`` constructor and
 ``DTensor._local_tensor`` (re-pointed by ``set_local_tensor``), and
