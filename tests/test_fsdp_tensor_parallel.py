@@ -162,17 +162,17 @@ def _tp_fsdp_parity():
         global_loss = ours_loss.detach().clone()
         dist.all_reduce(global_loss, group=mesh.get_group("dp"))
         torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **LOSS_TOL)
-        # gradients arrive on the sharded parameters' composed layout
-        assert block.w2.weight.grad.placements == block.w2.weight.placements
-        _assert_same(ours, theirs, "grad", LOSS_TOL)
-        _assert_same(ours, reference, "grad", LOSS_TOL)
+        if step == 0:  # gradients arrive on the sharded parameters' composed layout
+            assert block.w2.weight.grad.placements == block.w2.weight.placements
+            _assert_same(ours, theirs, "grad", LOSS_TOL)
+            _assert_same(ours, reference, "grad", LOSS_TOL)
         for model in (ours, theirs, reference):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        _assert_same(ours, theirs, "param", PARAM_TOL)
-        _assert_same(ours, reference, "param", PARAM_TOL)
+    _assert_same(ours, theirs, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_tp2_x_fsdp2_matches_fsdp2_and_unsharded(dist_run):
@@ -322,13 +322,14 @@ def _ep_fsdp_parity():
         global_loss = losses[0].detach().clone()
         dist.all_reduce(global_loss)
         torch.testing.assert_close(global_loss / world, ref_loss.detach(), **LOSS_TOL)
-        _assert_same(ours, theirs, "grad", LOSS_TOL)
-        _assert_same(ours, reference, "grad", LOSS_TOL)
+        if step == 0:
+            _assert_same(ours, theirs, "grad", LOSS_TOL)
+            _assert_same(ours, reference, "grad", LOSS_TOL)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        _assert_same(ours, theirs, "param", PARAM_TOL)
-        _assert_same(ours, reference, "param", PARAM_TOL)
+    _assert_same(ours, theirs, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_ep2_x_fsdp2_moe_matches_fsdp2_and_unsharded(dist_run):
@@ -465,3 +466,20 @@ def _unsupported_combinations():
 
 def test_unsupported_combinations_are_refused_before_any_collective(dist_run):
     dist_run(_unsupported_combinations, 4)
+
+
+def _post_forward_groups_of_a_dp_submesh():
+    from vescale_plugins._dtensor_bridge import every_copy_of_mesh
+    from vescale_plugins.unit.mesh import post_forward_group
+
+    mesh = _mesh_2x2()
+    dp = mesh["dp"]
+    assert every_copy_of_mesh(dp).tolist() == [[0, 2], [1, 3]]
+    # reshard_after_forward=k on a TP model's dp mesh: every rank creates every copy's groups
+    group = post_forward_group(dp, 1)
+    assert dist.get_world_size(group) == 1 and dist.get_process_group_ranks(group) == [dist.get_rank()]
+    dist.barrier()
+
+
+def test_post_forward_groups_of_a_dp_submesh(dist_run):
+    dist_run(_post_forward_groups_of_a_dp_submesh, 4, timeout=60)

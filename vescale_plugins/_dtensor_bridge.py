@@ -21,6 +21,8 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+- ``DeviceMesh._layout`` / ``_rank_map`` (private): every copy of a submesh, for subgroups
+  every rank must create (``every_copy_of_mesh``).
 - ``DeviceMesh._concatenate`` (private): the (dp, tp) mesh of a tensor-parallel parameter
   sharded by FSDP, as FSDP2 builds it (``concatenate_meshes``).
 - ``DTensor.__deepcopy__`` / ``__reduce_ex__`` (inherited from Tensor): torch tells a
@@ -740,6 +742,13 @@ def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int,
         if low < high:
             out[low - start : high - start].copy_(drawn[low - position : high - position])
         position += size
+
+
+def every_copy_of_mesh(mesh: DeviceMesh) -> torch.Tensor:
+    """The ranks of every copy of ``mesh`` in its root, shape ``(copies, *mesh.shape)``: a
+    submesh (``root["dp"]``) has one per coordinate of the other dims, and a group built over
+    it must be created by every rank of the world, for every copy, in one order."""
+    return mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, *mesh.shape)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
