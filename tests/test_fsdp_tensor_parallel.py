@@ -483,3 +483,45 @@ def _post_forward_groups_of_a_dp_submesh():
 
 def test_post_forward_groups_of_a_dp_submesh(dist_run):
     dist_run(_post_forward_groups_of_a_dp_submesh, 4, timeout=60)
+
+
+def _meta_init_like_torchtitan():
+    """torchtitan's order: build on meta, parallelize, fully_shard, to_empty, initialise;
+    the sharded random init draws what the eager model drew, and it trains the same."""
+    mesh = _mesh_2x2()
+    torch.manual_seed(0)
+    eager = Transformer()
+    with torch.device("meta"):
+        model = Transformer()
+    data_parallel(tensor_parallel(model, mesh["tp"]), fully_shard, mesh["dp"])
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():  # construction order, as the eager model drew
+            if module is not model and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    _assert_same(model, eager, "param", dict(rtol=0, atol=0))
+    tokens, targets = _batch(0, mesh.get_local_rank(0))
+    torch.testing.assert_close(_loss(model, tokens, targets), _loss(eager, tokens, targets), **LOSS_TOL)
+
+
+def test_meta_init_of_a_tp_x_fsdp_model_draws_the_eager_values(dist_run):
+    dist_run(_meta_init_like_torchtitan, 4)
+
+
+def _accumulation_without_sync():
+    """Micro-batches without gradient sync accumulate TP DTensor gradients locally, then
+    one reduce-scatter: the same gradients as FSDP2's."""
+    mesh = _mesh_2x2()
+    reference = Transformer()
+    ours = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), fully_shard, mesh["dp"])
+    theirs = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["dp"])
+    for model in (ours, theirs):
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            (_loss(model, *_batch(micro, mesh.get_local_rank(0))) / 3).backward()
+    _assert_same(ours, theirs, "grad", LOSS_TOL)
+
+
+def test_gradient_accumulation_without_sync_matches_fsdp2(dist_run):
+    dist_run(_accumulation_without_sync, 4)
