@@ -525,3 +525,30 @@ def _accumulation_without_sync():
 
 def test_gradient_accumulation_without_sync_matches_fsdp2(dist_run):
     dist_run(_accumulation_without_sync, 4)
+
+
+def _mixed_precision():
+    """bf16 compute, fp32 reduce: the TP forward runs on bf16 DTensors; gradients as FSDP2's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = _mesh_2x2()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = Transformer()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = tensor_parallel(copy.deepcopy(reference), mesh["tp"])
+        for block in model.layers:
+            shard(block, mesh=mesh["dp"], mp_policy=policy)
+        models.append(shard(model, mesh=mesh["dp"], mp_policy=policy))
+    ours, theirs = models
+    tokens, targets = _batch(0, mesh.get_local_rank(0))
+    losses = [_loss(m, tokens, targets) for m in models]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1])
+    assert ours.layers[0].w1.weight.dtype == torch.float32 and ours.layers[0].w1.weight.grad.dtype == torch.float32
+    _assert_same(ours, theirs, "grad", dict(rtol=1e-2, atol=1e-4))
+
+
+def test_mixed_precision_matches_fsdp2(dist_run):
+    dist_run(_mixed_precision, 4)
