@@ -179,6 +179,38 @@ def test_tp2_x_fsdp2_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_tp_fsdp_parity, 4)
 
 
+def _hsdp_x_tp_parity():
+    """HSDP x TP on a (replicate=2, shard=1, tp=2) mesh (4 ranks): the replicas' all-reduce
+    composes with the TP layout; FSDP2's HSDP x TP on the same mesh, and unsharded."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
+    reference = Transformer()
+    ours = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), fully_shard, mesh["replicate", "shard"])
+    theirs = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["replicate", "shard"])
+    wq = ours.layers[0].attn.wq.weight
+    assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp") and wq.placements[0] == Replicate()
+    assert type(wq.placements[1]) is StridedRaggedShard and wq.placements[2] == Shard(0)
+    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    for step in range(3):
+        tokens, targets = _batch(step, dp_rank)
+        losses = [_loss(m, tokens, targets) for m in (ours, theirs)]
+        for loss in losses:
+            loss.backward()
+        (sum(_loss(reference, *_batch(step, d)) for d in range(dp_size)) / dp_size).backward()
+        torch.testing.assert_close(losses[0], losses[1], **LOSS_TOL)
+        for model in (ours, theirs, reference):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _assert_same(ours, theirs, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
+
+
+def test_hsdp_x_tp_matches_fsdp2_and_unsharded(dist_run):
+    dist_run(_hsdp_x_tp_parity, 4)
+
+
 # -- checkpoints move between FSDP sizes -----------------------------------------------------
 
 
@@ -447,12 +479,11 @@ def _unsupported_combinations():
     parallelize_module(uneven, mesh["tp"], ColwiseParallel())
     with pytest.raises(NotImplementedError, match=r"parameter 'weight' of shape \(5, 4\) is split unevenly by Shard\(0\) over 2 ranks"):
         fully_shard(uneven, mesh=mesh["dp"])
-    # HSDP x TP (a 3-D mesh)
-    hsdp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    tp_model = nn.Linear(4, 4)
-    parallelize_module(tp_model, hsdp_tp["tp"], ColwiseParallel())
-    with pytest.raises(NotImplementedError, match="parameter 'weight' is a DTensor .* not HSDP yet"):
-        fully_shard(tp_model, mesh=hsdp_tp["replicate", "shard"])
+    # a 2-D TP/EP mesh (EP x TP experts)
+    tp_2d = nn.Linear(4, 4)
+    tp_2d.weight = nn.Parameter(distribute_tensor(tp_2d.weight.detach(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp")), [Shard(0), Replicate()]))
+    with pytest.raises(NotImplementedError, match="parameter 'weight' is a DTensor on a 2-D mesh"):
+        fully_shard(tp_2d, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     # a TP mesh from another root cannot be combined with the dp mesh
     foreign = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     lin = nn.Linear(4, 4)

@@ -46,8 +46,8 @@ class ParallelSpec:
     """How one parameter is distributed besides veScale-FSDP's own sharding.
 
     ``unsharded_*`` is the DTensor the module saw before ``fully_shard`` (what the forward
-    sees again once gathered); ``sharded_mesh`` and ``dp_dim`` say where the sharded
-    parameter lives and which of its mesh dims the RaggedShard goes on.
+    sees again once gathered); ``sharded_mesh`` is where the sharded parameter lives, and
+    ``sharded_template`` its placements with ``None`` on the dim the RaggedShard goes on.
     """
 
     unsharded_mesh: DeviceMesh
@@ -55,30 +55,24 @@ class ParallelSpec:
     shape: torch.Size
     stride: tuple[int, ...]
     sharded_mesh: DeviceMesh
-    dp_dim: int
+    sharded_template: tuple[Placement | None, ...]
     # Mesh dims of ``unsharded_mesh`` that are data-parallel (SPMD mesh): gradients may be
     # Partial there, which the reduce-scatter sums; other Partial dims are reduced first.
     dp_dims_of_unsharded: tuple[int, ...]
 
-    @property
-    def other_placements(self) -> tuple[Placement, ...]:
-        """The non-data-parallel placements, in the sharded mesh's order."""
-        if self.dp_dims_of_unsharded:
-            return tuple(p for i, p in enumerate(self.unsharded_placements) if i not in self.dp_dims_of_unsharded)
-        return self.unsharded_placements
-
     def sharded_placements(self, ragged: RaggedShard) -> tuple[Placement, ...]:
         """The sharded parameter's placements with ``ragged`` on the data-parallel dim; a
         StridedRaggedShard when later mesh dims shard the rows it cuts."""
-        placements = list(self.unsharded_placements) if self.dp_dims_of_unsharded else [None, *self.unsharded_placements]
+        placements = list(self.sharded_template)
+        dp_dim = placements.index(None)
         split_factor = math.prod(
             self.sharded_mesh.size(j)
             for j, p in enumerate(placements)
-            if j > self.dp_dim and isinstance(p, Shard) and ragged.dims and p.dim % len(self.shape) < len(ragged.dims)
+            if j > dp_dim and isinstance(p, Shard) and ragged.dims and p.dim % len(self.shape) < len(ragged.dims)
         )
         if split_factor > 1:
             ragged = StridedRaggedShard(ragged.dims, ragged.local_units, split_factor)
-        placements[self.dp_dim] = ragged
+        placements[dp_dim] = ragged
         return tuple(placements)
 
     def unsharded_param(self, local: torch.Tensor) -> DTensor:
@@ -151,11 +145,6 @@ def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: 
     if not isinstance(param, DTensor):
         return None
     tp_mesh = param.device_mesh
-    if dp_mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {fqn!r} is a DTensor ({param.placements}) and the mesh is {dp_mesh.ndim}-D: "
-            "veScale-FSDP composes tensor/expert parallelism with a 1-D data-parallel mesh, not HSDP yet"
-        )
     if tp_mesh.ndim != 1:
         raise NotImplementedError(
             f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh ({param.placements}): veScale-FSDP "
@@ -171,7 +160,9 @@ def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: 
             "mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp')), and pass "
             "mesh['dp'] to fully_shard and mesh['tp'] to parallelize_module"
         ) from e
-    return ParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(), sharded_mesh, 0, ())
+    # HSDP: (replicate, shard, *tp), Replicate on the replicate dim, as FSDP2's HSDP x TP
+    template = (*[Replicate()] * (dp_mesh.ndim - 1), None, *param.placements)
+    return ParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(), sharded_mesh, template, ())
 
 
 def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
@@ -193,7 +184,8 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
             f"(parameter '{fqn}')"
         )
     _check_placements(fqn, param)
-    return ParallelSpec(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, spmd.shard_dim, (spmd.shard_dim,))
+    template = tuple(None if j == spmd.shard_dim else p for j, p in enumerate(param.placements))
+    return ParallelSpec(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,))
 
 
 def _check_placements(fqn: str, param: DTensor) -> None:

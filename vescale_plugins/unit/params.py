@@ -81,7 +81,7 @@ class UnitParams:
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
         if parallel is not None:
-            (ragged,) = self._placements(dbuffer, slot_index)
+            ragged = self._placements(dbuffer, slot_index)[-1]
             return make_dtensor(local, parallel.sharded_mesh, parallel.sharded_placements(ragged), parallel.shape, parallel.stride)
         return make_dtensor(local, self.mesh, self._placements(dbuffer, slot_index), slot.shape, _contiguous_stride(slot.shape))
 
