@@ -474,11 +474,6 @@ def test_dp_mesh_dims_validation_matches_fsdp2(dist_run):
 
 def _unsupported_combinations():
     mesh = _mesh_2x2()
-    # uneven TP shard (FSDP2 pads; veScale-FSDP composes with even TP shards only)
-    uneven = nn.Linear(4, 5)
-    parallelize_module(uneven, mesh["tp"], ColwiseParallel())
-    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of shape \(5, 4\) is split unevenly by Shard\(0\) over 2 ranks"):
-        fully_shard(uneven, mesh=mesh["dp"])
     # a 2-D TP/EP mesh (EP x TP experts)
     tp_2d = nn.Linear(4, 4)
     tp_2d.weight = nn.Parameter(distribute_tensor(tp_2d.weight.detach(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp")), [Shard(0), Replicate()]))
@@ -490,8 +485,8 @@ def _unsupported_combinations():
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), foreign, [Replicate()]))
     with pytest.raises(ValueError, match="parameter 'weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh"):
         fully_shard(lin, mesh=mesh["dp"])
-    # the modules are untouched: still usable as before
-    assert not isinstance(uneven.weight.placements[0], RaggedShard) and uneven.weight.device_mesh == mesh["tp"]
+    # the module is untouched: still usable as before
+    assert lin.weight.device_mesh == foreign and type(lin).__name__ == "Linear"
     dist.barrier()
 
 

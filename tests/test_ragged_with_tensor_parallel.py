@@ -95,11 +95,30 @@ def _wrong_stride_is_refused():
     for placements, shape, message in [
         ((RaggedShard((0,), (1, 1)), Shard(0)), (4, 6), "StridedRaggedShard((0,), (1, 1), split_factor=2)"),
         ((StridedRaggedShard((0,), (1, 1), 2), Shard(1)), (4, 6), "use RaggedShard((0,), (1, 1))"),
-        ((RaggedShard((0,), (1, 1)), Shard(1)), (4, 5), "does not divide dim 1 (5) evenly"),
     ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             distribute_tensor(torch.zeros(shape), mesh, placements)
     dist.barrier()
+
+
+def _uneven_tensor_parallel_shards():
+    """TP shards of unequal size (FSDP2's uneven TP): each rank's ragged layout is of its own
+    TP shard, so the placement's units differ between TP ranks."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank = mesh.get_local_rank(1)
+    for shape, tp, units in [((5, 4), Shard(0), [(2, 1), (0, 2)]), ((4, 5), Shard(1), [(3, 1), (1, 3)]), ((3, 2), Shard(0), [(1, 1), (1, 0)])]:
+        full = _full(shape)
+        ragged = StridedRaggedShard((0,), units[tp_rank], 2) if tp == Shard(0) else RaggedShard((0,), units[tp_rank])
+        d = distribute_tensor(full, mesh, (ragged, tp))
+        tp_local = distribute_tensor(full, mesh["tp"], [tp]).to_local()
+        assert torch.equal(d.to_local(), ragged.split_full(tp_local.contiguous(), mesh.get_local_rank(0)))
+        torch.testing.assert_close(d.full_tensor(), full)
+        torch.testing.assert_close(d.redistribute(mesh, (Replicate(), tp)).to_local(), tp_local)
+        torch.testing.assert_close(torch.linalg.vector_norm(d).full_tensor(), full.norm())
+
+
+def test_uneven_tensor_parallel_shards(dist_run):
+    dist_run(_uneven_tensor_parallel_shards, 4)
 
 
 def test_composition_errors_name_the_fix(dist_run):

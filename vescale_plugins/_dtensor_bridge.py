@@ -110,26 +110,17 @@ def _has_other_shards(placements: Sequence[Placement]) -> bool:
 
 
 def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int) -> None:
-    """Shards on other mesh dims must be even, and a later one that splits the ragged rows
-    asks for ``StridedRaggedShard`` with its split factor (the layout names its order)."""
+    """Plain ``Shard``/``Replicate`` on the other mesh dims; a later Shard that splits the
+    ragged rows asks for ``StridedRaggedShard`` with its split factor (the layout names its
+    order). Uneven Shards are fine: each rank's ragged layout is of its own local shape."""
     ragged = placements[i]
-    sizes = list(shape)
     split_factor = 1
     for j, p in enumerate(placements):
         if j == i or not p.is_shard():
             continue
         if type(p) is not Shard:
             raise NotImplementedError(f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate")
-        d = p.dim % len(shape)
-        if sizes[d] % mesh.size(j):
-            raise ValueError(
-                f"placements {tuple(placements)} on shape {tuple(shape)}: Shard({d}) over mesh dim {j} "
-                f"({mesh.size(j)} ranks) does not divide dim {d} ({sizes[d]}) evenly; veScale-FSDP "
-                "composes with even tensor/expert-parallel shards only: make that dim a multiple of "
-                f"{mesh.size(j)}"
-            )
-        sizes[d] //= mesh.size(j)
-        if j > i and d < len(ragged.dims):
+        if j > i and p.dim % len(shape) < len(ragged.dims):
             split_factor *= mesh.size(j)
     strided = getattr(ragged, "split_factor", 1)
     if strided != split_factor:
@@ -145,26 +136,19 @@ def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape:
 
 def _other_dims_box(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and global offsets of this rank's local tensor under the placements other than
-    the RaggedShard (even Shards, read left to right): the tensor the RaggedShard cuts."""
-    sizes, offsets = list(shape), [0] * len(shape)
-    for j, p in enumerate(placements):
-        if isinstance(p, RaggedShard) or not p.is_shard():
-            continue
-        d = p.dim % len(shape)
-        sizes[d] //= mesh.size(j)
-        offsets[d] += mesh.get_local_rank(j) * sizes[d]
-    return tuple(sizes), tuple(offsets)
+    the RaggedShard (torch's own chunking, uneven included): the tensor the RaggedShard cuts."""
+    others = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
+    if not any(p.is_shard() for p in others):
+        return tuple(shape), (0,) * len(shape)
+    local_shape, offsets = _ORIGINAL["compute_local_shape_and_global_offset"](shape, mesh, others)
+    return tuple(local_shape), tuple(offsets)
 
 
 def _other_dims_local_shape(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[int, ...]:
-    sizes = list(shape)
-    for j, p in enumerate(placements):
-        if p.is_shard() and not isinstance(p, RaggedShard):
-            sizes[p.dim % len(shape)] //= mesh.size(j)
-    return tuple(sizes)
+    return _other_dims_box(placements, mesh, shape)[0]
 
 
-def _other_dims_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
+def other_dims_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
     """This rank's part of ``full`` under the placements other than the RaggedShard (a view)."""
     sizes, offsets = _other_dims_box(placements, mesh, full.shape)
     for d, (size, offset) in enumerate(zip(sizes, offsets)):
@@ -564,7 +548,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         for i in range(mesh.ndim):
             torch.distributed.broadcast(full, group_src=src_data_rank, group=mesh.get_group(i))
     i = _ragged_mesh_dim(DTensorSpec(mesh, placements))
-    local = placements[i].split_full(_other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
+    local = placements[i].split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
@@ -723,7 +707,7 @@ def _random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
         return target
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
-    local.copy_(target.placements[i].split_full(_other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
+    local.copy_(target.placements[i].split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
     return target
 
 

@@ -27,7 +27,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ._dtensor_bridge import concatenate_meshes, make_dtensor
+from ._dtensor_bridge import concatenate_meshes, make_dtensor, other_dims_slice
 from .placement import RaggedShard, StridedRaggedShard
 
 __all__ = ["ParallelSpec", "SpmdMesh", "resolve_dp_mesh_dims", "parallel_spec_for"]
@@ -97,16 +97,8 @@ class ParallelSpec:
         return grad._local_tensor
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's tensor-parallel local tensor of a full (global) value."""
-        sizes, offsets = list(full.shape), [0] * full.dim()
-        for j, p in enumerate(self.unsharded_placements):
-            if isinstance(p, Shard):
-                d = p.dim % full.dim()
-                sizes[d] //= self.unsharded_mesh.size(j)
-                offsets[d] += self.unsharded_mesh.get_local_rank(j) * sizes[d]
-        for d, (size, offset) in enumerate(zip(sizes, offsets)):
-            full = full.narrow(d, offset, size)
-        return full
+        """This rank's tensor-parallel local tensor of a full (global) value (a view)."""
+        return other_dims_slice(full, self.unsharded_placements, self.unsharded_mesh)
 
 
 def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> tuple[DeviceMesh, SpmdMesh]:
@@ -189,20 +181,11 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
 
 
 def _check_placements(fqn: str, param: DTensor) -> None:
-    """Even ``Shard(d)`` and ``Replicate()`` only: every rank's local tensor has one shape,
-    which the planner lays out once for the data-parallel group."""
+    """``Shard(d)`` (even or not) and ``Replicate()``: every rank's local tensor is one dense
+    tensor, which the planner lays out for its data-parallel group."""
     for j, p in enumerate(param.placements):
-        if isinstance(p, Replicate):
-            continue
-        if type(p) is not Shard:
+        if not (isinstance(p, Replicate) or type(p) is Shard):
             raise NotImplementedError(
                 f"parameter {fqn!r} has placement {p!r} on mesh dim {j}: veScale-FSDP composes with "
                 "Shard(d) and Replicate() (ColwiseParallel, RowwiseParallel, expert Shard(0))"
-            )
-        d = p.dim % param.dim()
-        if param.shape[d] % param.device_mesh.size(j):
-            raise NotImplementedError(
-                f"parameter {fqn!r} of shape {tuple(param.shape)} is split unevenly by Shard({d}) over "
-                f"{param.device_mesh.size(j)} ranks: veScale-FSDP composes with even tensor/expert-"
-                f"parallel shards only; make dim {d} a multiple of {param.device_mesh.size(j)}"
             )
