@@ -1,6 +1,8 @@
-"""test_fully_shard_training.py's ``TestFullyShardNDTraining.test_2d_mlp_with_nd_mesh`` (FSDP2,
-torch 2.13) on CPU/gloo, for either implementation: DP x TP on FSDP2's ``MLPStack``, whose
-dims (3, 17) split unevenly over TP=2.
+"""FSDP2's DP x TP cases (torch 2.13) on CPU/gloo, for either implementation:
+test_fully_shard_training.py's ``test_2d_mlp_with_nd_mesh`` (FSDP2's ``MLPStack``, whose dims
+3 and 17 split unevenly over TP=2) and test_fully_shard_state_dict.py's 2-D state dict cases
+(``test_2d_state_dict_correctness``, ``test_dp_tp_state_dict_save_load``,
+``test_hsdp_tp_state_dict_save_load``).
 
 Changes from the original: CPU and gloo; the (pp=1, dp=2, tp=2) mesh of 4 ranks; the
 reference averages gradients over the dp group by hand (gloo has no AVG) instead of
@@ -18,9 +20,10 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.testing._internal.common_fsdp import MLPStack
+from torch.testing._internal.common_fsdp import MLP, MLPStack
 
 from ._compat import api, tc
+from .test_compat_state_dict import _state_dict_save_load
 
 T = 180  # seconds per case
 
@@ -83,3 +86,58 @@ def test_2d_mlp_with_nd_mesh(dist_run, impl, reshard_after_forward, mlp_dim):
 
 def test_2d_mlp_with_nd_mesh_activation_checkpointing(dist_run, impl):
     dist_run(_2d_mlp_with_nd_mesh, 4, impl, True, True, 17, timeout=T)
+
+
+# -- test_fully_shard_state_dict.py: 2-D state dicts (DP x TP, HSDP x TP) --------------------
+
+_TP_PLAN = {
+    "0.in_proj": ColwiseParallel(), "0.out_proj": RowwiseParallel(),
+    "1.in_proj": ColwiseParallel(), "1.out_proj": RowwiseParallel(),
+    "2.in_proj": ColwiseParallel(), "2.out_proj": RowwiseParallel(),
+}
+
+
+def _tp_mlps(impl, mlp_dim, dp_mesh, tp_mesh):
+    A = api(impl)
+    torch.manual_seed(42)
+    model = torch.nn.Sequential(*[MLP(mlp_dim) for _ in range(3)])
+    reference = copy.deepcopy(model)
+    parallelize_module(model, device_mesh=tp_mesh, parallelize_plan=_TP_PLAN)
+    for mlp in model:
+        A.fully_shard(mlp, mesh=dp_mesh)
+    A.fully_shard(model, mesh=dp_mesh)
+    return reference, model
+
+
+def _2d_state_dict_correctness(impl):
+    global_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    model, model_2d = _tp_mlps(impl, 4, global_mesh["dp"], global_mesh["tp"])
+    for tensor, dtensor in zip(model.state_dict().values(), model_2d.state_dict().values()):
+        tc.assertTrue(isinstance(dtensor, DTensor))
+        tc.assertEqual(tensor, dtensor.full_tensor())
+
+
+def test_2d_state_dict_correctness(dist_run, impl):
+    dist_run(_2d_state_dict_correctness, 4, impl, timeout=T)
+
+
+def _dp_tp_state_dict_save_load(impl, mlp_dim):
+    global_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp"], global_mesh["tp"])
+    _state_dict_save_load(model, impl)
+
+
+@pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
+def test_dp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
+    dist_run(_dp_tp_state_dict_save_load, 4, impl, mlp_dim, timeout=T)
+
+
+def _hsdp_tp_state_dict_save_load(impl, mlp_dim):
+    global_mesh = init_device_mesh("cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp_replicate", "dp_shard"], global_mesh["tp"])
+    _state_dict_save_load(model, impl)
+
+
+@pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
+def test_hsdp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
+    dist_run(_hsdp_tp_state_dict_save_load, 4, impl, mlp_dim, timeout=T)
