@@ -102,6 +102,23 @@ def full_parameters(model: torch.nn.Module, prefix: str = "") -> dict[str, torch
     return out
 
 
+def assert_saved_model_matches(saved_dir: Any, name: str, trained: dict[str, Any]) -> None:
+    """The model saved in ``saved_dir`` loads with ``from_pretrained`` in this (single)
+    process with the trained run's parameters exactly and its logits on ``probe_input()``,
+    and GPT-2's head stays tied to its embedding."""
+    model = AUTO_CLASSES[name].from_pretrained(saved_dir)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_input()).logits
+    torch.testing.assert_close(logits, trained["logits"])
+    loaded = full_parameters(model)
+    assert loaded.keys() == trained["params"].keys()
+    for key, value in trained["params"].items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    if name == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+
+
 def count_expert_tokens(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
     """Count, from now on, the tokens each Mixtral layer routes to each expert; call the result to read them.
 

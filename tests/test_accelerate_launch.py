@@ -12,41 +12,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launched import REPO, launch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
-KILL_GRACE_S = 15
 STEPS, ACCUMULATION = 3, 2
 
 
 def _launch(args: list[str]) -> str:
     """Run ``accelerate launch ARGS`` from the repository root; stop the whole tree on timeout."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(("ACCELERATE_", "FSDP_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", *args]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in its own session and kills them on SIGTERM; SIGKILL
-        # would orphan them. SIGKILL only if the launcher does not go within the grace period.
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            output, _ = process.communicate(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-        pytest.fail(f"accelerate launch did not finish within {TIMEOUT_S}s:\n{output[-4000:]}")
-    assert process.returncode == 0, f"accelerate launch failed ({process.returncode}):\n{output[-6000:]}"
-    return output
+    return launch(["-m", "accelerate.commands.accelerate_cli", "launch", *args], timeout_s=TIMEOUT_S)
 
 
 def _example_module():

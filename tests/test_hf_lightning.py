@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.timeout(600)
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from hf_models import AUTO_CLASSES, MODELS, full_parameters, make_model, probe_input  # noqa: E402
+from hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
 from launched import launch  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 540
@@ -71,18 +71,7 @@ def test_every_rank_ends_with_the_same_parameters(launched):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_saved_full_state_dict_loads_with_from_pretrained(launched, name):
     out, results = launched
-    model = AUTO_CLASSES[name].from_pretrained(out / name / "saved")
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe_input()).logits
-    torch.testing.assert_close(logits, results[0][f"{name}:vescale_fsdp:plain"]["logits"])
-    trained = results[0][f"{name}:vescale_fsdp:plain"]["params"]
-    loaded = full_parameters(model)
-    assert loaded.keys() == trained.keys()
-    for key, value in trained.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
-    if name == "gpt2":
-        assert model.lm_head.weight is model.transformer.wte.weight
+    assert_saved_model_matches(out / name / "saved", name, results[0][f"{name}:vescale_fsdp:plain"])
 
 
 def test_gpt2_embedding_stays_tied_while_training(launched):

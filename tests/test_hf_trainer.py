@@ -27,7 +27,7 @@ import torch.distributed as dist
 pytestmark = pytest.mark.timeout(900)
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from hf_models import AUTO_CLASSES, MODELS, full_parameters, make_model, probe_input  # noqa: E402
+from hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
 from launched import launch  # noqa: E402
 from test_accelerate_parity import accelerate_env  # noqa: E402
 
@@ -123,18 +123,7 @@ def test_mixture_of_experts_routes_differently_per_rank_and_still_matches_ddp(ve
 @pytest.mark.parametrize("name", list(MODELS))
 def test_save_model_loads_with_from_pretrained_in_one_process(vescale, name):
     out, results = vescale
-    model = AUTO_CLASSES[name].from_pretrained(out / f"{name}-plain" / "saved")
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe_input()).logits
-    torch.testing.assert_close(logits, results[0][f"{name}:plain"]["logits"])
-    trained = results[0][f"{name}:plain"]["params"]
-    loaded = full_parameters(model)
-    assert loaded.keys() == trained.keys()
-    for key, value in trained.items():
-        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
-    if name == "gpt2":
-        assert model.lm_head.weight is model.transformer.wte.weight
+    assert_saved_model_matches(out / f"{name}-plain" / "saved", name, results[0][f"{name}:plain"])
 
 
 def test_gpt2_embedding_stays_tied_while_training(vescale):

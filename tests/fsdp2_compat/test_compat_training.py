@@ -1085,3 +1085,53 @@ def _1f1b_microbatching(impl, use_explicit_unshard, reshard_after_backward):
 @pytest.mark.parametrize("use_explicit_unshard", [False, True])
 def test_1f1b_microbatching(dist_run, impl, use_explicit_unshard, reshard_after_backward):
     dist_run(_1f1b_microbatching, 2, impl, use_explicit_unshard, reshard_after_backward, timeout=T)
+
+
+# -- TestFullyShardHSDPTraining ----------------------------------------------------------
+
+
+def _train_parity_hsdp(impl, reshard_after_forward):
+    """The original's subtests for one ``reshard_after_forward`` (activation checkpointing,
+    gradient sync only at the last micro-batch or at every one, and the two MLP widths of its
+    three that shard unevenly: 3 and 17; 16 is left out for time), on a 2x2 (replicate,
+    shard) mesh against a ``replicate`` (DDP) reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    A = api(impl)
+    global_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for use_activation_checkpointing, mlp_dim, sync_gradients_at_last_batch in itertools.product([False, True], [3, 17], [True, False]):
+        torch.manual_seed(42)
+        model = nn.Sequential(nn.LayerNorm(mlp_dim, bias=False), MLP(mlp_dim, dim_multiplier=3), MLP(mlp_dim), MLP(mlp_dim, dim_multiplier=3))
+        ref_model = copy.deepcopy(model)
+        replicate(ref_model)
+        ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+        for mlp in model:
+            if use_activation_checkpointing:
+                checkpoint(mlp)
+            A.fully_shard(mlp, mesh=global_mesh, reshard_after_forward=reshard_after_forward)
+        A.fully_shard(model, mesh=global_mesh, reshard_after_forward=reshard_after_forward)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        check_sharded_parity(tc, ref_model, model)
+        torch.manual_seed(42 + dist.get_rank() + 1)
+        num_microbatches = 3
+        for iter_idx in range(5):
+            for microbatch_idx in range(num_microbatches):
+                is_last_microbatch = microbatch_idx == num_microbatches - 1
+                if sync_gradients_at_last_batch:
+                    model.set_requires_gradient_sync(is_last_microbatch)
+                inp = torch.randn((8, mlp_dim))
+                losses = []
+                for _model in (ref_model, model):
+                    losses.append(_model(inp).sum())
+                    losses[-1].backward()
+                tc.assertEqual(losses[0], losses[1])
+            check_sharded_parity(tc, ref_model, model)
+            for _optim in (ref_optim, optim):
+                _optim.step()
+                _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            check_sharded_parity(tc, ref_model, model)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_train_parity_hsdp(dist_run, impl, reshard_after_forward):
+    dist_run(_train_parity_hsdp, 4, impl, reshard_after_forward, timeout=2 * T)

@@ -20,20 +20,16 @@ world size and writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
 import math
-import os
-import queue
 import statistics
 import sys
 import time
-import traceback
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -44,6 +40,7 @@ from ..optim.muon import adjust_lr
 from ..optim.newton_schulz import newton_schulz_for
 from ..optim.root_assignment import newton_schulz_flops
 from .engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
+from .launcher import launch_ranks
 from .llama import PRESETS, LlamaConfig
 from .report import environment
 
@@ -153,53 +150,13 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             "muon_matrices": len(_muon_shapes(engines["vescale"][1]))}
 
 
-def _worker(rank: int, world: int, port: int, settings: BenchSettings, warmup: int, steps: int, events: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        result = run_rank(settings, warmup, steps, lambda what: events.put(("progress", rank, what)) if rank == 0 else None)
-        events.put(("done", rank, result))
-    except BaseException:
-        events.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every rank (gloo, CPU); return their results or raise with a failing rank's traceback."""
-    context = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    events = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, world, store.port, settings, warmup, steps, events), daemon=True) for r in range(world)]
-    for p in processes:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark did not finish within {timeout_s:.0f} s")
-            try:
-                kind, rank, payload = events.get(timeout=1.0)
-            except queue.Empty:
-                if any(not p.is_alive() and i not in results for i, p in enumerate(processes)):
-                    raise RuntimeError("a benchmark rank died without reporting")
-                continue
-            if kind == "progress":
-                on_progress(payload)
-            elif kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            else:
-                results[rank] = payload
-    finally:
-        for p in processes:
-            p.join(timeout=10 if len(results) == world else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return [results[r] for r in range(world)]
+    return launch_ranks(functools.partial(_run_rank, settings, warmup, steps), world, timeout_s, on_progress, backend="gloo")
+
+
+def _run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    return run_rank(settings, warmup, steps, progress)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,20 +8,17 @@ building and a steady-state step. Progress events stream to the parent for the b
 
 from __future__ import annotations
 
-import datetime
-import os
-import queue
+import functools
 import resource
 import time
-import traceback
 from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
+from .launcher import launch_ranks
 from .memory import AllocationTracker
 
 
@@ -145,55 +142,13 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     return result
 
 
-def _worker(rank: int, world: int, port: int, settings: BenchSettings, warmup: int, steps: int, record_steps: int, events: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        result = run_rank(settings, warmup, steps, lambda what: events.put(("progress", rank, what)) if rank == 0 else None, record_steps)
-        events.put(("done", rank, result))
-    except BaseException:
-        events.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None], record_steps: int = 0) -> list[dict[str, Any]]:
     """Run every rank; return their results, or raise with the first failing rank's traceback."""
-    context = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    events = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, world, store.port, settings, warmup, steps, record_steps, events), daemon=True) for r in range(world)]
-    for p in processes:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark did not finish within {timeout_s:.0f} s")
-            try:
-                kind, rank, payload = events.get(timeout=1.0)
-            except queue.Empty:
-                if any(not p.is_alive() and i not in results for i, p in enumerate(processes)):
-                    raise RuntimeError("a benchmark rank died without reporting")
-                continue
-            if kind == "progress":
-                on_progress(payload)
-            elif kind == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            else:
-                results[rank] = payload
-    finally:
-        for p in processes:
-            p.join(timeout=10 if len(results) == world else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return [results[r] for r in range(world)]
+    return launch_ranks(functools.partial(_run_rank, settings, warmup, steps, record_steps), world, timeout_s, on_progress)
+
+
+def _run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+    return run_rank(settings, warmup, steps, progress, record_steps)
 
 
 def settings_dict(settings: BenchSettings) -> dict[str, Any]:
