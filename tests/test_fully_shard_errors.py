@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from models import local_batch, make_decoder
 from vescale_plugins import fully_shard
@@ -59,7 +59,7 @@ def _every_bad_input():
     _expect(ValueError, r"reshard_after_forward=5 must divide the shard group's size", lambda: fully_shard(model, reshard_after_forward=5))
     _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
     _untouched(model, before)
-    _expect(NotImplementedError, "dp_mesh_dims", lambda: fully_shard(model, dp_mesh_dims=object()))
+    _expect(TypeError, "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims", lambda: fully_shard(model, dp_mesh_dims=object()))
     _expect(
         NotImplementedError,
         r"shard_placement_fn returned Shard\(dim=1\) for 'layers.0.up.weight'",
@@ -67,8 +67,10 @@ def _every_bad_input():
     )
     _untouched(model, before)
     tp_model = make_decoder()
-    tp_model.layers[0].up.weight = torch.nn.Parameter(distribute_tensor(tp_model.layers[0].up.weight.detach(), init_device_mesh("cpu", (world,)), [Shard(0)]))
-    _expect(NotImplementedError, r"'layers.0.up.weight' is already a DTensor", lambda: fully_shard(tp_model))
+    # a TP mesh that is not another dim of the data-parallel mesh's root (here: the same ranks)
+    tp_model.layers[0].up.weight = torch.nn.Parameter(distribute_tensor(tp_model.layers[0].up.weight.detach(), init_device_mesh("cpu", (world,)), [Replicate()]))
+    _expect(ValueError, r"'layers.0.up.weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh", lambda: fully_shard(tp_model))
+    assert type(tp_model).__name__ == "Decoder"
     fully_shard(model, offload_policy=OffloadPolicy(), shard_placement_fn=lambda p: Shard(0))  # FSDP2's defaults
 
     with torch.device("meta"):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 
 from vescale_plugins import RaggedShard
 
@@ -89,19 +89,3 @@ def test_checkpoint_from_2d_mesh_loads_on_1d_mesh(dist_run, tmp_path):
     dist_run(_save_2d, 4, path)
     dist_run(_load_1d, 3, path)
 
-
-def _composition_with_shard_is_refused():
-    mesh = init_device_mesh("cpu", (2, 2))
-    full = _full((8, 4))
-    for placements in ([Shard(0), RaggedShard((0,), (1, 1))], [RaggedShard((0,), (1, 3)), Shard(1)]):
-        try:
-            distribute_tensor(full, mesh, placements)
-        except NotImplementedError as e:
-            assert "tensor/expert parallel" in str(e)
-        else:
-            raise AssertionError(f"{placements} should be refused")
-    dist.barrier()
-
-
-def test_composition_with_shard_on_another_mesh_dim_is_not_implemented(dist_run):
-    dist_run(_composition_with_shard_is_refused, 4)

@@ -21,10 +21,18 @@ interpret placements, and route a call to our code only when a RaggedShard is in
   ``_state_dict_utils`` and DCP helpers): one box for a row-wise ragged shard.
 - ``DTensor.__create_write_items__ / __create_chunk_list__ / __get_tensor_shard__``
   (DCP's checkpointable protocol): a ragged shard is described as a few regular boxes.
+- ``DeviceMesh._layout`` / ``_rank_map`` (private): every copy of a submesh, for subgroups
+  every rank must create (``every_copy_of_mesh``).
+- ``DeviceMesh._concatenate`` (private): the (dp, tp) mesh of a tensor-parallel parameter
+  sharded by FSDP, as FSDP2 builds it (``concatenate_meshes``).
 - ``DTensor.__deepcopy__`` / ``__reduce_ex__`` (inherited from Tensor): torch tells a
   wrapper subclass by ``data_ptr() == 0``, which a DTensor over a view at an offset (our
   shards and their ``detach()``) misses; such a DTensor is copied/pickled through an
   offset-0 twin over the same local tensor (``_dtensor_at_offset_zero``).
+Next to even ``Shard`` placements on other mesh dims (tensor/expert parallel), a RaggedShard
+cuts this rank's local tensor of those dims, whatever its mesh-dim position
+(``StridedRaggedShard`` names the case where, read left to right, its rows are strided):
+every path above goes through ``_other_dims_box`` / ``_other_dims_local_shape`` for that.
 Private types used: ``DTensorSpec``, ``TensorMeta``, ``OpSchema``, ``OutputSharding``,
 ``_NormPartial``, the ``DTensor(local, spec, requires_grad=)`` constructor and
 ``DTensor._local_tensor`` (re-pointed by ``set_local_tensor``), and
@@ -49,7 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._math_ops import _NormPartial
@@ -87,12 +95,66 @@ def _check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequen
     i = ragged_dims[0]
     placement = placements[i]
     placement.check_mesh_dim_size(mesh.size(i), shape)
-    placement.layout(shape)
-    if any(p.is_shard() for p in placements):
-        raise NotImplementedError(
-            f"placements {tuple(placements)}: composing RaggedShard with Shard on another mesh dim "
-            "(tensor/expert parallel) is not supported yet; use Replicate on the other mesh dims"
+    _check_composition(placements, mesh, shape, i)
+    placement.layout(_other_dims_local_shape(placements, mesh, shape))
+
+
+def _is_sharding(p: Placement) -> bool:
+    """Each rank holds a different part on this mesh dim (so reductions over it are partial)."""
+    return isinstance(p, RaggedShard) or p.is_shard()
+
+
+def _has_other_shards(placements: Sequence[Placement]) -> bool:
+    """``Shard`` on a mesh dim (tensor or expert parallel), besides any RaggedShard."""
+    return any(p.is_shard() and not isinstance(p, RaggedShard) for p in placements)
+
+
+def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int) -> None:
+    """Plain ``Shard``/``Replicate`` on the other mesh dims; a later Shard that splits the
+    ragged rows asks for ``StridedRaggedShard`` with its split factor (the layout names its
+    order). Uneven Shards are fine: each rank's ragged layout is of its own local shape."""
+    ragged = placements[i]
+    split_factor = 1
+    for j, p in enumerate(placements):
+        if j == i or not p.is_shard():
+            continue
+        if type(p) is not Shard:
+            raise NotImplementedError(f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate")
+        if j > i and p.dim % len(shape) < len(ragged.dims):
+            split_factor *= mesh.size(j)
+    strided = getattr(ragged, "split_factor", 1)
+    if strided != split_factor:
+        fix = (
+            f"StridedRaggedShard({ragged.dims}, {ragged.local_units}, split_factor={split_factor})"
+            if split_factor > 1 else f"RaggedShard({ragged.dims}, {ragged.local_units})"
         )
+        raise ValueError(
+            f"placements {tuple(placements)}: the RaggedShard cuts each rank's local tensor of the "
+            f"other mesh dims, whose shards split its rows {split_factor} way(s); use {fix}"
+        )
+
+
+def _other_dims_box(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offsets of this rank's local tensor under the placements other than
+    the RaggedShard (torch's own chunking, uneven included): the tensor the RaggedShard cuts."""
+    others = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
+    if not any(p.is_shard() for p in others):
+        return tuple(shape), (0,) * len(shape)
+    local_shape, offsets = _ORIGINAL["compute_local_shape_and_global_offset"](shape, mesh, others)
+    return tuple(local_shape), tuple(offsets)
+
+
+def _other_dims_local_shape(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[int, ...]:
+    return _other_dims_box(placements, mesh, shape)[0]
+
+
+def other_dims_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's part of ``full`` under the placements other than the RaggedShard (a view)."""
+    sizes, offsets = _other_dims_box(placements, mesh, full.shape)
+    for d, (size, offset) in enumerate(zip(sizes, offsets)):
+        if size != full.shape[d]:
+            full = full.narrow(d, offset, size)
+    return full
 
 
 # --------------------------------------------------------------------------------------
@@ -160,12 +222,42 @@ def _transform_mesh_dim(local: torch.Tensor, src: Placement, dst: Placement, sha
     raise NotImplementedError(f"redistribute from {src} to {dst} alongside a RaggedShard is not supported")
 
 
-def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+def _redistribute_composed(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Redistribute where a RaggedShard sits next to Shards on other mesh dims.
+
+    The same other-dim placements with another ragged layout: one all-to-all in the ragged
+    dim's group. Otherwise in three steps: gather the ragged dim (this rank's local tensor
+    of the other dims), let torch move the other dims, cut the target's ragged dim locally.
+    """
+    shape = current.shape
+    i, j = _ragged_mesh_dim(current), _ragged_mesh_dim(target)
+    others_same = current.mesh == target.mesh and i == j and all(
+        a == b for k, (a, b) in enumerate(zip(current.placements, target.placements)) if k != i
+    )
+    if others_same:
+        inner = _other_dims_local_shape(current.placements, current.mesh, shape)
+        src, dst = current.placements[i], target.placements[i]
+        return rc.reshard_ragged(local, src.layout(inner), dst.layout(inner), current.mesh.get_group(i))
+    if i is not None:
+        inner = _other_dims_local_shape(current.placements, current.mesh, shape)
+        local = rc.gather_ragged(local, current.placements[i].layout(inner), current.mesh.get_group(i))
+        current = _with_placements(current, [Replicate() if k == i else p for k, p in enumerate(current.placements)])
+    middle = target if j is None else _with_placements(target, [Replicate() if k == j else p for k, p in enumerate(target.placements)])
+    if current.placements != middle.placements or current.mesh != middle.mesh:
+        local = _ORIGINAL["redistribute_local_tensor"](local.contiguous(), current, middle, *args, **kwargs)
+    if j is not None:
+        local = target.placements[j].split_full(local.contiguous(), target.mesh.get_local_rank(j)).clone()
+    return local
+
+
+def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
     shape = current.shape
     _check_spec(current.placements, current.mesh, shape)
     _check_spec(target.placements, target.mesh, shape)
     if not current.mesh._is_current_rank_part_of_mesh():
         return local
+    if _has_other_shards(current.placements) or _has_other_shards(target.placements):
+        return _redistribute_composed(local, current, target, *args, **kwargs)
     # Reduce Partial dims first (elementwise on whatever the local tensor is), then move the
     # ragged dim, then create any new Partial dims: every step sees a well-defined value.
     order = sorted(range(current.mesh.ndim), key=lambda i: (not current.placements[i].is_partial(), target.placements[i].is_partial()))
@@ -177,7 +269,7 @@ def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTen
 def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Drop-in for torch's ``redistribute_local_tensor`` that handles RaggedShard specs."""
     if _has_ragged(current_spec.placements) or _has_ragged(target_spec.placements):
-        return _redistribute_ragged(local_tensor, current_spec, target_spec)
+        return _redistribute_ragged(local_tensor, current_spec, target_spec, *args, **kwargs)
     return _ORIGINAL["redistribute_local_tensor"](local_tensor, current_spec, target_spec, *args, **kwargs)
 
 
@@ -306,7 +398,7 @@ def _full_reduction_rule(schema: OpSchema, out_meta: Any) -> OutputSharding | No
         return None
     if any(p.is_partial() for p in spec.placements):
         return None
-    placements = tuple(Partial(kind) if isinstance(p, RaggedShard) else p for p in spec.placements)
+    placements = tuple(Partial(kind) if _is_sharding(p) else p for p in spec.placements)
     return OutputSharding(DTensorSpec(spec.mesh, placements, tensor_meta=out_meta))
 
 
@@ -385,7 +477,7 @@ def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | Non
 def _ragged_norm_spec(spec: DTensorSpec, ord: float, out: torch.Tensor) -> DTensorSpec | None:
     if any(p.is_partial() for p in spec.placements):
         return None
-    placements = tuple(_norm_partial(ord) if isinstance(p, RaggedShard) else p for p in spec.placements)
+    placements = tuple(_norm_partial(ord) if _is_sharding(p) else p for p in spec.placements)
     return DTensorSpec(spec.mesh, placements, tensor_meta=TensorMeta(torch.Size(()), (), out.dtype))
 
 
@@ -456,7 +548,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         for i in range(mesh.ndim):
             torch.distributed.broadcast(full, group_src=src_data_rank, group=mesh.get_group(i))
     i = _ragged_mesh_dim(DTensorSpec(mesh, placements))
-    local = placements[i].split_full(full, mesh.get_local_rank(i)).clone()
+    local = placements[i].split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
@@ -474,7 +566,8 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
             raise ValueError("DTensor.from_local with a RaggedShard placement needs an explicit device_mesh")
         _check_spec(tuple(placements), mesh, shape)
         i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
-        expected = placements[i].layout(shape).slices[mesh.get_local_rank(i)].local_shape
+        inner = _other_dims_local_shape(placements, mesh, shape)
+        expected = placements[i].layout(inner).slices[mesh.get_local_rank(i)].local_shape
         if tuple(local_tensor.shape) != tuple(expected):
             raise ValueError(
                 f"DTensor.from_local: local tensor of shape {tuple(local_tensor.shape)} on mesh rank "
@@ -494,17 +587,17 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
         return _ORIGINAL["compute_local_shape_and_global_offset"](global_shape, mesh, placements, skip_offset)
     _check_spec(tuple(placements), mesh, global_shape)
     i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
-    layout = placements[i].layout(global_shape)
-    rank_slice = layout.slices[mesh.get_local_rank(i)]
-    boxes = flat_interval_boxes(global_shape, rank_slice.offset, rank_slice.length)
+    inner, inner_offsets = _other_dims_box(placements, mesh, global_shape)
+    rank_slice = placements[i].layout(inner).slices[mesh.get_local_rank(i)]
+    boxes = [(_shift(o, inner_offsets), s) for o, s in flat_interval_boxes(inner, rank_slice.offset, rank_slice.length)]
     if len(boxes) > 1:
         raise ValueError(
             f"{placements[i]!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
             "not one; use a row-wise RaggedShard (dims=(0,)) where a single local box is required"
         )
     if not boxes:
-        empty = (0, *global_shape[1:]) if len(global_shape) else (0,)
-        return empty, (0,) * len(global_shape)
+        empty = (0, *inner[1:]) if len(global_shape) else (0,)
+        return empty, inner_offsets
     offsets, sizes = boxes[0]
     return tuple(sizes), tuple(offsets)
 
@@ -514,14 +607,20 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
 # --------------------------------------------------------------------------------------
 
 
+def _shift(offsets: Sequence[int], by: Sequence[int]) -> tuple[int, ...]:
+    return tuple(o + b for o, b in zip(offsets, by))
+
+
 def _local_boxes(t: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """(global offsets, sizes, start in the local flat storage) for each box of this rank."""
+    """(global offsets, sizes, start in the local flat storage) for each box of this rank;
+    next to tensor-parallel shards, the boxes of the ragged cut of this rank's TP shard."""
     i = _ragged_mesh_dim(t._spec)
     placement = t.placements[i]
-    rank_slice = placement.layout(t.shape).slices[t.device_mesh.get_local_rank(i)]
+    inner, inner_offsets = _other_dims_box(t.placements, t.device_mesh, t.shape)
+    rank_slice = placement.layout(inner).slices[t.device_mesh.get_local_rank(i)]
     boxes, local_start = [], 0
-    for offsets, sizes in flat_interval_boxes(t.shape, rank_slice.offset, rank_slice.length):
-        boxes.append((offsets, sizes, local_start))
+    for offsets, sizes in flat_interval_boxes(inner, rank_slice.offset, rank_slice.length):
+        boxes.append((_shift(offsets, inner_offsets), sizes, local_start))
         local_start += math.prod(sizes)
     return boxes
 
@@ -608,7 +707,7 @@ def _random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
         return target
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
-    local.copy_(target.placements[i].split_full(full, rank))
+    local.copy_(target.placements[i].split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
     return target
 
 
@@ -627,6 +726,19 @@ def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int,
         if low < high:
             out[low - start : high - start].copy_(drawn[low - position : high - position])
         position += size
+
+
+def every_copy_of_mesh(mesh: DeviceMesh) -> torch.Tensor:
+    """The ranks of every copy of ``mesh`` in its root, shape ``(copies, *mesh.shape)``: a
+    submesh (``root["dp"]``) has one per coordinate of the other dims, and a group built over
+    it must be created by every rank of the world, for every copy, in one order."""
+    return mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1, *mesh.shape)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (submeshes of one root, by name), as FSDP2
+    builds its (dp, tp) mesh for tensor-parallel parameters; no collective."""
+    return DeviceMesh._concatenate(meshes)
 
 
 def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:

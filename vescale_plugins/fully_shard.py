@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import validation
 from .fsdp_unit import FSDPUnit, _iter_units
+from .tensor_parallel import SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
 
 __all__ = ["fully_shard", "VeScaleFSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -302,10 +303,23 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
     if mesh.ndim > 2:
         raise NotImplementedError(
             f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
-            "(replicate, shard) for hybrid sharding; tensor- and expert-parallel dims are not "
-            "supported yet"
+            "(replicate, shard) for hybrid sharding; with tensor or expert parallelism pass the "
+            "data-parallel submesh (parameters are DTensors on the other dims), or the full mesh "
+            "with dp_mesh_dims"
         )
     return mesh
+
+
+def _resolve_spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any, device: torch.device) -> tuple[DeviceMesh | None, SpmdMesh | None]:
+    """With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh: validated as FSDP2 does, and
+    replaced by its data-parallel shard dim."""
+    if dp_mesh_dims is None:
+        return mesh, None
+    if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
+        raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {dp_mesh_dims!r}")
+    full_mesh = _resolve_mesh(mesh, device) if mesh is None else mesh
+    validation.check_mesh(full_mesh)
+    return resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
 
 
 def _collect_params(
@@ -407,15 +421,16 @@ def fully_shard(
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    _validate(modules, reshard_after_forward, offload_policy, dp_mesh_dims)
+    _validate(modules, reshard_after_forward, offload_policy)
     device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+    mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, device)
     mesh = _resolve_mesh(mesh, device)
     ignored = set(ignored_params or ())
 
-    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]]:
+    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, Any]]:
         params, shared = _collect_params(modules, ignored)
         validation.check_not_already_sharded(modules[0], [(fqn, p) for fqn, _, p in params])
-        _check_plain_tensors(params)
+        specs = [parallel_spec_for(fqn, p, mesh, spmd) for fqn, _, p in params]
         if shard_placement_fn is not None:
             _check_shard_placements(params, shard_placement_fn)
         if shared:
@@ -426,17 +441,18 @@ def fully_shard(
             )
         _refuse_parameters_of_sibling_units(modules, params)
         _refuse_tensor_extensions(params)
-        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn)) for fqn, owners, p in params]
+        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn), spec) for (fqn, owners, p), spec in zip(params, specs)]
 
-    # Ranks that plan differently (or fail on some ranks only) all raise here, before any collective.
+    # Ranks that plan differently (or fail on some ranks only) all raise here, before any
+    # collective. Tensor-parallel parameters are planned by their local (TP) shape.
     with_blocks = validation.agree_on_plan(
-        plan, lambda entries: [(fqn, tuple(p.shape), str(p.dtype), rows) for fqn, _, p, rows in entries], mesh.get_group(mesh.ndim - 1)
+        plan, lambda entries: [(fqn, tuple(_local_shape(p)), str(p.dtype), rows) for fqn, _, p, rows, _ in entries], mesh.get_group(mesh.ndim - 1)
     )
     reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     where = " + ".join(type(m).__name__ for m in modules)
-    for fqn, _, param, _ in with_blocks:
+    for fqn, _, param, _, _ in with_blocks:
         _SHARDED_BY_ANOTHER_CALL[param] = f"{fqn!r} of the {where} unit"
     for m in modules:
         m._vescale_fsdp_unit = unit
@@ -463,13 +479,8 @@ def _refuse_tensor_extensions(params: list[tuple[str, Any, nn.Parameter]]) -> No
             )
 
 
-def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any) -> None:
     _check_reshard_after_forward(reshard_after_forward)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "dp_mesh_dims (parameters already distributed over a full SPMD mesh) is not supported "
-            "yet: pass the data-parallel mesh itself as mesh= (1-D, or 2-D for HSDP)"
-        )
     if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
     for m in modules:
@@ -483,15 +494,9 @@ def _validate(modules: list[nn.Module], reshard_after_forward: Any, offload_poli
             )
 
 
-def _check_plain_tensors(params: list[tuple[str, Any, nn.Parameter]]) -> None:
-    for fqn, _, param in params:
-        if isinstance(param, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is already a DTensor ({param.placements} on a {param.device_mesh.ndim}-D "
-                "mesh, e.g. from tensor or expert parallelism): composing veScale-FSDP with other "
-                "parallel dims is not supported yet; shard plain parameters, or use torch's fully_shard "
-                "for this model"
-            )
+def _local_shape(param: torch.Tensor) -> torch.Size:
+    """What the planner lays out: a tensor-parallel parameter's local tensor."""
+    return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
 
 
 def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any]) -> None:

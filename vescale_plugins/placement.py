@@ -19,7 +19,7 @@ from torch.distributed.tensor import Placement
 
 from .ragged_layout import RaggedLayout, _validate_placement_args, ragged_layout
 
-__all__ = ["RaggedShard"]
+__all__ = ["RaggedShard", "StridedRaggedShard"]
 
 
 class RaggedShard(Placement):
@@ -60,7 +60,7 @@ class RaggedShard(Placement):
         return len(self.dims) == ndim
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RaggedShard) and (self.dims, self.local_units) == (other.dims, other.local_units)
+        return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
 
     def __hash__(self) -> int:
         return hash((RaggedShard, self.dims, self.local_units))
@@ -81,3 +81,42 @@ class RaggedShard(Placement):
 
     def __str__(self) -> str:
         return f"RS{self.dims}{list(self.local_units)}"
+
+
+class StridedRaggedShard(RaggedShard):
+    """A RaggedShard applied after ``split_factor`` shards of its rows by later mesh dims.
+
+    On a ``(dp, tp)`` mesh whose tensor-parallel dim holds ``Shard(0)`` (ColwiseParallel,
+    expert parallelism), veScale-FSDP cuts each rank's tensor-parallel shard, not the global
+    tensor: read left to right, as DTensor reads placements, the data-parallel rank's rows
+    are strided (a run of rows in each of the ``split_factor`` tensor-parallel chunks). This
+    is the paper's StridedRaggedShard and plays the role of FSDP2's ``_StridedShard``. The
+    layout arithmetic is RaggedShard's, on the tensor-parallel local shape.
+    """
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int], split_factor: int) -> None:
+        super().__init__(dims, local_units)
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 2:
+            raise ValueError(f"StridedRaggedShard split_factor must be an int >= 2, got {split_factor!r}")
+        self.split_factor = split_factor
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and self.split_factor == other.split_factor  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((StridedRaggedShard, self.dims, self.local_units, self.split_factor))
+
+    def __reduce__(self) -> tuple:
+        return (StridedRaggedShard, (self.dims, self.local_units, self.split_factor))
+
+    def __deepcopy__(self, memo: dict) -> "StridedRaggedShard":
+        return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
+
+    def __copy__(self) -> "StridedRaggedShard":
+        return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
+
+    def __repr__(self) -> str:
+        return f"StridedRaggedShard(dims={self.dims}, local_units={self.local_units}, split_factor={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"SRS{self.dims}{list(self.local_units)}/{self.split_factor}"

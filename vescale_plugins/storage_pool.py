@@ -19,6 +19,8 @@ CUDA's caching allocator already keeps freed blocks; the pool is CPU only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = ["StoragePool", "MAX_PER_KEY", "ENABLED"]
@@ -26,8 +28,9 @@ __all__ = ["StoragePool", "MAX_PER_KEY", "ENABLED"]
 # Off by default: measured on the default CPU bench (W=2), the pool cut veScale's minor page
 # faults per step from ~3.5K to ~0.7K but raised its peak tensor memory by 12 % (the root's
 # buffers held through the optimizer step). Emptying it at the end of backward as well is
-# meant to remove that; not yet measured, so the runtime uses the pool only when this is set.
-ENABLED = False
+# meant to remove that; not yet measured, so the runtime uses the pool only when this is set
+# (or the environment has VESCALE_FSDP_STORAGE_POOL=1, which reaches spawned ranks too).
+ENABLED = os.environ.get("VESCALE_FSDP_STORAGE_POOL", "0") == "1"
 
 # A unit's storage waits in the pool from its release until the gather after the next one
 # (one unit prefetched ahead); two per key also covers the last units released in backward.

@@ -1,6 +1,6 @@
 """test_fully_shard_state_dict.py (FSDP2) on CPU/gloo.
 
-HSDP and TP meshes are issue 15 (their cases are listed in the README, not ported); the
+The DP x TP and HSDP x TP cases are in test_compat_tensor_parallel.py; the
 CPU-offload case needs a non-CPU device to be meaningful (excluded).
 """
 

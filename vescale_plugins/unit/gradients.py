@@ -42,7 +42,7 @@ class UnitGradients:
         differs from the gradient's (bf16 compute, fp32 reduce), as FSDP2 does; otherwise
         autograd keeps accumulating on the parameter in place."""
         for m in self.managed:
-            grad = m.unsharded.grad if m.unsharded is not None else None
+            grad = m.gathered_grad()
             if grad is None:
                 continue
             reduce_dtype = self.dbuffers[m.buffer_index].reduce_dtype
@@ -76,7 +76,7 @@ class UnitGradients:
             # are zeroed.
             grads = {}
             for m in members:
-                grad = m.unsharded.grad if m.unsharded is not None else None
+                grad = m.gathered_grad()
                 if m.unsharded is not None:
                     m.unsharded.grad = None
                 if m.accumulated_grad is not None:
@@ -110,7 +110,7 @@ class UnitGradients:
 
     def _attach_sharded_grad(self: "FSDPUnit", m: ManagedParam) -> None:
         local = self.dbuffers[m.buffer_index].sharded_grad_view(m.slot_index)
-        m.sharded.grad = make_dtensor(local, self.mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
+        m.sharded.grad = make_dtensor(local, m.sharded.device_mesh, m.sharded.placements, m.sharded.shape, m.sharded.stride())
 
     def _attach_remote_gradients(self: "FSDPUnit") -> None:
         """(Root, once every reduce-scatter of the backward is done) Give a gradient to each

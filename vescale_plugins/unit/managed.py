@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from ..tensor_parallel import ParallelSpec
+
 if TYPE_CHECKING:
     from ..fsdp_unit import FSDPUnit
 
@@ -31,6 +33,16 @@ class ManagedParam:
     # Gradients of micro-batches that did not sync, in the reduce dtype when it differs from
     # the unsharded parameters' (FSDP2 accumulates there, not in bf16 on the parameter).
     accumulated_grad: torch.Tensor | None = None
+    # Set when the parameter was already a DTensor (tensor/expert parallel, SPMD mesh): the
+    # DBuffer holds its local tensor and the gathered parameter is that DTensor again.
+    parallel: ParallelSpec | None = None
+
+    def gathered_grad(self) -> torch.Tensor | None:
+        """The gathered parameter's gradient as a local tensor (a TP DTensor's local shard)."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None or self.parallel is None:
+            return grad
+        return self.parallel.local_grad(grad)
 
     def register(self, param: nn.Parameter) -> None:
         # Bypass nn.Module.__setattr__: the parameter changes identity every forward.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
+from .._dtensor_bridge import every_copy_of_mesh
 from ..placement import RaggedShard
 
 __all__ = ["UnitMesh", "is_group_size", "post_forward_group"]
@@ -56,10 +57,11 @@ _POST_FORWARD_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
 
 def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     """This rank's group of k consecutive ranks of the shard dim (every rank creates all of
-    them, in the same order, at the first forward that needs them)."""
+    them, in the same order, at the first forward that needs them; for a submesh such as a
+    tensor-parallel model's dp mesh, those of every copy of it)."""
     key = (id(mesh), k)
     if key not in _POST_FORWARD_GROUPS:
-        rows = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+        rows = every_copy_of_mesh(mesh).reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
         enumeration = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
         _POST_FORWARD_GROUPS[key], _ = dist.new_subgroups_by_enumeration(enumeration)
     return _POST_FORWARD_GROUPS[key]

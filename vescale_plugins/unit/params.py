@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from .._dtensor_bridge import make_dtensor, set_local_tensor
 from ..dbuffer import DBuffer
+from ..tensor_parallel import ParallelSpec
 from .buffer_split import split_group
 from .managed import ManagedParam, track_slots
 from .mesh import post_forward_group
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["UnitParams"]
 
-ParamSpec = tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int]
+# (fqn, owners, parameter, block rows, how it is distributed besides FSDP (TP/EP) or None)
+ParamSpec = tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, "ParallelSpec | None"]
 
 
 class UnitParams:
@@ -36,13 +38,13 @@ class UnitParams:
         """Plan and allocate the DBuffers of each (dtype, requires_grad) group, one or more
         as the planner's split says (:mod:`.buffer_split`); shard into them."""
         groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, (_, _, param, _) in enumerate(params):
+        for i, (_, _, param, _, _) in enumerate(params):
             groups.setdefault((param.dtype, param.requires_grad), []).append(i)
         self.dbuffers: list[DBuffer] = []
         managed: list[ManagedParam | None] = [None] * len(params)
         for (dtype, requires_grad), group_indices in groups.items():
             device = params[group_indices[0]][2].device
-            shapes, block_rows = [params[i][2].shape for i in group_indices], [params[i][3] for i in group_indices]
+            shapes, block_rows = [_local(params[i][2]).shape for i in group_indices], [params[i][3] for i in group_indices]
             comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
             for positions, layout in split_group(shapes, block_rows, dtype, comm_dtype, dist.get_world_size(self.group)):
                 self._build_buffer(params, [group_indices[p] for p in positions], dtype, requires_grad, device, layout, managed)
@@ -57,12 +59,12 @@ class UnitParams:
     def _build_buffer(self: "FSDPUnit", params: list[ParamSpec], indices: list[int], dtype: torch.dtype, requires_grad: bool,
                       device: torch.device, layout, managed: list[ManagedParam | None]) -> None:
         """One DBuffer over ``params[indices]`` with the planned ``layout``; shard into it."""
-        dbuffer = self._new_dbuffer([params[i][2].shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout)
+        dbuffer = self._new_dbuffer([_local(params[i][2]).shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout)
         self.dbuffers.append(dbuffer)
         for slot_index, i in enumerate(indices):
-            fqn, owners, param, _ = params[i]
-            sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param), requires_grad=requires_grad)
-            managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param))
+            fqn, owners, param, _, parallel = params[i]
+            sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param, parallel), requires_grad=requires_grad)
+            managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param), parallel=parallel)
 
     def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None) -> DBuffer:
         floating = dtype.is_floating_point
@@ -77,15 +79,21 @@ class UnitParams:
         slot = dbuffer.slots[slot_index]
         return self.unit_mesh.placements(slot.shape, slot.numel, slot.local_units)
 
-    def _shard_into(self: "FSDPUnit", dbuffer: DBuffer, slot_index: int, param: torch.Tensor) -> torch.Tensor:
-        """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor."""
+    def _shard_into(self: "FSDPUnit", dbuffer: DBuffer, slot_index: int, param: torch.Tensor, parallel: ParallelSpec | None) -> torch.Tensor:
+        """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor.
+
+        A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
+        (dp, tp) mesh with the ragged cut on the dp dim (see ``tensor_parallel``)."""
         slot = dbuffer.slots[slot_index]
         local = dbuffer.sharded_view(slot_index)
         if param.device.type != "meta":
             with torch.no_grad():
-                flat = param.detach().reshape(-1)
+                flat = _local(param).detach().reshape(-1)
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
+        if parallel is not None:
+            ragged = self._placements(dbuffer, slot_index)[-1]
+            return make_dtensor(local, parallel.sharded_mesh, parallel.sharded_placements(ragged), parallel.shape, parallel.stride)
         return make_dtensor(local, self.mesh, self._placements(dbuffer, slot_index), slot.shape, _contiguous_stride(slot.shape))
 
     def readopt_sharded_params(self: "FSDPUnit") -> None:
@@ -140,17 +148,19 @@ class UnitParams:
             for member in self._members[m.buffer_index]:
                 old = member.sharded
                 local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=value.device)
-                member.sharded = nn.Parameter(make_dtensor(local, self.mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+                member.sharded = nn.Parameter(make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
                 member.register(member.sharded)
             self.readopt_sharded_params()
         dbuffer = self.dbuffers[m.buffer_index]
         slot = dbuffer.slots[m.slot_index]
         with torch.no_grad():
             if isinstance(value, DTensor):
-                local = value.to_local() if value.placements == m.sharded.placements else value.redistribute(self.mesh, m.sharded.placements).to_local()
+                same = value.placements == m.sharded.placements and value.device_mesh == m.sharded.device_mesh
+                local = value.to_local() if same else value.redistribute(m.sharded.device_mesh, m.sharded.placements).to_local()
             else:
+                full = value.detach() if m.parallel is None else m.parallel.local_part(value.detach()).contiguous()
                 start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
-                local = value.detach().reshape(-1)[start : start + slot.local_length]
+                local = full.reshape(-1)[start : start + slot.local_length]
             dbuffer.sharded_view(m.slot_index).reshape(-1).copy_(local.reshape(-1))
         return m.sharded
 
@@ -196,7 +206,9 @@ class UnitParams:
         for m in self.managed:
             if m.unsharded is None:
                 dbuffer = self.dbuffers[m.buffer_index]
-                m.unsharded = nn.Parameter(dbuffer.unsharded_view(m.slot_index), requires_grad=m.sharded.requires_grad)
+                view = dbuffer.unsharded_view(m.slot_index)
+                gathered = view if m.parallel is None else m.parallel.unsharded_param(view)
+                m.unsharded = nn.Parameter(gathered, requires_grad=m.sharded.requires_grad)
                 if m.unsharded.requires_grad:
                     m.unsharded.register_post_accumulate_grad_hook(self._after_gradient)
             m.register(m.unsharded)
@@ -219,6 +231,11 @@ class UnitParams:
             m.register(m.sharded)
         for b in self.dbuffers:
             b.release_unsharded()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What a unit's DBuffer holds of a parameter: a DTensor's (TP/EP) local tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -1,0 +1,143 @@
+"""FSDP2's DP x TP cases (torch 2.13) on CPU/gloo, for either implementation:
+test_fully_shard_training.py's ``test_2d_mlp_with_nd_mesh`` (FSDP2's ``MLPStack``, whose dims
+3 and 17 split unevenly over TP=2) and test_fully_shard_state_dict.py's 2-D state dict cases
+(``test_2d_state_dict_correctness``, ``test_dp_tp_state_dict_save_load``,
+``test_hsdp_tp_state_dict_save_load``).
+
+Changes from the original: CPU and gloo; the (pp=1, dp=2, tp=2) mesh of 4 ranks; the
+reference averages gradients over the dp group by hand (gloo has no AVG) instead of
+``replicate``; ``MLPStack.parallelize``'s body is inlined so the switch's ``fully_shard`` runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.testing._internal.common_fsdp import MLP, MLPStack
+
+from ._compat import api, tc
+from .test_compat_state_dict import _state_dict_save_load
+
+T = 180  # seconds per case
+
+
+def _parallelize(model: MLPStack, tp_mesh, dp_mesh, use_activation_checkpointing: bool, fully_shard, **fsdp_kwargs) -> MLPStack:
+    # MLPStack.parallelize (without sequence parallelism) with the switch's fully_shard
+    parallelize_module(model, tp_mesh, {
+        "0.in_proj": ColwiseParallel(use_local_output=False),
+        "0.out_proj": RowwiseParallel(use_local_output=False),
+        "1.in_proj": ColwiseParallel(use_local_output=False),
+        "1.out_proj": RowwiseParallel(use_local_output=False),
+        "2.in_proj": ColwiseParallel(use_local_output=False),
+        "2.out_proj": RowwiseParallel(),
+    })
+    for module in model:
+        if use_activation_checkpointing:
+            checkpoint(module)
+        fully_shard(module, mesh=dp_mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=dp_mesh, **fsdp_kwargs)
+    return model
+
+
+def _2d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
+    A = api(impl)
+    global_mesh = init_device_mesh("cpu", (1, 2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp", "tp"))
+    dp_mesh, tp_mesh = global_mesh["dp"], global_mesh["tp"]
+    dp_pg = dp_mesh.get_group()
+    torch.manual_seed(42)
+    model = MLPStack(mlp_dim)
+    ref_model = copy.deepcopy(model)
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2, foreach=False)
+    _parallelize(model, tp_mesh, dp_mesh, use_activation_checkpointing, A.fully_shard, reshard_after_forward=reshard_after_forward)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    torch.manual_seed(42 + dp_pg.rank() + 1)
+    for iter_idx in range(10):
+        inp = torch.randn((8, mlp_dim))
+        losses = []
+        for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+            _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            losses.append(_model(inp).sum())
+            losses[-1].backward()
+            if _model is ref_model:  # replicate(ref_model, process_group=dp_pg)
+                for p in ref_model.parameters():
+                    dist.all_reduce(p.grad, group=dp_pg)
+                    p.grad.div_(dp_pg.size())
+            _optim.step()
+        tc.assertEqual(losses[0], losses[1])
+    for n, p in model.named_parameters():
+        tc.assertIsInstance(p, DTensor)
+        tc.assertEqual(p.device_mesh.ndim, 2)
+        tc.assertEqual(len(p.placements), 2)
+        tc.assertEqual(p.device_mesh.mesh_dim_names, ("dp", "tp"))
+
+
+@pytest.mark.parametrize("mlp_dim", [3, 16, 17])
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_2d_mlp_with_nd_mesh(dist_run, impl, reshard_after_forward, mlp_dim):
+    dist_run(_2d_mlp_with_nd_mesh, 4, impl, reshard_after_forward, False, mlp_dim, timeout=T)
+
+
+def test_2d_mlp_with_nd_mesh_activation_checkpointing(dist_run, impl):
+    dist_run(_2d_mlp_with_nd_mesh, 4, impl, True, True, 17, timeout=T)
+
+
+# -- test_fully_shard_state_dict.py: 2-D state dicts (DP x TP, HSDP x TP) --------------------
+
+_TP_PLAN = {
+    "0.in_proj": ColwiseParallel(), "0.out_proj": RowwiseParallel(),
+    "1.in_proj": ColwiseParallel(), "1.out_proj": RowwiseParallel(),
+    "2.in_proj": ColwiseParallel(), "2.out_proj": RowwiseParallel(),
+}
+
+
+def _tp_mlps(impl, mlp_dim, dp_mesh, tp_mesh):
+    A = api(impl)
+    torch.manual_seed(42)
+    model = torch.nn.Sequential(*[MLP(mlp_dim) for _ in range(3)])
+    reference = copy.deepcopy(model)
+    parallelize_module(model, device_mesh=tp_mesh, parallelize_plan=_TP_PLAN)
+    for mlp in model:
+        A.fully_shard(mlp, mesh=dp_mesh)
+    A.fully_shard(model, mesh=dp_mesh)
+    return reference, model
+
+
+def _2d_state_dict_correctness(impl):
+    global_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    model, model_2d = _tp_mlps(impl, 4, global_mesh["dp"], global_mesh["tp"])
+    for tensor, dtensor in zip(model.state_dict().values(), model_2d.state_dict().values()):
+        tc.assertTrue(isinstance(dtensor, DTensor))
+        tc.assertEqual(tensor, dtensor.full_tensor())
+
+
+def test_2d_state_dict_correctness(dist_run, impl):
+    dist_run(_2d_state_dict_correctness, 4, impl, timeout=T)
+
+
+def _dp_tp_state_dict_save_load(impl, mlp_dim):
+    global_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp"], global_mesh["tp"])
+    _state_dict_save_load(model, impl)
+
+
+@pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
+def test_dp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
+    dist_run(_dp_tp_state_dict_save_load, 4, impl, mlp_dim, timeout=T)
+
+
+def _hsdp_tp_state_dict_save_load(impl, mlp_dim):
+    global_mesh = init_device_mesh("cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp_replicate", "dp_shard"], global_mesh["tp"])
+    _state_dict_save_load(model, impl)
+
+
+@pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
+def test_hsdp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
+    dist_run(_hsdp_tp_state_dict_save_load, 4, impl, mlp_dim, timeout=T)
