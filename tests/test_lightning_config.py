@@ -71,6 +71,12 @@ def test_unsupported_precision_fails_when_the_trainer_is_built(precision):
 def test_bad_strategy_arguments_fail_when_the_strategy_is_built(strategy_cls):
     with pytest.raises(NotImplementedError, match=r"device_mesh with 3 dimensions: veScale-FSDP takes a 1-D mesh"):
         strategy_cls(device_mesh=(2, 2, 2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=0: use a number of processes >= 1"):
+        strategy_cls(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size='all': use 'auto' or a number"):
+        strategy_cls(data_parallel_size="all")
+    with pytest.raises(ValueError, match="pass either device_mesh or data_parallel_size / tensor_parallel_size"):
+        strategy_cls(device_mesh=(2, 2), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="state_dict_type='distributed': use 'sharded'"):
         strategy_cls(state_dict_type="distributed")
     with pytest.raises(ValueError, match="reshard_after_forward=0"):
