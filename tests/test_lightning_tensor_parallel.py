@@ -3,7 +3,8 @@
 ``configure_model`` (Trainer) or ``parallelize_fn`` (Fabric) applying ``parallelize_module`` on
 ``device_mesh["tensor_parallel"]``, and the strategy sharding over ``"data_parallel"``.
 
-On 4 gloo ranks (DP=2 x TP=2), a few AdamW steps with clipping train what FSDP2 (torch's
+On 4 gloo ranks (DP=2 x TP=2; for Fabric a DeviceMesh ``(replicate=2, shard=1,
+tensor_parallel=2)``, HSDP x TP), a few AdamW steps with clipping train what FSDP2 (torch's
 ``fully_shard``) with the same TP plan trains on the same batches, and what one unsharded
 model trains on the data-parallel ranks' batches together; the two ranks of a
 tensor-parallel group read the same batches, the two data-parallel groups different ones.
@@ -17,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader, Dataset
 
 from lightning.pytorch import LightningModule
@@ -90,8 +92,9 @@ def _trainer_run(root: str, initial: Transformer):
 
 
 def _fabric_run(root: str, initial: Transformer):
+    mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
     strategy = VeScaleFSDPFabricStrategy(
-        tensor_parallel_size=TP, parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"])
+        device_mesh=mesh, parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"])
     )
     fabric = make_fabric(strategy=strategy)
     model = copy.deepcopy(initial)
@@ -112,22 +115,25 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
     initial = Transformer()
     with launched_by_harness():
         ours, mesh, batches, losses = (_trainer_run if front_end == "trainer" else _fabric_run)(root, initial)
-    assert mesh.mesh_dim_names == ("data_parallel", "tensor_parallel") and tuple(mesh.shape) == (DP, TP)
+    names = ("data_parallel", "tensor_parallel") if front_end == "trainer" else ("replicate", "shard", "tensor_parallel")
+    assert mesh.mesh_dim_names == names and mesh.size() == DP * TP
+    dp_names = names[:-1]
     wq = ours.layers[0].attn.wq.weight
-    assert wq.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
-    assert type(wq.placements[0]) is StridedRaggedShard and wq.placements[1] == Shard(0)
+    assert wq.device_mesh.mesh_dim_names == names
+    assert type(wq.placements[-2]) is StridedRaggedShard and wq.placements[-1] == Shard(0)
+    assert all(p == Replicate() for p in wq.placements[:-2])  # HSDP: replicated across replicas
     assert len(batches) == STEPS
 
     # Every rank's batches: a tensor-parallel group shares them, the data-parallel groups split the data.
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, batches)
-    groups = mesh.mesh.tolist()  # groups[d] = the ranks of data-parallel rank d's TP group
+    groups = mesh.mesh.reshape(-1, TP).tolist()  # groups[d] = the ranks of data-parallel rank d's TP group
     for d, group in enumerate(groups):
         for rank in group:
             assert all(torch.equal(a[0], b[0]) for a, b in zip(everyone[rank], everyone[group[0]])), (d, rank)
     assert not torch.equal(everyone[groups[0][0]][0][0], everyone[groups[1][0]][0][0])
 
-    fsdp2 = data_parallel(tensor_parallel(copy.deepcopy(initial), mesh["tensor_parallel"]), torch_fully_shard, mesh["data_parallel"])
+    fsdp2 = data_parallel(tensor_parallel(copy.deepcopy(initial), mesh["tensor_parallel"]), torch_fully_shard, mesh[dp_names])
     reference = copy.deepcopy(initial)
     optimizers = [_adamw(fsdp2), _adamw(reference)]
     for step, (tokens, targets) in enumerate(batches):
