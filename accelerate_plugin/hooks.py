@@ -17,6 +17,9 @@ one), so importing this package changes nothing for anyone else:
 - ``transformers.Trainer.save_model`` (wrapped, see ``trainer_save``): warns where it writes nothing.
 - ``fsdp2_prepare_model`` (rebound by name where Accelerate imported it): shards with
   veScale-FSDP instead of ``torch.distributed.fsdp.fully_shard``.
+- ``Accelerator._prepare_tp`` (replaced): with ``tp_size > 1`` the model keeps the DTensors its
+  tensor-parallel plan made; Accelerate's own version needs transformers' ``ReplicateParallel``,
+  which transformers 5 no longer has.
 
 Everything else is Accelerate's own FSDP2 code running on RaggedShard DTensors: ``prepare``
 re-pointing the optimizer by parameter name, ``no_sync``/``accumulate`` through
@@ -31,6 +34,7 @@ import functools
 import inspect
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 import accelerate.accelerator
@@ -41,6 +45,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
+from torch.distributed.tensor import DTensor
 
 from . import atomic_state, trainer_save
 from .plugin import VeScaleFSDPPlugin
@@ -57,6 +62,7 @@ _original_prepare_model = accelerate.utils.fsdp_utils.fsdp2_prepare_model
 _original_init = Accelerator.__init__
 _init_signature = inspect.signature(_original_init)
 _original_state_init = AcceleratorState.__init__
+_original_prepare_tp = Accelerator._prepare_tp
 _state_init_signature = inspect.signature(_original_state_init)
 
 
@@ -73,6 +79,7 @@ def install() -> None:
     atomic_state.install()
     trainer_save.install()
     AcceleratorState.__init__ = _accelerator_state_init
+    Accelerator._prepare_tp = _prepare_tp
     replacements: dict[str, Callable[..., Any]] = {
         "fsdp2_prepare_model": _fsdp2_prepare_model,
     }
@@ -87,6 +94,29 @@ def _fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.M
     if isinstance(getattr(accelerator.state, "fsdp_plugin", None), VeScaleFSDPPlugin):
         return prepare_model(accelerator, model)
     return _original_prepare_model(accelerator, model)
+
+
+def _prepare_tp(self: Accelerator, *args: Any) -> Any:
+    """``prepare``'s tensor-parallel step (``tp_size > 1``), for the veScale plugin.
+
+    Accelerate's FSDP2 branch turns every plain parameter into a ``Replicate`` DTensor on
+    ``mesh["tp"]`` with transformers' ``ReplicateParallel`` (an ImportError since transformers 5).
+    veScale-FSDP, like ``fully_shard`` itself, shards a plain parameter over the data-parallel
+    dims alone and Accelerate's ``clip_grad_norm_`` combines the meshes, so the model stays as
+    its TP plan (``from_pretrained(tp_plan=...)``, ``parallelize_module`` on ``mesh["tp"]``) made
+    it; ``_prepare_fsdp2`` then prepares everything as without TP.
+    """
+    if not isinstance(getattr(self.state, "fsdp_plugin", None), VeScaleFSDPPlugin):
+        return _original_prepare_tp(self, *args)
+    for model in (arg for arg in args if isinstance(arg, torch.nn.Module)):
+        if not any(isinstance(p, DTensor) for p in model.parameters()):
+            warnings.warn(
+                f"tp_size={self.parallelism_config.tp_size} but no parameter of {type(model).__name__} is a DTensor: "
+                "apply the tensor-parallel plan on accelerator.torch_device_mesh['tp'] before prepare (each "
+                "tensor-parallel rank computes the whole model otherwise)",
+                stacklevel=3,
+            )
+    return args
 
 
 @functools.wraps(_original_init)

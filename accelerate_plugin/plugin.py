@@ -129,18 +129,22 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
             )
         if parallelism_config is None:
             return
-        # dp_replicate_size x dp_shard_size is hybrid sharding (a 2-D mesh): supported.
-        extra = {
-            "tp_size": parallelism_config.tp_size,
-            "cp_size": parallelism_config.cp_size,
-            "sp_size": getattr(parallelism_config, "sp_size", 1),
-        }
+        # dp_replicate_size x dp_shard_size is hybrid sharding (a 2-D mesh); tp_size composes
+        # with it as FSDP2's does: the model's own TP DTensors on mesh["tp"], sharded further
+        # over the data-parallel dims.
+        extra = {"cp_size": parallelism_config.cp_size, "sp_size": getattr(parallelism_config, "sp_size", 1)}
         extra = {name: size for name, size in extra.items() if size and size > 1}
         if extra:
             raise NotImplementedError(
                 f"parallelism_config asks for {extra}: veScale-FSDP shards over the data-parallel dims "
-                "only (dp_shard_size, and dp_replicate_size for hybrid sharding); tensor and context "
-                "parallelism are not supported yet"
+                "(dp_shard_size, and dp_replicate_size for hybrid sharding) and composes with tensor "
+                "parallelism (tp_size); context and sequence parallelism are not supported yet"
+            )
+        if parallelism_config.tp_size > 1 and parallelism_config.dp_shard_size == 1:
+            raise ValueError(
+                f"parallelism_config has tp_size={parallelism_config.tp_size} but dp_shard_size=1: veScale-FSDP "
+                "would have no data-parallel dim to shard over; set dp_shard_size > 1 (tp_size x dp_shard_size "
+                "x dp_replicate_size = the number of processes), or train without the veScale plugin"
             )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -57,7 +57,10 @@ from .options import (
     WrapPolicy,
     build_device_mesh,
     check_device_mesh,
+    check_parallel_sizes,
     check_state_dict_type,
+    data_parallel_mesh,
+    data_parallel_sampler_kwargs,
 )
 from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
 from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
@@ -71,8 +74,14 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
     ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
-    ``find_unused_parameters``). Call the model's ``forward`` (``model(x)``): that is where
-    each unit gathers its parameters.
+    ``find_unused_parameters``, ``data_parallel_size``, ``tensor_parallel_size``). Call the
+    model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
+
+    Tensor parallelism as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(module,
+    device_mesh)`` runs in ``setup_module`` before sharding (e.g. ``parallelize_module`` on
+    ``device_mesh["tensor_parallel"]``) and returns the module; the strategy then shards it over
+    the data-parallel dims (it may apply ``vescale_plugins.fully_shard`` itself on
+    ``device_mesh["data_parallel"]``: those units stand).
     """
 
     def __init__(
@@ -91,6 +100,9 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        tensor_parallel_size: int = 1,
+        parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
     ) -> None:
         # Validate first: a bad configuration fails in Fabric(...), before any process starts.
         self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
@@ -99,6 +111,9 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)
+        check_parallel_sizes(data_parallel_size, tensor_parallel_size, device_mesh)
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, got {parallelize_fn!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -110,6 +125,8 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         self._timeout = timeout
         self._state_dict_type = state_dict_type
         self._device_mesh_request = device_mesh
+        self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
+        self._parallelize_fn = parallelize_fn
         self._device_mesh: Optional[DeviceMesh] = None
         self._backward_sync_control = _NoBackwardSync()
 
@@ -160,6 +177,8 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is not None:
+            return data_parallel_sampler_kwargs(self._device_mesh)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @classmethod
@@ -187,7 +206,9 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         self._process_group_backend = processes.init_process_group(
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
         )
-        self._device_mesh = build_device_mesh(self._device_mesh_request, self.world_size, self.root_device)
+        self._device_mesh = build_device_mesh(
+            self._device_mesh_request, self.world_size, self.root_device, *self._parallel_sizes
+        )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         processes.barrier(self.root_device)
@@ -204,8 +225,16 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._checkpoint_layers(module)
+        if self._parallelize_fn is not None:
+            module = self._parallelize_fn(module, self.device_mesh)
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"parallelize_fn must return the nn.Module, got {type(module).__name__}")
         return shard_for_training(
-            module, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
+            module,
+            self._sharding,
+            mesh=data_parallel_mesh(self.device_mesh),
+            device=self.root_device,
+            mp_policy=self.mp_policy,
         )
 
     def setup_module_and_optimizers(

@@ -30,7 +30,12 @@ __all__ = [
     "ShardingOptions",
     "check_state_dict_type",
     "check_device_mesh",
+    "check_parallel_sizes",
     "build_device_mesh",
+    "data_parallel_mesh",
+    "data_parallel_sampler_kwargs",
+    "DATA_PARALLEL",
+    "TENSOR_PARALLEL",
 ]
 
 UnitFn = Callable[[nn.Module], list[nn.Module]]
@@ -42,6 +47,9 @@ StateDictType = Literal["sharded", "full"]
 # ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard within), as
 # Lightning's FSDPStrategy takes ``device_mesh`` for HYBRID_SHARD.
 DeviceMeshRequest = Union[DeviceMesh, tuple[int, ...], None]
+# Lightning's ModelParallelStrategy's mesh dim names: configure_model applies tensor parallelism
+# on ``device_mesh["tensor_parallel"]``; the strategy shards over the other dims.
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -170,11 +178,14 @@ def check_state_dict_type(state_dict_type: Any) -> None:
 
 
 def check_device_mesh(device_mesh: Any) -> None:
-    """A 1-D mesh (shard over all of it) or a 2-D one (replicate x shard, HSDP)."""
+    """A 1-D mesh (shard over all of it), a 2-D one (replicate x shard, HSDP), or a DeviceMesh
+    with a ``"tensor_parallel"`` dim and one or two data-parallel dims."""
     if device_mesh is None:
         return
+    tensor_parallel = False
     if isinstance(device_mesh, DeviceMesh):
         ndim = device_mesh.ndim
+        tensor_parallel = TENSOR_PARALLEL in (device_mesh.mesh_dim_names or ())
     elif isinstance(device_mesh, tuple) and all(isinstance(n, int) and n > 0 for n in device_mesh):
         ndim = len(device_mesh)
     else:
@@ -182,15 +193,56 @@ def check_device_mesh(device_mesh: Any) -> None:
             f"device_mesh must be a DeviceMesh, a shape tuple like (world_size,) or (replicas, shard_size), "
             f"or None; got {device_mesh!r}"
         )
-    if ndim not in (1, 2):
+    if ndim - tensor_parallel not in (1, 2):
         raise NotImplementedError(
             f"device_mesh with {ndim} dimensions: veScale-FSDP takes a 1-D mesh (shard) or a 2-D one "
-            "(replicate, shard) for hybrid sharding; tensor-parallel dims are not supported yet"
+            "(replicate, shard) for hybrid sharding; for tensor parallelism pass tensor_parallel_size "
+            f"(and data_parallel_size), or a DeviceMesh with a {TENSOR_PARALLEL!r} dim besides those"
         )
 
 
-def build_device_mesh(device_mesh: DeviceMeshRequest, world_size: int, device: torch.device) -> DeviceMesh:
-    """The mesh the strategy shards over (2-D: replicate, shard); needs the process group."""
+def check_parallel_sizes(data_parallel_size: Any, tensor_parallel_size: Any, device_mesh: Any) -> None:
+    """``ModelParallelStrategy``'s sizes: ``"auto"`` (world size / tensor_parallel_size) or a count."""
+    if not (data_parallel_size == "auto" or _is_count(data_parallel_size)):
+        raise ValueError(f"data_parallel_size={data_parallel_size!r}: use 'auto' or a number of processes >= 1")
+    if not _is_count(tensor_parallel_size):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: use a number of processes >= 1")
+    if device_mesh is not None and (data_parallel_size != "auto" or tensor_parallel_size != 1):
+        raise ValueError(
+            "pass either device_mesh or data_parallel_size / tensor_parallel_size, not both; a DeviceMesh "
+            f"with a {TENSOR_PARALLEL!r} dim combines tensor parallelism with hybrid sharding"
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def build_device_mesh(
+    device_mesh: DeviceMeshRequest,
+    world_size: int,
+    device: torch.device,
+    data_parallel_size: int | Literal["auto"] = "auto",
+    tensor_parallel_size: int = 1,
+) -> DeviceMesh:
+    """The strategy's mesh; needs the process group. With sizes: ``(data_parallel_size,
+    tensor_parallel_size)`` named ``("data_parallel", "tensor_parallel")``, as Lightning's
+    ModelParallelStrategy builds it; else the requested mesh (2-D: replicate, shard)."""
+    if device_mesh is None and (data_parallel_size != "auto" or tensor_parallel_size != 1):
+        if data_parallel_size == "auto":
+            if world_size % tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} does not divide the {world_size} processes"
+                )
+            data_parallel_size = world_size // tensor_parallel_size
+        if data_parallel_size * tensor_parallel_size != world_size:
+            raise ValueError(
+                f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} must "
+                f"equal the {world_size} processes"
+            )
+        return init_device_mesh(
+            device.type, (data_parallel_size, tensor_parallel_size), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
+        )
     if isinstance(device_mesh, DeviceMesh):
         mesh = device_mesh
     else:
@@ -204,3 +256,22 @@ def build_device_mesh(device_mesh: DeviceMeshRequest, world_size: int, device: t
             f"the device mesh has {mesh.size()} ranks but the job has {world_size}; veScale-FSDP shards over all ranks"
         )
     return mesh
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dims the strategy shards over: all but ``"tensor_parallel"`` (which the model's own
+    ``parallelize_module`` uses)."""
+    names = mesh.mesh_dim_names or ()
+    if TENSOR_PARALLEL not in names:
+        return mesh
+    return mesh[tuple(name for name in names if name != TENSOR_PARALLEL)]
+
+
+def data_parallel_sampler_kwargs(mesh: DeviceMesh) -> dict[str, int]:
+    """A DistributedSampler's ``num_replicas`` / ``rank`` over the data-parallel ranks: the ranks
+    of one tensor-parallel group read the same batch."""
+    dp_mesh = data_parallel_mesh(mesh)
+    rank = 0
+    for dim in range(dp_mesh.ndim):
+        rank = rank * dp_mesh.size(dim) + dp_mesh.get_local_rank(dim)
+    return {"num_replicas": dp_mesh.size(), "rank": rank}

@@ -12,7 +12,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -52,7 +52,10 @@ from .options import (
     WrapPolicy,
     build_device_mesh,
     check_device_mesh,
+    check_parallel_sizes,
     check_state_dict_type,
+    data_parallel_mesh,
+    data_parallel_sampler_kwargs,
 )
 from .precision import VeScaleFSDPPrecision, as_vescale_precision
 
@@ -79,7 +82,15 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             tensors that a plain, unsharded model loads.
         device_mesh: A 1-D ``DeviceMesh`` over all ranks (or its shape ``(world_size,)``), or a
             2-D one ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard
-            within, as Lightning's FSDPStrategy takes it); default: one 1-D mesh is built.
+            within, as Lightning's FSDPStrategy takes it); default: one 1-D mesh is built. A
+            DeviceMesh with a ``"tensor_parallel"`` dim: the strategy shards over the other dims.
+        data_parallel_size, tensor_parallel_size: As Lightning's ``ModelParallelStrategy``: the
+            mesh is ``(data_parallel_size, tensor_parallel_size)`` with dims named
+            ``("data_parallel", "tensor_parallel")``; ``configure_model`` applies tensor
+            parallelism with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``
+            and the strategy shards over ``"data_parallel"`` (the DistributedSampler too).
+            Defaults: ``tensor_parallel_size=1`` (no tensor parallelism, unlike
+            ModelParallelStrategy's ``"auto"``), ``data_parallel_size="auto"`` (the rest).
         activation_checkpointing_policy: As Lightning's ``FSDPStrategy``: a set of layer classes
             (types or class names), torch's ``ModuleWrapPolicy`` or an FSDP1-style predicate; those
             modules are wrapped in torch's ``checkpoint_wrapper`` (activations recomputed in
@@ -110,6 +121,8 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        tensor_parallel_size: int = 1,
     ) -> None:
         # Validate first: a bad configuration fails in Trainer(...), before any process starts.
         self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
@@ -119,6 +132,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)
+        check_parallel_sizes(data_parallel_size, tensor_parallel_size, device_mesh)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -131,6 +145,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._state_dict_type = state_dict_type
         self._device_mesh_request = device_mesh
+        self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
         self._device_mesh: Optional[DeviceMesh] = None
 
     # -- configuration -------------------------------------------------------------------
@@ -181,6 +196,8 @@ class VeScaleFSDPStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is not None:
+            return data_parallel_sampler_kwargs(self._device_mesh)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -215,7 +232,9 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         self._process_group_backend = processes.init_process_group(
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
         )
-        self._device_mesh = build_device_mesh(self._device_mesh_request, self.world_size, self.root_device)
+        self._device_mesh = build_device_mesh(
+            self._device_mesh_request, self.world_size, self.root_device, *self._parallel_sizes
+        )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
 
@@ -254,7 +273,11 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             self._layer_checkpointing.apply(self.model)
             self._checkpointed_model = self.model  # set up again (fit, then test): wrapped already
         self.model = shard_for_training(
-            self.model, self._sharding, mesh=self.device_mesh, device=self.root_device, mp_policy=self.mp_policy
+            self.model,
+            self._sharding,
+            mesh=data_parallel_mesh(self.device_mesh),
+            device=self.root_device,
+            mp_policy=self.mp_policy,
         )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -109,8 +109,9 @@ def test_unknown_precision_and_multi_dimensional_meshes_are_refused(clean_fsdp_e
     with pytest.raises(ValueError, match="'fp8'"):
         plugin.check_accelerator_options("fp8", None)
     plugin.check_accelerator_options("no", ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))  # HSDP
-    with pytest.raises(NotImplementedError, match="tp_size.*data-parallel dims only"):
-        plugin.check_accelerator_options("no", ParallelismConfig(tp_size=2, dp_shard_size=2))
+    plugin.check_accelerator_options("no", ParallelismConfig(tp_size=2, dp_shard_size=2))  # TP x FSDP
+    with pytest.raises(ValueError, match="tp_size=2 but dp_shard_size=1: veScale-FSDP would have no data-parallel dim"):
+        plugin.check_accelerator_options("no", ParallelismConfig(tp_size=2, dp_shard_size=1))
     with pytest.raises(NotImplementedError, match="cp_size"):
         plugin.check_accelerator_options("no", ParallelismConfig(cp_size=2))
 
@@ -181,7 +182,7 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
     with accelerate_env(), pytest.raises(ValueError) as error:
         Accelerator(mixed_precision="fp12", fsdp_plugin=decoder_plugin())
     messages.append(str(error.value))
-    with accelerate_env(), pytest.raises(NotImplementedError) as error:
+    with accelerate_env(), pytest.raises(ValueError) as error:
         Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=1))
     messages.append(str(error.value))
     with accelerate_env():
@@ -197,7 +198,7 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
 def test_bad_configuration_fails_with_a_clear_message_before_any_collective(dist_run):
     messages = dist_run(_bad_configurations_fail_on_one_rank_alone, 2, timeout=60)[0]
     assert "mixed_precision='fp12'" in messages[0]
-    assert "tp_size" in messages[1] and "data-parallel dims only" in messages[1]
+    assert "tp_size=2 but dp_shard_size=1" in messages[1] and "set dp_shard_size > 1" in messages[1]
     assert "NoSuchBlock" in messages[2] and "Block" in messages[2]
 
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from lightning_strategy.checkpoints import check_optimizer_state_keys
-from lightning_strategy.options import ShardingOptions
+from lightning_strategy.options import ShardingOptions, build_device_mesh
 from models import Block, make_decoder
 
 STRATEGIES = [VeScaleFSDPStrategy, VeScaleFSDPFabricStrategy]
@@ -67,10 +67,24 @@ def test_unsupported_precision_fails_when_the_trainer_is_built(precision):
         _fabric(strategy="vescale_fsdp", precision=precision)
 
 
+def test_parallel_sizes_that_do_not_cover_the_processes_fail_before_the_mesh_is_built():
+    # Raised before init_device_mesh (no process group exists here), the same on every rank.
+    with pytest.raises(ValueError, match="data_parallel_size=3 x tensor_parallel_size=2 must equal the 4 processes"):
+        build_device_mesh(None, 4, torch.device("cpu"), 3, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 4 processes"):
+        build_device_mesh(None, 4, torch.device("cpu"), "auto", 3)
+
+
 @pytest.mark.parametrize("strategy_cls", STRATEGIES)
 def test_bad_strategy_arguments_fail_when_the_strategy_is_built(strategy_cls):
     with pytest.raises(NotImplementedError, match=r"device_mesh with 3 dimensions: veScale-FSDP takes a 1-D mesh"):
         strategy_cls(device_mesh=(2, 2, 2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=0: use a number of processes >= 1"):
+        strategy_cls(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size='all': use 'auto' or a number"):
+        strategy_cls(data_parallel_size="all")
+    with pytest.raises(ValueError, match="pass either device_mesh or data_parallel_size / tensor_parallel_size"):
+        strategy_cls(device_mesh=(2, 2), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="state_dict_type='distributed': use 'sharded'"):
         strategy_cls(state_dict_type="distributed")
     with pytest.raises(ValueError, match="reshard_after_forward=0"):

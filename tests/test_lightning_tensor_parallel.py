@@ -1,0 +1,156 @@
+"""Tensor parallelism through the Lightning strategies, configured as Lightning's
+``ModelParallelStrategy`` is: ``data_parallel_size`` x ``tensor_parallel_size``, the model's
+``configure_model`` (Trainer) or ``parallelize_fn`` (Fabric) applying ``parallelize_module`` on
+``device_mesh["tensor_parallel"]``, and the strategy sharding over ``"data_parallel"``.
+
+On 4 gloo ranks (DP=2 x TP=2; for Fabric a DeviceMesh ``(replicate=2, shard=1,
+tensor_parallel=2)``, HSDP x TP), a few AdamW steps with clipping train what FSDP2 (torch's
+``fully_shard``) with the same TP plan trains on the same batches, and what one unsharded
+model trains on the data-parallel ranks' batches together; the two ranks of a
+tensor-parallel group read the same batches, the two data-parallel groups different ones.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils.data import DataLoader, Dataset
+
+from lightning.pytorch import LightningModule
+from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
+from test_fsdp_tensor_parallel import (
+    BATCH,
+    LOSS_TOL,
+    PARAM_TOL,
+    SEQ,
+    VOCAB,
+    Transformer,
+    _adamw,
+    _assert_same,
+    _loss,
+    data_parallel,
+    tensor_parallel,
+)
+from test_lightning_parity import launched_by_harness, make_fabric, make_trainer
+from vescale_plugins.placement import StridedRaggedShard
+
+pytestmark = pytest.mark.timeout(240)
+
+DP, TP, STEPS, CLIP = 2, 2, 3, 0.5
+
+
+class _Tokens(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.data = torch.randint(0, VOCAB, (DP * BATCH * STEPS, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+class _LitTensorParallel(LightningModule):
+    """What a ModelParallelStrategy user writes: TP in configure_model, no sharding code."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def training_step(self, batch, batch_idx):
+        self.batches.append((batch[0].clone(), batch[1].clone()))
+        loss = _loss(self, *batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return _adamw(self)
+
+
+def _trainer_run(root: str, initial: Transformer):
+    module = _LitTensorParallel(copy.deepcopy(initial))
+    trainer = make_trainer(
+        root, strategy=VeScaleFSDPStrategy(data_parallel_size=DP, tensor_parallel_size=TP), gradient_clip_val=CLIP
+    )
+    trainer.fit(module, DataLoader(_Tokens(), batch_size=BATCH, shuffle=True))
+    return module.model, trainer.strategy.device_mesh, module.batches, module.losses
+
+
+def _fabric_run(root: str, initial: Transformer):
+    mesh = init_device_mesh("cpu", (DP, 1, TP), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+    strategy = VeScaleFSDPFabricStrategy(
+        device_mesh=mesh, parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"])
+    )
+    fabric = make_fabric(strategy=strategy)
+    model = copy.deepcopy(initial)
+    model, optimizer = fabric.setup(model, _adamw(model))  # optimizer built before TP and sharding
+    batches, losses = [], []
+    for tokens, targets in fabric.setup_dataloaders(DataLoader(_Tokens(), batch_size=BATCH, shuffle=True)):
+        batches.append((tokens.clone(), targets.clone()))
+        loss = _loss(model, tokens, targets)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    return model.module, strategy.device_mesh, batches, losses
+
+
+def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
+    initial = Transformer()
+    with launched_by_harness():
+        ours, mesh, batches, losses = (_trainer_run if front_end == "trainer" else _fabric_run)(root, initial)
+    names = ("data_parallel", "tensor_parallel") if front_end == "trainer" else ("replicate", "shard", "tensor_parallel")
+    assert mesh.mesh_dim_names == names and mesh.size() == DP * TP
+    dp_names = names[:-1]
+    wq = ours.layers[0].attn.wq.weight
+    assert wq.device_mesh.mesh_dim_names == names
+    assert type(wq.placements[-2]) is StridedRaggedShard and wq.placements[-1] == Shard(0)
+    assert all(p == Replicate() for p in wq.placements[:-2])  # HSDP: replicated across replicas
+    assert len(batches) == STEPS
+
+    # Every rank's batches: a tensor-parallel group shares them, the data-parallel groups split the data.
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, batches)
+    groups = mesh.mesh.reshape(-1, TP).tolist()  # groups[d] = the ranks of data-parallel rank d's TP group
+    for d, group in enumerate(groups):
+        for rank in group:
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(everyone[rank], everyone[group[0]])), (d, rank)
+    assert not torch.equal(everyone[groups[0][0]][0][0], everyone[groups[1][0]][0][0])
+
+    fsdp2 = data_parallel(tensor_parallel(copy.deepcopy(initial), mesh["tensor_parallel"]), torch_fully_shard, mesh[dp_names])
+    reference = copy.deepcopy(initial)
+    optimizers = [_adamw(fsdp2), _adamw(reference)]
+    for step, (tokens, targets) in enumerate(batches):
+        fsdp2_loss = _loss(fsdp2, tokens, targets)
+        fsdp2_loss.backward()
+        torch.testing.assert_close(losses[step], fsdp2_loss.detach(), **LOSS_TOL)
+        dp_batches = [everyone[group[0]][step] for group in groups]
+        (sum(_loss(reference, *b) for b in dp_batches) / len(dp_batches)).backward()
+        for model in (fsdp2, reference):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_same(ours, fsdp2, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_tensor_parallel_x_vescale_fsdp_matches_fsdp2_and_unsharded(dist_run, tmp_path, front_end):
+    dist_run(_matches_fsdp2_and_unsharded, 4, front_end, str(tmp_path), timeout=200)
