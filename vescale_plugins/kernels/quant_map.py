@@ -52,48 +52,70 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32, device=device)
 
 
+# torchao's rule rounds x up from code c (the last map value <= x) to c + 1 when
+# x - q[c] >= (q[c + 1] - q[c]) * 0.5 in fp32. x - q[c] only grows with x, so each c has an
+# exact fp32 threshold t[c] (the smallest x rounding up) and the code is #{c : t[c] <= x}.
 # A float32's top bits (sign, exponent, 10 mantissa bits) name a bucket of relative width
-# 2**-10, narrower than the closest pair of map values (0.35% apart near 1.0), so a bucket
-# holds at most one map value and one comparison finishes the search.
+# 2**-10, narrower than the closest pair of thresholds, so a bucket holds at most one: the
+# code is the bucket's base count plus one comparison with that threshold.
 _BUCKET_SHIFT = 13
 _BUCKETS = 1 << (32 - _BUCKET_SHIFT)
 
 
-@functools.lru_cache(maxsize=8)
-def _bucket_floor_codes(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per bucket: the last map code whose value is <= the bucket's smallest float (int64)."""
+@functools.lru_cache(maxsize=2)
+def _round_up_thresholds(signed: bool) -> torch.Tensor:
+    """``t[c]`` for c in 0..254: the smallest fp32 ``x`` with ``x - q[c] >= half_gap[c]``."""
     values = dynamic_map(signed, "cpu")
+    low, half = values[:-1], (values[1:] - values[:-1]) * 0.5
+    rounds_up = lambda x: (x - low) >= half  # noqa: E731 - fp32 arithmetic, as torchao's
+    t = low + half  # within an ulp or two of the threshold: walk to it
+    while not rounds_up(t).all():
+        t = torch.where(rounds_up(t), t, torch.nextafter(t, torch.full_like(t, 2.0)))
+    while True:
+        lower = torch.nextafter(t, torch.full_like(t, -2.0))
+        if not rounds_up(lower).any():
+            return t
+        t = torch.where(rounds_up(lower), lower, t)
+
+
+@functools.lru_cache(maxsize=8)
+def _bucket_tables(signed: bool, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per bucket: the code of its smallest float (uint8), and the one threshold inside it
+    (fp32; +inf if none)."""
+    t = _round_up_thresholds(signed)
     buckets = torch.arange(_BUCKETS, dtype=torch.int64)
     negative = buckets >= _BUCKETS // 2
-    # Smallest float of a bucket: the lowest bit pattern if positive, the highest if negative.
-    low_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, (1 << _BUCKET_SHIFT) - 1, 0)
-    smallest = (low_bits - (1 << 32) * (low_bits >= 1 << 31)).to(torch.int32).view(torch.float32)
-    smallest = torch.nan_to_num(smallest, nan=0.0, posinf=3e38, neginf=-3e38)
-    return (torch.searchsorted(values, smallest, right=True) - 1).clamp_(0, 255).to(device)
+    span = (1 << _BUCKET_SHIFT) - 1
+    # Smallest and largest float of a bucket (bit patterns grow away from zero on both sides).
+    low_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, span, 0)
+    high_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, 0, span)
+    as_float = lambda bits: torch.nan_to_num((bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)  # noqa: E731
+    smallest, largest = as_float(low_bits), as_float(high_bits)
+    base = torch.searchsorted(t, smallest, right=True)
+    inside = torch.searchsorted(t, largest, right=True) - base
+    assert int(inside.max()) <= 1, "a bucket holds two thresholds: lower _BUCKET_SHIFT"
+    threshold = torch.where(inside == 1, t[base.clamp(max=t.numel() - 1)], torch.tensor(float("inf")))
+    return base.to(torch.uint8).to(device), threshold.to(device)
 
 
-def quantize(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
+def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 codes of ``normalized`` (values already divided by their block's absmax).
 
     torchao's rule, to the bit: ``c`` is the last map value ``<= x`` (``0`` below the map),
-    rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``.
+    rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``. ``out``: a uint8
+    tensor of ``normalized``'s size to write the codes into (returned).
     """
-    qmap = dynamic_map(signed, normalized.device)
-    x = normalized.contiguous()
-    bucket = (x.view(torch.int32) >> _BUCKET_SHIFT) & (_BUCKETS - 1)
-    down = _bucket_floor_codes(signed, x.device)[bucket]
-    # At most one map value lies in the bucket above its floor: step past it if x reached it.
-    down = (down + (qmap[(down + 1).clamp_(max=255)] <= x)).clamp_(max=255)
-    return (down + (x - qmap[down] >= _half_gaps(signed, x.device)[down])).to(torch.uint8)
-
-
-@functools.lru_cache(maxsize=8)
-def _half_gaps(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``(q[c + 1] - q[c]) * 0.5`` per code, in fp32 as torchao computes it; +inf for the last
-    code (nothing to round up to)."""
-    values = dynamic_map(signed, device)
-    gaps = (values[1:] - values[:-1]) * 0.5
-    return torch.cat([gaps, torch.tensor([float("inf")], device=device)])
+    x = normalized.contiguous().view(-1)
+    base_table, threshold_table = _bucket_tables(signed, x.device)
+    bucket = torch.bitwise_right_shift(x.view(torch.int32), _BUCKET_SHIFT)
+    bucket.bitwise_and_(_BUCKETS - 1)  # the shift carried the sign bit down
+    threshold = threshold_table.index_select(0, bucket)
+    base = base_table.index_select(0, bucket)
+    codes = torch.add(base, torch.ge(x, threshold), out=base)
+    if out is None:
+        return codes.view(normalized.shape)
+    out.copy_(codes.view(out.shape))
+    return out
 
 
 def dequantize(codes: torch.Tensor, signed: bool) -> torch.Tensor:
