@@ -56,10 +56,11 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
 # x - q[c] >= (q[c + 1] - q[c]) * 0.5 in fp32. x - q[c] only grows with x, so each c has an
 # exact fp32 threshold t[c] (the smallest x rounding up) and the code is #{c : t[c] <= x}.
 # A float32's top bits (sign, exponent, 10 mantissa bits) name a bucket of relative width
-# 2**-10, narrower than the closest pair of thresholds, so a bucket holds at most one: the
-# code is the bucket's base count plus one comparison with that threshold.
+# 2**-10, narrower than the closest pair of thresholds, so a bucket holds at most one; its
+# low 13 bits (mirrored for negative floats, so they grow with the value) place x against it.
 _BUCKET_SHIFT = 13
 _BUCKETS = 1 << (32 - _BUCKET_SHIFT)
+_LOW = (1 << _BUCKET_SHIFT) - 1
 
 
 @functools.lru_cache(maxsize=2)
@@ -78,24 +79,30 @@ def _round_up_thresholds(signed: bool) -> torch.Tensor:
         t = torch.where(rounds_up(lower), lower, t)
 
 
+def _position(bits: torch.Tensor) -> torch.Tensor:
+    """A float's place in its bucket, 0.._LOW, growing with its value (int32 bit patterns)."""
+    return (bits >> 31).bitwise_xor_(bits).bitwise_and_(_LOW)
+
+
 @functools.lru_cache(maxsize=8)
-def _bucket_tables(signed: bool, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per bucket: the code of its smallest float (uint8), and the one threshold inside it
-    (fp32; +inf if none)."""
+def _bucket_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per bucket (int32): ``(base << 13) + 8192 - position of its threshold``, ``base`` the
+    thresholds below the bucket; no threshold inside: position 8192. Then a float's code is
+    ``(entry + its position) >> 13``: ``base``, plus one if it reached the threshold."""
     t = _round_up_thresholds(signed)
     buckets = torch.arange(_BUCKETS, dtype=torch.int64)
     negative = buckets >= _BUCKETS // 2
-    span = (1 << _BUCKET_SHIFT) - 1
     # Smallest and largest float of a bucket (bit patterns grow away from zero on both sides).
-    low_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, span, 0)
-    high_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, 0, span)
-    as_float = lambda bits: torch.nan_to_num((bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)  # noqa: E731
-    smallest, largest = as_float(low_bits), as_float(high_bits)
-    base = torch.searchsorted(t, smallest, right=True)
+    to_int32 = lambda bits: (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32)  # noqa: E731
+    as_float = lambda bits: torch.nan_to_num(to_int32(bits).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)  # noqa: E731
+    smallest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, _LOW, 0))
+    largest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, 0, _LOW))
+    base = torch.searchsorted(t, smallest, right=False)
     inside = torch.searchsorted(t, largest, right=True) - base
     assert int(inside.max()) <= 1, "a bucket holds two thresholds: lower _BUCKET_SHIFT"
-    threshold = torch.where(inside == 1, t[base.clamp(max=t.numel() - 1)], torch.tensor(float("inf")))
-    return base.to(torch.uint8).to(device), threshold.to(device)
+    threshold = t[base.clamp(max=t.numel() - 1)].view(torch.int32)
+    position = torch.where(inside == 1, _position(threshold).to(torch.int64), 1 << _BUCKET_SHIFT)
+    return ((base << _BUCKET_SHIFT) + (1 << _BUCKET_SHIFT) - position).to(torch.int32).to(device)
 
 
 def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,17 +110,17 @@ def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = 
 
     torchao's rule, to the bit: ``c`` is the last map value ``<= x`` (``0`` below the map),
     rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``. ``out``: a uint8
-    tensor of ``normalized``'s size to write the codes into (returned).
+    tensor of ``normalized``'s size to write the codes into (returned). Seven passes over
+    int32 data and one table lookup.
     """
-    x = normalized.contiguous().view(-1)
-    base_table, threshold_table = _bucket_tables(signed, x.device)
-    bucket = torch.bitwise_right_shift(x.view(torch.int32), _BUCKET_SHIFT)
-    bucket.bitwise_and_(_BUCKETS - 1)  # the shift carried the sign bit down
-    threshold = threshold_table.index_select(0, bucket)
-    base = base_table.index_select(0, bucket)
-    codes = torch.add(base, torch.ge(x, threshold), out=base)
+    bits = normalized.contiguous().view(-1).view(torch.int32)
+    bucket = (bits >> _BUCKET_SHIFT).bitwise_and_(_BUCKETS - 1)
+    # The unsigned map's thresholds are all positive: negative floats' buckets hold none, so
+    # their position never matters and the plain low bits do.
+    position = _position(bits) if signed else bits & _LOW
+    codes = _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
     if out is None:
-        return codes.view(normalized.shape)
+        return codes.to(torch.uint8).view(normalized.shape)
     out.copy_(codes.view(out.shape))
     return out
 
