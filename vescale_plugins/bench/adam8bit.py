@@ -70,8 +70,9 @@ class OnLocalShards:
     torchao 0.18's ``AdamW8bit`` steps each parameter with ``torch.compile(fullgraph=True,
     dynamic=False)``; given FSDP2's DTensor parameters it fails at its first step under torch
     2.13 when shards are uneven across ranks (a size assertion, or ``'Tensor' object has no
-    attribute 'codes'`` where one rank's shard got 8-bit state and another's fp32: a graph
-    compiled for one DTensor is reused for another with a different local tensor). torchao
+    attribute 'codes'`` where a rank holds both 8-bit and fp32-fallback shards: a graph compiled
+    for one DTensor appears to be reused for another whose local tensor differs; see
+    meta-pytorch/torchtune#1978 for the same class of failure). torchao
     quantizes the flattened local shard anyway, so stepping the shards themselves (as its
     maintainers suggest: unwrap ``_local_tensor``) keeps its blocks, its fp32 fallback rule
     and its state bytes; only the state is no longer DTensors (no DCP resharding, unused here).
