@@ -26,6 +26,30 @@ def test_map_is_torchaos_dynamic_map_and_codes_match_its_quantizer():
         assert torch.equal(quantize(x, signed), quant_utils.quantize_8bit_with_qmap(x, qmap))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_applies_torchaos_rule_at_every_rounding_threshold(signed):
+    """The bucketed lookup against the rule itself, written plainly, a few ulps either side of
+    every value where a code changes (where a lookup could be off by one) and across ranges."""
+    qmap = dynamic_map(signed)
+    half_gaps = torch.cat([(qmap[1:] - qmap[:-1]) * 0.5, torch.tensor([float("inf")])])
+
+    def rule(x):
+        c = (torch.searchsorted(qmap, x, right=True) - 1).clamp(0, 255)
+        return (c + ((x - qmap[c]) >= half_gaps[c])).to(torch.uint8)
+
+    edges = torch.cat([qmap, qmap[:-1] + half_gaps[:-1]])
+    near, below, above = [edges], edges, edges
+    for _ in range(3):
+        below, above = torch.nextafter(below, torch.tensor(-2.0)), torch.nextafter(above, torch.tensor(2.0))
+        near += [below, above]
+    gen = torch.Generator().manual_seed(0)
+    spread = [torch.rand(5000, generator=gen) * 10.0 ** -k for k in range(9)]
+    x = torch.cat(near + spread + [-s for s in spread] + [torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 1e-30, -1e-30])])
+    assert torch.equal(quantize(x, signed), rule(x))
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    assert quantize(x, signed, out=out) is out and torch.equal(out, rule(x))
+
+
 def _nearest_code(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     """Nearest map value by brute force; ties to the larger code."""
     distance = (x.reshape(-1, 1) - qmap.reshape(1, -1)).abs()

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 
 from vescale_plugins.bench import adam8bit
 from vescale_plugins.bench.llama import PRESETS, Llama
@@ -35,3 +38,36 @@ def test_eight_bit_state_is_at_most_0_27_of_fp32_on_the_bench_model():
     fp32.step()
     ratio = adam8bit.state_bytes(eight) / adam8bit.state_bytes(fp32)
     assert ratio <= 0.27, ratio
+
+
+def _local_shards_step_like_the_dtensors():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))  # 5 and 3 rows: uneven shards
+        torch_fully_shard(model, mesh=mesh)
+        models.append(model)
+    initial = [p.to_local().clone() for p in models[0].parameters()]
+    direct = torch.optim.AdamW(models[0].parameters(), lr=0.1, foreach=False)
+    wrapped = adam8bit.OnLocalShards(models[1].parameters(), lambda shards: torch.optim.AdamW(shards, lr=0.1, foreach=False))
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(3):
+        for model, optimizer in ((models[0], direct), (models[1], wrapped)):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in models[1].parameters())
+    for a, b, before in zip(models[0].parameters(), models[1].parameters(), initial):
+        assert torch.equal(a.to_local(), b.to_local())
+        assert before.numel() == 0 or not torch.equal(before, b.to_local())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_optimizer_on_local_shards_steps_fsdp2_parameters_as_on_the_dtensors(dist_run, world):
+    """The torchao peer's wrapper: stepping FSDP2's local shards updates the model exactly as
+    the same optimizer given the DTensor parameters does."""
+    dist_run(_local_shards_step_like_the_dtensors, world, timeout=120)

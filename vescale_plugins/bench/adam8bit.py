@@ -1,12 +1,15 @@
 """8-bit and flat fp32 AdamW side by side: veScale-FSDP + ours against FSDP2 + the peers.
 
-    python -m vescale_plugins.bench.adam8bit [--optimizer adamw8bit|adamw|both] [--world-size 2]
-        [--model small] [--batch-size 4] [--seq-len 128] [--steps 10] [--quality-steps 200]
+    python -m vescale_plugins.bench.adam8bit [--optimizer adamw8bit|adamw|adamw8bit-dtensor|both]
+        [--world-size 2] [--model small] [--batch-size 4] [--seq-len 128] [--steps 10]
+        [--quality-steps 200]
 
 Pairs, each built on the same model, data and seed, stepped alternately (A B A B ...):
 
 * ``adamw8bit``: veScale-FSDP (``block_size_fn=tile_rows(32)``) + ``vescale_plugins.optim.AdamW8bit``
-  against FSDP2 + ``torchao.optim.AdamW8bit`` (block 256 of the flattened local shard).
+  against FSDP2 + ``torchao.optim.AdamW8bit`` (block 256 of the flattened local shard),
+  stepping FSDP2's local shards (:class:`OnLocalShards`: given the DTensors it fails, which
+  ``adamw8bit-dtensor`` shows).
 * ``adamw``: veScale-FSDP + ``vescale_plugins.optim.AdamW`` (flat, fused) against FSDP2 +
   ``torch.optim.AdamW(foreach=True)``.
 
@@ -15,7 +18,8 @@ Per engine: optimizer-step time (median over ``--steps`` of the slowest rank's
 events, smallest of 3; ``bench.memory``), and optimizer state bytes per rank. With
 ``--quality-steps N`` every optimizer also trains N steps on a learnable synthetic sequence
 task (a fixed random token permutation followed 90% of the time) from the same seed and
-data; the final loss is the mean of the last 10 steps. Prints a table and writes JSON.
+data; the final loss is the mean of the last 10 steps (``--steps 0``: quality only). Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -60,14 +64,53 @@ def _torchao_adamw8bit(params: Any, lr: float) -> torch.optim.Optimizer:
     return TorchaoAdamW8bit(params, lr=lr, weight_decay=WEIGHT_DECAY)
 
 
+class OnLocalShards:
+    """Steps an optimizer on each DTensor parameter's local shard, as a plain tensor.
+
+    torchao 0.18's ``AdamW8bit`` steps each parameter with ``torch.compile(fullgraph=True,
+    dynamic=False)``; given FSDP2's DTensor parameters it fails at its first step under torch
+    2.13 when shards are uneven across ranks (a size assertion, or ``'Tensor' object has no
+    attribute 'codes'`` where a rank holds both 8-bit and fp32-fallback shards: a graph compiled
+    for one DTensor appears to be reused for another whose local tensor differs; see
+    meta-pytorch/torchtune#1978 for the same class of failure). torchao
+    quantizes the flattened local shard anyway, so stepping the shards themselves (as its
+    maintainers suggest: unwrap ``_local_tensor``) keeps its blocks, its fp32 fallback rule
+    and its state bytes; only the state is no longer DTensors (no DCP resharding, unused here).
+    """
+
+    def __init__(self, params: Any, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        self.params = list(params)
+        self.shards = [getattr(p, "_local_tensor", p) for p in self.params]
+        self.inner = make(self.shards)
+        self.state, self.param_groups = self.inner.state, self.inner.param_groups
+
+    def step(self) -> None:
+        for p, shard in zip(self.params, self.shards):
+            if getattr(p, "_local_tensor", p) is not shard:
+                raise RuntimeError("FSDP2 replaced a parameter's local shard: the wrapped optimizer's state would be lost")
+            if shard is not p:
+                shard.grad = None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad)
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, shard in zip(self.params, self.shards):
+            p.grad = shard.grad = None
+
+
 # name -> (veScale-FSDP?, optimizer factory)
 ENGINES: dict[str, tuple[bool, Callable[[Any, float], torch.optim.Optimizer]]] = {
     "veScale + AdamW8bit": (True, lambda ps, lr: AdamW8bit(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
-    "FSDP2 + torchao AdamW8bit": (False, _torchao_adamw8bit),
+    "FSDP2 + torchao AdamW8bit": (False, lambda ps, lr: OnLocalShards(ps, lambda shards: _torchao_adamw8bit(shards, lr))),
+    "FSDP2 + torchao AdamW8bit on DTensors": (False, _torchao_adamw8bit),
     "veScale + flat AdamW": (True, lambda ps, lr: AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
     "FSDP2 + AdamW(foreach)": (False, lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True)),
 }
-PAIRS = {"adamw8bit": ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit"), "adamw": ("veScale + flat AdamW", "FSDP2 + AdamW(foreach)")}
+PAIRS = {
+    "adamw8bit": ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit"),
+    "adamw": ("veScale + flat AdamW", "FSDP2 + AdamW(foreach)"),
+    # torchao given FSDP2's DTensor parameters directly: reports its failure (OnLocalShards).
+    "adamw8bit-dtensor": ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit on DTensors"),
+}
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -169,7 +212,7 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
     mesh = init_device_mesh("cpu", (world,))
     data = batches(settings, dist.get_rank(), warmup + steps)
     result: dict[str, Any] = {}
-    for pair in pairs:
+    for pair in pairs if steps else []:
         names = PAIRS[pair]
         built = {name: _build(name, settings, mesh) for name in names}
         seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -259,7 +302,9 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
     lines = []
     for pair in pairs:
         ours, peer = PAIRS[pair]
-        o, p = results[ours], results[peer]
+        o, p = results.get(ours, {}), results.get(peer, {})
+        if not any(key in figures for figures in (o, p) for key in ("failed", "optimizer_step_s")):
+            continue  # quality only
         failed = [f"{name}: {results[name]['failed']}" for name in (ours, peer) if "failed" in results[name]]
         if failed:
             lines += [f"{pair}: " + " | ".join(failed)]
@@ -293,7 +338,7 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench.adam8bit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizer", choices=["adamw8bit", "adamw", "both"], default="both")
+    parser.add_argument("--optimizer", choices=[*PAIRS, "both"], default="both", help="both: adamw8bit and adamw")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", choices=sorted(PRESETS), default="small")
     parser.add_argument("--batch-size", type=int, default=4)

@@ -52,48 +52,77 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32, device=device)
 
 
+# torchao's rule rounds x up from code c (the last map value <= x) to c + 1 when
+# x - q[c] >= (q[c + 1] - q[c]) * 0.5 in fp32. x - q[c] only grows with x, so each c has an
+# exact fp32 threshold t[c] (the smallest x rounding up) and the code is #{c : t[c] <= x}.
 # A float32's top bits (sign, exponent, 10 mantissa bits) name a bucket of relative width
-# 2**-10, narrower than the closest pair of map values (0.35% apart near 1.0), so a bucket
-# holds at most one map value and one comparison finishes the search.
+# 2**-10, narrower than the closest pair of thresholds, so a bucket holds at most one; its
+# low 13 bits (mirrored for negative floats, so they grow with the value) place x against it.
 _BUCKET_SHIFT = 13
 _BUCKETS = 1 << (32 - _BUCKET_SHIFT)
+_LOW = (1 << _BUCKET_SHIFT) - 1
+
+
+@functools.lru_cache(maxsize=2)
+def _round_up_thresholds(signed: bool) -> torch.Tensor:
+    """``t[c]`` for c in 0..254: the smallest fp32 ``x`` with ``x - q[c] >= half_gap[c]``."""
+    values = dynamic_map(signed, "cpu")
+    low, half = values[:-1], (values[1:] - values[:-1]) * 0.5
+    rounds_up = lambda x: (x - low) >= half  # noqa: E731 - fp32 arithmetic, as torchao's
+    t = low + half  # within an ulp or two of the threshold: walk to it
+    while not rounds_up(t).all():
+        t = torch.where(rounds_up(t), t, torch.nextafter(t, torch.full_like(t, 2.0)))
+    while True:
+        lower = torch.nextafter(t, torch.full_like(t, -2.0))
+        if not rounds_up(lower).any():
+            return t
+        t = torch.where(rounds_up(lower), lower, t)
+
+
+def _position(bits: torch.Tensor) -> torch.Tensor:
+    """A float's place in its bucket, 0.._LOW, growing with its value (int32 bit patterns)."""
+    return (bits >> 31).bitwise_xor_(bits).bitwise_and_(_LOW)
 
 
 @functools.lru_cache(maxsize=8)
-def _bucket_floor_codes(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per bucket: the last map code whose value is <= the bucket's smallest float (int64)."""
-    values = dynamic_map(signed, "cpu")
+def _bucket_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per bucket (int32): ``(base << 13) + 8192 - position of its threshold``, ``base`` the
+    thresholds below the bucket; no threshold inside: position 8192. Then a float's code is
+    ``(entry + its position) >> 13``: ``base``, plus one if it reached the threshold."""
+    t = _round_up_thresholds(signed)
     buckets = torch.arange(_BUCKETS, dtype=torch.int64)
     negative = buckets >= _BUCKETS // 2
-    # Smallest float of a bucket: the lowest bit pattern if positive, the highest if negative.
-    low_bits = (buckets << _BUCKET_SHIFT) | torch.where(negative, (1 << _BUCKET_SHIFT) - 1, 0)
-    smallest = (low_bits - (1 << 32) * (low_bits >= 1 << 31)).to(torch.int32).view(torch.float32)
-    smallest = torch.nan_to_num(smallest, nan=0.0, posinf=3e38, neginf=-3e38)
-    return (torch.searchsorted(values, smallest, right=True) - 1).clamp_(0, 255).to(device)
+    # Smallest and largest float of a bucket (bit patterns grow away from zero on both sides).
+    to_int32 = lambda bits: (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32)  # noqa: E731
+    as_float = lambda bits: torch.nan_to_num(to_int32(bits).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)  # noqa: E731
+    smallest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, _LOW, 0))
+    largest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, 0, _LOW))
+    base = torch.searchsorted(t, smallest, right=False)
+    inside = torch.searchsorted(t, largest, right=True) - base
+    assert int(inside.max()) <= 1, "a bucket holds two thresholds: lower _BUCKET_SHIFT"
+    threshold = t[base.clamp(max=t.numel() - 1)].view(torch.int32)
+    position = torch.where(inside == 1, _position(threshold).to(torch.int64), 1 << _BUCKET_SHIFT)
+    return ((base << _BUCKET_SHIFT) + (1 << _BUCKET_SHIFT) - position).to(torch.int32).to(device)
 
 
-def quantize(normalized: torch.Tensor, signed: bool) -> torch.Tensor:
+def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 codes of ``normalized`` (values already divided by their block's absmax).
 
     torchao's rule, to the bit: ``c`` is the last map value ``<= x`` (``0`` below the map),
-    rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``.
+    rounded up to ``c + 1`` when ``x - q[c] >= (q[c + 1] - q[c]) * 0.5``. ``out``: a uint8
+    tensor of ``normalized``'s size to write the codes into (returned). Seven passes over
+    int32 data and one table lookup.
     """
-    qmap = dynamic_map(signed, normalized.device)
-    x = normalized.contiguous()
-    bucket = (x.view(torch.int32) >> _BUCKET_SHIFT) & (_BUCKETS - 1)
-    down = _bucket_floor_codes(signed, x.device)[bucket]
-    # At most one map value lies in the bucket above its floor: step past it if x reached it.
-    down = (down + (qmap[(down + 1).clamp_(max=255)] <= x)).clamp_(max=255)
-    return (down + (x - qmap[down] >= _half_gaps(signed, x.device)[down])).to(torch.uint8)
-
-
-@functools.lru_cache(maxsize=8)
-def _half_gaps(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``(q[c + 1] - q[c]) * 0.5`` per code, in fp32 as torchao computes it; +inf for the last
-    code (nothing to round up to)."""
-    values = dynamic_map(signed, device)
-    gaps = (values[1:] - values[:-1]) * 0.5
-    return torch.cat([gaps, torch.tensor([float("inf")], device=device)])
+    bits = normalized.contiguous().view(-1).view(torch.int32)
+    bucket = (bits >> _BUCKET_SHIFT).bitwise_and_(_BUCKETS - 1)
+    # The unsigned map's thresholds are all positive: negative floats' buckets hold none, so
+    # their position never matters and the plain low bits do.
+    position = _position(bits) if signed else bits & _LOW
+    codes = _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
+    if out is None:
+        return codes.to(torch.uint8).view(normalized.shape)
+    out.copy_(codes.view(out.shape))
+    return out
 
 
 def dequantize(codes: torch.Tensor, signed: bool) -> torch.Tensor:
