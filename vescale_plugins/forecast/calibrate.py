@@ -72,8 +72,8 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}
     group = dist.group.WORLD
     for total in sizes_bytes:
-        full = torch.ones(total // 4)
-        shard = torch.ones(total // 4 // n)
+        shard = torch.ones(total // 4 // n)  # sizes are rounded down to whole shards
+        full = torch.ones(shard.numel() * n)
         timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard), repeats))
         timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
         timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group), repeats))
@@ -117,6 +117,8 @@ def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = RE
             if p.is_alive():
                 p.kill()
     t = measured["timings"]
+    # Bytes as measured: each size rounded down to ``ranks`` whole fp32 shards.
+    sizes_bytes = [b // 4 // ranks * ranks * 4 for b in sizes_bytes]
     latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], ranks)
     figures = {
         "name": f"this machine ({os.cpu_count()} CPUs, gloo, {ranks} ranks, calibrated)",
