@@ -4,7 +4,7 @@
         [--out docs/forecast_calibration.json]
     python scripts/forecast_calibration.py --replay docs/forecast_calibration.json [more.json]
 
-For each world size W (about 15 min for W=2 and 30 for W=4 on a shared 2-core machine):
+For each world size W (about 30 min each with --runs 2 on the shared 2-core machine at load 10-40):
 
 1. calibrate this machine on W gloo processes (``--calibrate --calibrate-ranks W``: the ring's
    latency and bandwidth fitted to an all-gather/reduce-scatter sweep, FSDP2's gloo
