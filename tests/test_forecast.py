@@ -54,13 +54,23 @@ def test_alpha_beta_fit_recovers_the_constants():
 
 
 def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
-    """A short sweep on 2 gloo processes (figures vary by machine: only their sanity is checked)."""
+    """A short sweep on 3 gloo processes (figures vary by machine: only their sanity is checked;
+    the ring is fitted at the ranks measured, which become a node)."""
     path = tmp_path / "cpu.json"
-    figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=240)
+    figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=240, ranks=3)
     hardware = load_hardware("h100", str(path))
+    assert hardware.gpus_per_node == 3 and "3 ranks" in hardware.name
     assert hardware.intra_node_bandwidth == figures["intra_node_bandwidth"] > 0
     assert hardware.peak_flops_fp32 > 0 and hardware.memory_bandwidth > 0 and not hardware.overlaps_communication
     assert set(figures["measured"]["timings"]) == {"fsdp2_all_gather", "fsdp2_reduce_scatter", "vescale_all_gather", "vescale_reduce_scatter"}
+
+
+def test_calibrate_needs_two_ranks(tmp_path, capsys):
+    with pytest.raises(ValueError, match="--calibrate-ranks 1: collectives need at least 2 ranks"):
+        calibrate(str(tmp_path / "cpu.json"), ranks=1)
+    with pytest.raises(SystemExit):
+        parse_args(["--calibrate", str(tmp_path / "cpu.json"), "--calibrate-ranks", "1"])
+    assert "--calibrate-ranks 1: collectives need at least 2 ranks" in capsys.readouterr().err
 
 
 def test_exposed_communication_under_one_unit_prefetch():

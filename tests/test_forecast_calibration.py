@@ -7,6 +7,10 @@ planner and FSDP2's rule, so any difference is a modelling bug). A small batch k
 test fast: none of these figures depends on the batch.
 """
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,3 +84,28 @@ def test_forecast_equals_the_run_record(dist_run, world):
     assert max(r["fsdp2_state"] for r in ranks) == ranks[0]["fsdp2_state"]
     # Padding in the bench's terms (fp32 bytes per rank), as its JSON reports it.
     assert 4 * vescale.padding_elements == sum(u["padding_elements"] for u in ranks[0]["units"]) // world * 4
+
+
+def _calibration_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "forecast_calibration.py"
+    spec = importlib.util.spec_from_file_location("forecast_calibration", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_step_time_calibration_replays_to_its_forecast():
+    """docs/forecast_calibration.json holds the measurements (calibrations and bench runs at
+    W=2 and 4) and the forecast made from them: replaying the measurements through the
+    current model must give the same forecast, within 10 % of the measured ratio at both
+    world sizes (re-run ``scripts/forecast_calibration.py --replay`` after changing it)."""
+    script = _calibration_script()
+    path = Path(__file__).resolve().parents[1] / "docs" / "forecast_calibration.json"
+    committed = json.loads(path.read_text())
+    assert sorted(row["world_size"] for row in committed["world_sizes"]) == [2, 4]
+    for row in committed["world_sizes"]:
+        replayed = script.compare(row["measured"])
+        assert replayed["forecast_ratio"] == pytest.approx(row["forecast_ratio"], rel=1e-9)
+        assert replayed["measured_ratio"] == pytest.approx(row["measured_ratio"], rel=1e-12)
+        # The issue's bar, on the measurements kept: a model change must not lose it.
+        assert abs(replayed["forecast_ratio"] / replayed["measured_ratio"] - 1) <= 0.10

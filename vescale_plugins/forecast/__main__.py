@@ -41,8 +41,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-activation-checkpointing", action="store_true", help="peak and step time without checkpointing (both are shown)")
     parser.add_argument("--json", default="forecast.json")
     parser.add_argument("--plot", default="forecast.png", help="'' for none")
-    parser.add_argument("--calibrate", default=None, metavar="FILE", help="measure this machine (2 gloo processes) and write a hardware file; nothing else")
+    parser.add_argument("--calibrate", default=None, metavar="FILE", help="measure this machine (gloo processes) and write a hardware file; nothing else")
+    parser.add_argument("--calibrate-ranks", type=int, default=2, metavar="N", help="--calibrate on N processes (the world size you forecast; default 2)")
     args = parser.parse_args(argv)
+    if args.calibrate_ranks < 2:
+        parser.error(f"--calibrate-ranks {args.calibrate_ranks}: collectives need at least 2 ranks")
     if args.hsdp < 1:
         parser.error(f"--hsdp {args.hsdp}: must be >= 1")
     if args.batch_tokens < 1 or args.seq_len < 1:
@@ -63,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.calibrate:
         from .calibrate import calibrate
 
-        figures = calibrate(args.calibrate)
+        figures = calibrate(args.calibrate, ranks=args.calibrate_ranks)
         console.print(figures)
         console.print(f"wrote {args.calibrate}")
         return 0

@@ -1,6 +1,7 @@
 """``--calibrate FILE``: measure this machine and write a hardware file the forecast loads.
 
-Two gloo processes on this machine (as the CPU bench runs) measure, side by side:
+``ranks`` gloo processes on this machine (2 by default; as the CPU bench runs them, each
+with ``cores / ranks`` threads, at least 1) measure, side by side:
 
 * collectives: all-gather and reduce-scatter of fp32 buffers from 64 KiB to 16 MiB, both
   FSDP2's calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``) and veScale-FSDP's
@@ -10,8 +11,12 @@ Two gloo processes on this machine (as the CPU bench runs) measure, side by side
 * compute: fp32 matmuls the size of the bench model's projections (FLOP/s per process);
 * copies: a 64 MiB ``copy_`` (bytes read plus written per second per process).
 
-Each figure is the median of repeated timings. Collectives on this CPU run on the same cores
-as compute, so the file says ``overlaps_communication: false``.
+Each figure is the median of repeated timings. Every process measures at the same time, so
+the compute and copy rates are per process with the cores shared as the bench's ranks share
+them (with more ranks than cores, each gets its share). The ring's figures are fitted at
+``ranks`` ranks: calibrate at the world size you forecast (``gpus_per_node`` is set to it).
+Collectives on this CPU run on the same cores as compute, so the file says
+``overlaps_communication: false``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.multiprocessing as mp
 
 __all__ = ["calibrate", "fit_alpha_beta"]
 
-WORLD = 2
+DEFAULT_RANKS = 2
 SIZES_BYTES = [2**k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB
 REPEATS = 7
 
@@ -67,8 +72,8 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}
     group = dist.group.WORLD
     for total in sizes_bytes:
-        full = torch.ones(total // 4)
-        shard = torch.ones(total // 4 // n)
+        shard = torch.ones(total // 4 // n)  # sizes are rounded down to whole shards
+        full = torch.ones(shard.numel() * n)
         timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard), repeats))
         timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
         timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group), repeats))
@@ -80,10 +85,10 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     return {"timings": timings, "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s, "copy_bandwidth": 2 * source.numel() * 4 / copy_s}
 
 
-def _worker(rank: int, port: int, sizes_bytes: list[int], repeats: int, results: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+def _worker(rank: int, ranks: int, port: int, sizes_bytes: list[int], repeats: int, results: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=datetime.timedelta(seconds=300))
     try:
         figures = _measure_rank(sizes_bytes, repeats)
         if rank == 0:
@@ -92,14 +97,16 @@ def _worker(rank: int, port: int, sizes_bytes: list[int], repeats: int, results:
         dist.destroy_process_group()
 
 
-def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0) -> dict[str, Any]:
+def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0, ranks: int = DEFAULT_RANKS) -> dict[str, Any]:
     """Measure (see the module docstring), write the hardware file at ``path``, return it
     (with the raw timings under ``"measured"``). ``sizes_bytes``: the collectives' total
-    sizes; ``repeats``: timings per figure (the median is kept)."""
+    sizes; ``repeats``: timings per figure (the median is kept); ``ranks``: processes."""
+    if ranks < 2:
+        raise ValueError(f"--calibrate-ranks {ranks}: collectives need at least 2 ranks")
     context = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
     results = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, store.port, list(sizes_bytes), repeats, results), daemon=True) for r in range(WORLD)]
+    processes = [context.Process(target=_worker, args=(r, ranks, store.port, list(sizes_bytes), repeats, results), daemon=True) for r in range(ranks)]
     for p in processes:
         p.start()
     try:
@@ -110,16 +117,18 @@ def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = RE
             if p.is_alive():
                 p.kill()
     t = measured["timings"]
-    latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], WORLD)
+    # Bytes as measured: each size rounded down to ``ranks`` whole fp32 shards.
+    sizes_bytes = [b // 4 // ranks * ranks * 4 for b in sizes_bytes]
+    latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], ranks)
     figures = {
-        "name": f"this machine ({os.cpu_count()} CPUs, gloo, calibrated)",
+        "name": f"this machine ({os.cpu_count()} CPUs, gloo, {ranks} ranks, calibrated)",
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "reserved_bytes": 0,
         "peak_flops_bf16": measured["flops"],
         "peak_flops_fp32": measured["flops"],
         "memory_bandwidth": measured["copy_bandwidth"],
         "copy_efficiency": 1.0,
-        "gpus_per_node": WORLD,
+        "gpus_per_node": ranks,
         "intra_node_latency_s": latency,
         "intra_node_bandwidth": bandwidth,
         "inter_node_latency_s": latency,

@@ -101,6 +101,7 @@ def write_plot(path: str, result: dict[str, Any]) -> None:
     right.set_ylabel("tokens/s per GPU (forecast)")
     right.set_title(f"{result['hardware']['name']}, {result['settings']['precision']}, {result['settings']['optimizer']}")
     right.legend()
-    fig.tight_layout()
+    # Fixed margins: tight_layout measures every label's text, 0.4 s of the command's ~6 s.
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.1, top=0.93, wspace=0.2)
     fig.savefig(path, dpi=110)
     plt.close(fig)
