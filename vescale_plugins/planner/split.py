@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from .bounds import padding_lower_bound
 from .layout import Layout, check_plan_inputs
 from .search import plan_layout
-from .split_bounds import least_bound_partitions
+from .split_bounds import least_bound_partitions, smallest_tensors
 
 __all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
 
@@ -345,7 +345,7 @@ def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[t
     tensors as one tensor plus the others, so that a buffer can take one of them. The
     lightest atoms are merged past ``MAX_ATOMS``.
     """
-    tiny = _tiny_tensors(numels)
+    tiny = smallest_tensors(numels, TINY_FRACTION)
     rest = [i for i in range(len(numels)) if i not in tiny]
     if len(rest) <= MAX_ATOMS - (1 if tiny else 0):
         atoms = [(i,) for i in rest]
@@ -359,17 +359,6 @@ def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[t
     if tiny:
         atoms.append(tuple(sorted(tiny)))
     return _merge_lightest(sorted(atoms), numels)
-
-
-def _tiny_tensors(numels: tuple[int, ...]) -> set[int]:
-    """The smallest tensors whose elements sum to at most ``TINY_FRACTION`` of the payload."""
-    budget, tiny = TINY_FRACTION * sum(numels), set()
-    for index in sorted(range(len(numels)), key=lambda i: (numels[i], i)):
-        budget -= numels[index]
-        if budget < 0:
-            break
-        tiny.add(index)
-    return tiny
 
 
 def _merge_lightest(atoms: list[tuple[int, ...]], numels: tuple[int, ...]) -> list[tuple[int, ...]]:

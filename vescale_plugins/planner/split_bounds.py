@@ -92,7 +92,7 @@ def least_bound_partitions(
 
 def _problem(numels, block_sizes, world_size, alignment):
     """The tiny tensors and the :class:`_Kinds` of the others (``None`` if there are none)."""
-    tiny = _tiny(numels)
+    tiny = smallest_tensors(numels, TINY_FRACTION)
     kinds: dict[tuple[int, int], int] = {}
     for index, key in enumerate(zip(numels, block_sizes)):
         if index not in tiny:
@@ -102,9 +102,9 @@ def _problem(numels, block_sizes, world_size, alignment):
     return tiny, _Kinds(sorted(kinds.items(), reverse=True), world_size, alignment)
 
 
-def _tiny(numels: tuple[int, ...]) -> set[int]:
-    """The smallest tensors whose elements sum to at most ``TINY_FRACTION`` of the payload."""
-    budget, tiny = TINY_FRACTION * sum(numels), set()
+def smallest_tensors(numels: tuple[int, ...], fraction: float) -> set[int]:
+    """The smallest tensors whose elements sum to at most ``fraction`` of the payload."""
+    budget, tiny = fraction * sum(numels), set()
     for index in sorted(range(len(numels)), key=lambda i: (numels[i], i)):
         budget -= numels[index]
         if budget < 0:
