@@ -74,16 +74,10 @@ class UnitGradients:
             # Every rank reduces every unit that ran backward, gradients or not (another rank's
             # data may have reached parameters this one's did not): slices no gradient reached
             # are zeroed.
-            grads = {}
-            for m in members:
-                grad = m.gathered_grad()
-                if m.unsharded is not None:
-                    m.unsharded.grad = None
-                if m.accumulated_grad is not None:
-                    grad = m.accumulated_grad if grad is None else m.accumulated_grad.add_(grad)
-                    m.accumulated_grad = None
-                grads[m.slot_index] = grad
+            grads = _take_gradients(members)
             got = [grads[m.slot_index] is not None for m in members]
+            # The buffer holds the last references: each gradient is freed as it is copied,
+            # before the reduce-scatter allocates the sharded gradient.
             dbuffer.fill_unsharded_grad(grads)
             accumulate = any(m.sharded.grad is not None for m in members)
             if accumulate:
@@ -146,6 +140,23 @@ class UnitGradients:
         for handle in self._reduces_in_flight:
             handle.wait()
         self._reduces_in_flight = []
+
+
+def _take_gradients(members: list[ManagedParam]) -> dict[int, torch.Tensor | None]:
+    """Detach each member's gradient (adding what accumulated without sync) into a dict by
+    slot, holding no other reference to it (a loop variable would keep the last one, often
+    the unit's largest gradient, alive through the reduce-scatter)."""
+    grads: dict[int, torch.Tensor | None] = {}
+    for m in members:
+        grads[m.slot_index] = m.gathered_grad()
+        if m.unsharded is not None:
+            m.unsharded.grad = None
+        if m.accumulated_grad is not None:
+            own = grads[m.slot_index]
+            grads[m.slot_index] = m.accumulated_grad if own is None else m.accumulated_grad.add_(own)
+            m.accumulated_grad = None
+            del own
+    return grads
 
 
 def run_post_accumulate_grad_hooks(members: list[ManagedParam]) -> None:
