@@ -61,9 +61,9 @@ def _every_bad_input():
     _untouched(model, before)
     _expect(TypeError, "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims", lambda: fully_shard(model, dp_mesh_dims=object()))
     _expect(
-        NotImplementedError,
-        r"shard_placement_fn returned Shard\(dim=1\) for 'layers.0.up.weight'",
-        lambda: fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p is model.layers[0].up.weight else None),
+        ValueError,
+        r"shard_placement_fn returned Shard\(dim=2\) for 'layers.0.up.weight': Shard dim 2 is invalid for 2D tensor",
+        lambda: fully_shard(model, shard_placement_fn=lambda p: Shard(2) if p is model.layers[0].up.weight else None),
     )
     _untouched(model, before)
     tp_model = make_decoder()

@@ -7,6 +7,7 @@ and before any collective runs, so bad input leaves the module as it was.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, overload
 
 import torch
@@ -20,6 +21,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import validation
 from .fsdp_unit import FSDPUnit, _iter_units
 from .tensor_parallel import SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
+
+try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:
+    ShardPlacementResult = ()  # isinstance(x, ()) is always False
 
 __all__ = ["fully_shard", "VeScaleFSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -432,7 +438,7 @@ def fully_shard(
         validation.check_not_already_sharded(modules[0], [(fqn, p) for fqn, _, p in params])
         specs = [parallel_spec_for(fqn, p, mesh, spmd) for fqn, _, p in params]
         if shard_placement_fn is not None:
-            _check_shard_placements(params, shard_placement_fn)
+            _check_shard_placements(params, shard_placement_fn, mesh)
         if shared:
             raise ValueError(
                 "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
@@ -499,19 +505,46 @@ def _local_shape(param: torch.Tensor) -> torch.Size:
     return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
 
 
-def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any]) -> None:
-    """FSDP2's ``shard_placement_fn``: ``None`` and ``Shard(0)`` are what veScale-FSDP does
-    (whole rows per rank; the planner balances tensors with fewer rows than ranks without
-    FSDP2's padding); another dim is refused, naming the parameter."""
+def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any], mesh: DeviceMesh) -> None:
+    """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it, on every rank before any
+    collective. ``None`` and ``Shard(0)`` are what veScale-FSDP does. ``Shard(d)`` for
+    another dim (torchtitan asks it for experts with fewer rows than ranks) is accepted and
+    trains the same parameters: the planner already splits tensors with fewer rows than
+    ranks without FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank
+    (placement ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so."""
+    other_dims = []
     for fqn, _, param in params:
         placement = shard_placement_fn(param)
-        if placement is None or (isinstance(placement, Shard) and placement.dim in (0, -param.dim() if param.dim() else 0)):
+        if isinstance(placement, ShardPlacementResult):
+            if placement.mesh_info.mesh != mesh:
+                raise NotImplementedError(
+                    f"shard_placement_fn returned a ShardPlacementResult on mesh {placement.mesh_info.mesh} for {fqn!r}: "
+                    f"veScale-FSDP shards a unit's parameters over its one mesh ({mesh}); return a Shard or None"
+                )
+            placement = placement.placement
+        if placement is None:
             continue
-        raise NotImplementedError(
-            f"shard_placement_fn returned {placement!r} for {fqn!r}: veScale-FSDP shards whole rows "
-            "of dim 0 (uneven per rank where needed, so experts or matrices with fewer rows than "
-            "ranks need no other dim); return None or Shard(0) for it"
+        if not isinstance(placement, Shard):
+            raise ValueError(f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)")
+        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < max(param.dim(), 1):
+            raise ValueError(f"shard_placement_fn returned {placement!r} for {fqn!r}: Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}")
+        if dim != 0:
+            other_dims.append(f"{fqn!r} ({placement!r})")
+    if other_dims and not _SHARD_DIM_WARNED:
+        _SHARD_DIM_WARNED.append(True)
+        more = f" and {len(other_dims) - 1} more" if len(other_dims) > 1 else ""
+        warnings.warn(
+            f"shard_placement_fn asked for another dim than 0 for {other_dims[0]}{more}: veScale-FSDP keeps whole "
+            "rows of dim 0 per rank (uneven where needed, so tensors with fewer rows than ranks need no other dim). "
+            "Training is the same; the sharded parameters' placement is RaggedShard, not Shard(d). "
+            "(Warned once per process.)",
+            stacklevel=3,
         )
+
+
+# One warning per process for Shard(d > 0) answers (a model asks it for every layer).
+_SHARD_DIM_WARNED: list[bool] = []
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

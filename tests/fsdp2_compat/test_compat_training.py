@@ -26,8 +26,6 @@ from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs
 from ._compat import allreduce_avg_grads, api, broadcast_params, tc
 
 T = 180  # seconds per case
-ISSUE15_SPF = "issue 15: shard_placement_fn"
-vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
 
 
 class ChunkedHeadModel(nn.Module):
@@ -277,7 +275,6 @@ def test_train_parity_single_group_shard_dim0(dist_run, impl, world_size, lin_sh
     dist_run(_train_parity_single_group, world_size, impl, lin_shapes, False, timeout=T)
 
 
-@vescale_xfail(ISSUE15_SPF)
 def test_train_parity_single_group_shard_largest_dim(dist_run, impl):
     dist_run(_train_parity_single_group, 2, impl, [(32, 16), (16, 8)], True, timeout=T)
 
