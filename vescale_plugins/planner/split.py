@@ -19,8 +19,10 @@ and their own collective. Which split:
   subset to shave a few millionths of padding is not worth seconds).
 * Where whole classes leave more than ``FINE_SEARCH_ABOVE`` of the payload, classes are
   split too (``_improve_by_splitting_classes``): the partition whose per-part bounds sum to
-  the least (:mod:`.split_bounds`, exact over count vectors of identical tensors) is planned,
-  then finer atoms are searched for the budgets that plan does not settle.
+  the least (:mod:`.split_bounds`, exact over count vectors of identical tensors; for units
+  with hundreds of experts, where that is too large, the split :mod:`.split_spill` finds
+  by spilling up to a period of experts into other buffers) is planned, then finer atoms are
+  searched for the budgets that plan does not settle.
 * The cost model picks the buffer count:
   ``cost = buffers * collective_latency_s + sum(world_size * shard_size) * bytes_per_element
   / bandwidth_bytes_per_s``.
@@ -39,6 +41,7 @@ from .bounds import padding_lower_bound
 from .layout import Layout, check_plan_inputs
 from .search import plan_layout
 from .split_bounds import least_bound_partitions, smallest_tensors
+from .split_spill import spill_partitions
 
 __all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
 
@@ -197,7 +200,8 @@ def _improve_by_splitting_classes(plans: list[UnitPlan], numels: tuple[int, ...]
     bounds = {}
     for budget, bound, plan in _bound_guided_plans(numels, block_sizes, world_size, alignment):
         offer(plan)
-        bounds[budget] = bound
+        if bound is not None:
+            bounds[budget] = bound
     atoms = _fine_atoms(numels, block_sizes)
     unsettled = [k for k in range(2, min(FINE_MAX_BUFFERS, len(atoms)) + 1)
                  if k not in bounds or min(p.padding for p in plans[:k]) > bounds[k] + tolerance]
@@ -277,14 +281,18 @@ class _PartitionSearch:
         )
 
 
-def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...],
-                        world_size: int, alignment: int) -> list[tuple[int, int, UnitPlan]]:
+def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
+                        alignment: int) -> list[tuple[int, int | None, UnitPlan]]:
     """``(budget, bound, plan)`` for budgets 2 to ``FINE_MAX_BUFFERS``: the bound on any
     split and the plan of a partition whose part bounds sum to the least
     (:func:`.split_bounds.least_bound_partitions`); each part is planned, and the tiny
-    tensors join the part where they add the least padding. Empty where that search is
-    too large."""
+    tensors join the part where they add the least padding. Where that exact search is
+    too large, the partitions of the spill search (:func:`.split_spill.spill_partitions`)
+    instead, with ``None`` for the bound (they bound nothing)."""
     found = least_bound_partitions(numels, block_sizes, world_size, alignment, FINE_MAX_BUFFERS)
+    exact = found is not None
+    if not exact:
+        found = spill_partitions(numels, block_sizes, world_size, alignment, FINE_MAX_BUFFERS)
     if found is None:
         return []
     tiny, partitions = found
@@ -300,8 +308,9 @@ def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...],
                         - _layout(numels, block_sizes, parts[k], world_size, alignment).padding)
             host = min(range(len(parts)), key=padding_with_tiny)
             parts[host] = sorted(parts[host] + list(tiny))
-        results.append((budget, bound, _assemble(numels, block_sizes, [tuple(p) for p in parts],
-                                                 world_size, alignment)))
+        results.append((budget, bound if exact else None,
+                        _assemble(numels, block_sizes, [tuple(p) for p in parts], world_size,
+                                  alignment)))
     return results
 
 

@@ -28,7 +28,8 @@ from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_part
 from .layout import check_plan_inputs
 
 __all__ = [
-    "EXACT_TRANSITIONS", "TINY_FRACTION", "least_bound_partitions", "split_padding_lower_bound",
+    "EXACT_TRANSITIONS", "TINY_FRACTION", "UnitKinds", "least_bound_partitions",
+    "split_padding_lower_bound", "unit_kinds",
 ]
 
 TINY_FRACTION = 1e-4
@@ -47,7 +48,7 @@ def split_padding_lower_bound(
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
     if not isinstance(max_buffers, int) or max_buffers < 1:
         raise ValueError(f"max_buffers must be an int >= 1, got {max_buffers!r}")
-    tiny, problem = _problem(numels, block_sizes, world_size, alignment)
+    tiny, problem = unit_kinds(numels, block_sizes, world_size, alignment)
     if problem is None:
         return 0
     if problem.transitions <= EXACT_TRANSITIONS:
@@ -67,31 +68,20 @@ def least_bound_partitions(
     least; ``None`` where the exact search is too large. Candidates for
     :func:`.split.plan_unit`: where the planner packs each part at its bound, the split
     is optimal."""
-    tiny, problem = _problem(numels, block_sizes, world_size, alignment)
+    tiny, problem = unit_kinds(numels, block_sizes, world_size, alignment)
     if problem is None or problem.transitions > EXACT_TRANSITIONS:
         return None
-    by_kind: dict[tuple[int, int], list[int]] = {}
-    for index, key in enumerate(zip(numels, block_sizes)):
-        if index not in tiny:
-            by_kind.setdefault(key, []).append(index)
-    members = [by_kind[key] for key in zip(problem.numels, problem.blocks)]
-    partitions = []
     tiny_elements = sum(numels[i] for i in tiny)
-    for bound, parts in problem.exact(max_buffers):
-        taken = [0] * len(members)
-        partition = []
-        for counts in parts:
-            indices = []
-            for kind, count in enumerate(counts):
-                indices += members[kind][taken[kind]:taken[kind] + count]
-                taken[kind] += count
-            partition.append(tuple(sorted(indices)))
-        partitions.append((max(0, bound - tiny_elements), partition))
+    partitions = [
+        (max(0, bound - tiny_elements), problem.indices(numels, block_sizes, tiny, parts))
+        for bound, parts in problem.exact(max_buffers)
+    ]
     return tuple(sorted(tiny)), partitions
 
 
-def _problem(numels, block_sizes, world_size, alignment):
-    """The tiny tensors and the :class:`_Kinds` of the others (``None`` if there are none)."""
+def unit_kinds(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
+               alignment: int) -> tuple[set[int], UnitKinds | None]:
+    """The tiny tensors and the :class:`UnitKinds` of the others (``None`` if there are none)."""
     tiny = smallest_tensors(numels, TINY_FRACTION)
     kinds: dict[tuple[int, int], int] = {}
     for index, key in enumerate(zip(numels, block_sizes)):
@@ -99,7 +89,7 @@ def _problem(numels, block_sizes, world_size, alignment):
             kinds[key] = kinds.get(key, 0) + 1
     if not kinds:
         return tiny, None
-    return tiny, _Kinds(sorted(kinds.items(), reverse=True), world_size, alignment)
+    return tiny, UnitKinds(sorted(kinds.items(), reverse=True), world_size, alignment)
 
 
 def smallest_tensors(numels: tuple[int, ...], fraction: float) -> set[int]:
@@ -113,7 +103,7 @@ def smallest_tensors(numels: tuple[int, ...], fraction: float) -> set[int]:
     return tiny
 
 
-class _Kinds:
+class UnitKinds:
     """A unit as kinds of identical tensors with counts; parts are count vectors."""
 
     def __init__(self, kinds: list[tuple[tuple[int, int], int]], world_size: int,
@@ -125,6 +115,24 @@ class _Kinds:
         self._admissible: dict[tuple[int, ...], AdmissibleShardSizes] = {}
         # Steps of the exact dynamic programme: sub-vectors summed over all vectors.
         self.transitions = math.prod((c + 1) * (c + 2) // 2 for c in self.counts)
+
+    def indices(self, numels: Sequence[int], block_sizes: Sequence[int], tiny: set[int],
+                parts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """Count vectors as parts of input indices (tensors of a kind taken in input order)."""
+        by_kind: dict[tuple[int, int], list[int]] = {}
+        for index, key in enumerate(zip(numels, block_sizes)):
+            if index not in tiny:
+                by_kind.setdefault(key, []).append(index)
+        members = [by_kind[key] for key in zip(self.numels, self.blocks)]
+        taken = [0] * len(members)
+        partition = []
+        for counts in parts:
+            part = []
+            for kind, count in enumerate(counts):
+                part += members[kind][taken[kind]:taken[kind] + count]
+                taken[kind] += count
+            partition.append(tuple(sorted(part)))
+        return partition
 
     def part_padding(self, counts: Sequence[int]) -> int:
         """:func:`padding_lower_bound` of one part (0 for an empty one)."""
