@@ -154,3 +154,63 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
 @pytest.mark.parametrize("front_end", ["trainer", "fabric"])
 def test_tensor_parallel_x_vescale_fsdp_matches_fsdp2_and_unsharded(dist_run, tmp_path, front_end):
     dist_run(_matches_fsdp2_and_unsharded, 4, front_end, str(tmp_path), timeout=200)
+
+
+def _fabric_tp(initial: Transformer, state_dict_type: str = "sharded"):
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    strategy = VeScaleFSDPFabricStrategy(
+        device_mesh=mesh, parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"]),
+        state_dict_type=state_dict_type,
+    )
+    fabric = make_fabric(strategy=strategy)
+    model = fabric.setup_module(copy.deepcopy(initial))
+    return fabric, model, fabric.setup_optimizers(_adamw(model))
+
+
+def _tp_step(fabric, model, optimizer, step: int) -> torch.Tensor:
+    dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
+    tokens, targets = _Tokens()[(step * DP + dp_rank) * BATCH : (step * DP + dp_rank + 1) * BATCH]
+    loss = _loss(model, tokens, targets)
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _checkpoints_round_trip(root: str) -> None:
+    """DP x TP through Fabric: a sharded checkpoint (DCP) loads into a fresh model and the
+    two continue identically; a full checkpoint is the unsharded model's state dict."""
+    initial = Transformer()
+    with launched_by_harness():
+        fabric, model, optimizer = _fabric_tp(initial)
+        _tp_step(fabric, model, optimizer, 0)
+        saved = {name: p.full_tensor().detach() for name, p in model.module.named_parameters()}
+        fabric.save(f"{root}/sharded", {"model": model, "optimizer": optimizer, "step": 1})
+        full_writer = _fabric_tp(initial, state_dict_type="full")[0]
+        full_writer.save(f"{root}/full.ckpt", {"model": model, "optimizer": optimizer})
+
+        fabric2, restored, restored_optimizer = _fabric_tp(_perturbed(initial))
+        state = {"model": restored, "optimizer": restored_optimizer, "step": 0}
+        assert fabric2.load(f"{root}/sharded", state) == {} and state["step"] == 1
+        _assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
+        for step in (1, 2):  # the optimizer state came back too: the same updates, bit for bit
+            torch.testing.assert_close(_tp_step(fabric2, restored, restored_optimizer, step), _tp_step(fabric, model, optimizer, step), rtol=0, atol=0)
+        _assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
+    full = torch.load(f"{root}/full.ckpt", weights_only=False)
+    assert set(full) == {"model", "optimizer"}
+    plain = _perturbed(initial)
+    plain.load_state_dict(full["model"])  # unsharded names and shapes
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+
+
+def _perturbed(model: Transformer) -> Transformer:
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    return other
+
+
+def test_tensor_parallel_checkpoints_through_fabric(dist_run, tmp_path):
+    dist_run(_checkpoints_round_trip, 4, str(tmp_path), timeout=200)
