@@ -1,12 +1,12 @@
 """FSDP2's DP x TP cases (torch 2.13) on CPU/gloo, for either implementation:
 test_fully_shard_training.py's ``test_2d_mlp_with_nd_mesh`` (FSDP2's ``MLPStack``, whose dims
-3 and 17 split unevenly over TP=2) and test_fully_shard_state_dict.py's 2-D state dict cases
+3 and 17 split unevenly over TP=2) and ``test_3d_mlp_with_nd_mesh`` (HSDP x TP on 8 ranks), and test_fully_shard_state_dict.py's 2-D state dict cases
 (``test_2d_state_dict_correctness``, ``test_dp_tp_state_dict_save_load``,
 ``test_hsdp_tp_state_dict_save_load``).
 
 Changes from the original: CPU and gloo; the (pp=1, dp=2, tp=2) mesh of 4 ranks; the
 reference averages gradients over the dp group by hand (gloo has no AVG) instead of
-``replicate``; ``MLPStack.parallelize``'s body is inlined so the switch's ``fully_shard`` runs.
+``replicate``; the 3-D case's 16 subtests are parametrized cases; ``MLPStack.parallelize``'s body is inlined so the switch's ``fully_shard`` runs.
 """
 
 from __future__ import annotations
@@ -47,10 +47,18 @@ def _parallelize(model: MLPStack, tp_mesh, dp_mesh, use_activation_checkpointing
 
 
 def _2d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
-    A = api(impl)
     global_mesh = init_device_mesh("cpu", (1, 2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp", "tp"))
-    dp_mesh, tp_mesh = global_mesh["dp"], global_mesh["tp"]
-    dp_pg = dp_mesh.get_group()
+    _mlp_with_nd_mesh(impl, global_mesh["dp"], global_mesh["tp"], global_mesh["dp"].get_group(), reshard_after_forward, use_activation_checkpointing, mlp_dim)
+
+
+def _3d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
+    global_mesh = init_device_mesh("cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_mesh = global_mesh["dp_replicate", "dp_shard"]
+    _mlp_with_nd_mesh(impl, dp_mesh, global_mesh["tp"], dp_mesh._flatten().get_group(), reshard_after_forward, use_activation_checkpointing, mlp_dim)
+
+
+def _mlp_with_nd_mesh(impl, dp_mesh, tp_mesh, dp_pg, reshard_after_forward, use_activation_checkpointing, mlp_dim):
+    A = api(impl)
     torch.manual_seed(42)
     model = MLPStack(mlp_dim)
     ref_model = copy.deepcopy(model)
@@ -71,11 +79,12 @@ def _2d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointi
                     p.grad.div_(dp_pg.size())
             _optim.step()
         tc.assertEqual(losses[0], losses[1])
+    names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
     for n, p in model.named_parameters():
         tc.assertIsInstance(p, DTensor)
-        tc.assertEqual(p.device_mesh.ndim, 2)
-        tc.assertEqual(len(p.placements), 2)
-        tc.assertEqual(p.device_mesh.mesh_dim_names, ("dp", "tp"))
+        tc.assertEqual(p.device_mesh.ndim, len(names))
+        tc.assertEqual(len(p.placements), len(names))
+        tc.assertEqual(p.device_mesh.mesh_dim_names, names)
 
 
 @pytest.mark.parametrize("mlp_dim", [3, 16, 17])
@@ -86,6 +95,13 @@ def test_2d_mlp_with_nd_mesh(dist_run, impl, reshard_after_forward, mlp_dim):
 
 def test_2d_mlp_with_nd_mesh_activation_checkpointing(dist_run, impl):
     dist_run(_2d_mlp_with_nd_mesh, 4, impl, True, True, 17, timeout=T)
+
+
+@pytest.mark.parametrize("mlp_dim", [3, 5, 16, 17])
+@pytest.mark.parametrize("use_activation_checkpointing", [False, True])
+@pytest.mark.parametrize("reshard_after_forward", [False, True])
+def test_3d_mlp_with_nd_mesh(dist_run, impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
+    dist_run(_3d_mlp_with_nd_mesh, 8, impl, reshard_after_forward, use_activation_checkpointing, mlp_dim, timeout=T)
 
 
 # -- test_fully_shard_state_dict.py: 2-D state dicts (DP x TP, HSDP x TP) --------------------
