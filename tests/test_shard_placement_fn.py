@@ -68,8 +68,10 @@ def _parity_and_checkpoint(path: str) -> None:
         warnings.simplefilter("always")
         ours = fully_shard(Experts(), shard_placement_fn=_experts_on_dim_1)
         fully_shard(Experts(), shard_placement_fn=_experts_on_dim_1)  # warned once per process
-    messages = [str(w.message) for w in caught if "shard_placement_fn" in str(w.message)]
+    ours_warned = [w for w in caught if "shard_placement_fn" in str(w.message)]
+    messages = [str(w.message) for w in ours_warned]
     assert len(messages) == 1 and "'experts' (Shard(dim=1))" in messages[0] and "RaggedShard" in messages[0], messages
+    assert ours_warned[0].filename == __file__  # it points at the fully_shard call
     assert isinstance(ours.experts.placements[0], RaggedShard)
 
     assert _train(ours) == pytest.approx(_train(theirs), rel=1e-6)

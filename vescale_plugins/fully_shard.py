@@ -539,7 +539,7 @@ def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_p
             "rows of dim 0 per rank (uneven where needed, so tensors with fewer rows than ranks need no other dim). "
             "Training is the same; the sharded parameters' placement is RaggedShard, not Shard(d). "
             "(Warned once per process.)",
-            stacklevel=3,
+            stacklevel=5,  # the user's fully_shard call (via fully_shard, agree_on_plan, plan)
         )
 
 
