@@ -1,6 +1,8 @@
-"""FSDP2's ``shard_placement_fn`` answered with another dim than 0 (torchtitan asks
-``Shard(1)`` for experts with fewer rows than ranks): accepted, trained exactly as FSDP2
-trains it, with one warning; checkpoints move between the two; bad answers refused."""
+"""FSDP2's ``shard_placement_fn``: another dim than 0 (torchtitan asks ``Shard(1)`` for
+experts with fewer rows than ranks) is accepted, trained exactly as FSDP2 trains it, with one
+warning, and checkpoints move between the two; a ``ShardPlacementResult`` naming another mesh
+(torchtitan's experts over the expert-data-parallel mesh) gets DBuffers on that mesh, and its
+checkpoints resume exactly; bad answers are refused before the module changes."""
 
 import importlib
 import warnings
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -110,10 +112,65 @@ def _bad_answers() -> None:
 
     other = init_device_mesh("cpu", (1, dist.get_world_size()))
     result = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=1))
-    with pytest.raises(NotImplementedError, match=r"ShardPlacementResult on mesh .* for 'experts'"):
+    with pytest.raises(NotImplementedError, match=r"shard_placement_fn put 'experts' on FSDPMeshInfo\(mesh=.*shard_mesh_dim=1, replicate_mesh_dim=None\): veScale-FSDP shards over a 1-D mesh"):
         fully_shard(model, shard_placement_fn=lambda p: result if p.ndim == 3 else None)
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
 def test_bad_answers_are_refused_before_the_module_changes(dist_run):
     dist_run(_bad_answers, 2)
+
+
+def _ep_model(seed: int):
+    """torch's toy MoE Transformer with EP=2 on 4 ranks, its experts sharded over the
+    efsdp mesh by ``ShardPlacementResult`` and the rest over the 4-rank dp mesh."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    efsdp_info, dp_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), FSDPMeshInfo(dp_mesh, shard_mesh_dim=0)
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, num_experts=4))
+    Transformer.parallelize(model, tp_mesh=None, use_seq_parallel=False, ep_mesh=sparse["ep"])
+    for block in model.layers:
+        experts = set(block.expert_layer.experts.parameters())
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(Shard(0), efsdp_info if p in e else dp_info))
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _ep_step(model, opt, step: int) -> torch.Tensor:
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+    loss = model(tokens).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _parameter_meshes_checkpoint(path: str) -> None:
+    model = _ep_model(0)
+    unit = model.layers[0]._vescale_fsdp_unit
+    assert sorted(m.shard_size for m in unit.buffer_meshes) == [2, 4]  # experts over efsdp, the rest over dp
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 with parameters on their own mesh"):
+        model.layers[0].set_reshard_after_forward(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        _ep_step(model, opt, step)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    restored = _ep_model(1)
+    restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+    state = {"model": get_model_state_dict(restored), "optim": get_optimizer_state_dict(restored, restored_opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(restored, state["model"])
+    set_optimizer_state_dict(restored, restored_opt, state["optim"])
+    for step in (2, 3):
+        assert torch.equal(_ep_step(restored, restored_opt, step), _ep_step(model, opt, step))
+    for name, param in _full(model).items():
+        assert torch.equal(_full(restored)[name], param), name
+
+
+def test_parameters_on_their_own_mesh_checkpoint_and_resume_exactly(dist_run, tmp_path):
+    # Training parity with FSDP2 and an unsharded reference: tests/fsdp2_compat (test_shard_placement_fn_ep).
+    dist_run(_parameter_meshes_checkpoint, 4, str(tmp_path))

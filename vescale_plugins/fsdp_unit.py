@@ -54,7 +54,8 @@ class FSDPUnit(UnitHooks, UnitGradients, UnitPrefetch, UnitParams):
         self.reshard_after_backward = True
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
-        self.gradient_divide_factor: float = float(mesh.size())  # every data-parallel rank
+        # None: each DBuffer divides by its mesh's size (every data-parallel rank of it).
+        self.gradient_divide_factor: float | None = None
         self.is_last_backward = True
         self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit (see prefetch)
         self.backward_prefetch: list[FSDPUnit] | None = None

@@ -200,6 +200,8 @@ class VeScaleFSDPModule(FSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         _check_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
+            if len({m.mesh for m in unit.buffer_meshes}) > 1:
+                _refuse_with_parameter_meshes({unit.managed[0].fqn: None}, reshard_after_forward, None)
             unit.reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
     def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
@@ -433,12 +435,15 @@ def fully_shard(
     mesh = _resolve_mesh(mesh, device)
     ignored = set(ignored_params or ())
 
-    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, Any]]:
+    def plan() -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, Any, DeviceMesh | None]]:
         params, shared = _collect_params(modules, ignored)
         validation.check_not_already_sharded(modules[0], [(fqn, p) for fqn, _, p in params])
-        specs = [parallel_spec_for(fqn, p, mesh, spmd) for fqn, _, p in params]
-        if shard_placement_fn is not None:
-            _check_shard_placements(params, shard_placement_fn, mesh)
+        # Parameters shard_placement_fn puts on another mesh than the unit's (FSDP2's
+        # ShardPlacementResult: experts over the expert-data-parallel mesh).
+        own_mesh = _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
+        if own_mesh:
+            _refuse_with_parameter_meshes(own_mesh, reshard_after_forward, spmd)
+        specs = [parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd) for fqn, _, p in params]
         if shared:
             raise ValueError(
                 "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
@@ -447,18 +452,18 @@ def fully_shard(
             )
         _refuse_parameters_of_sibling_units(modules, params)
         _refuse_tensor_extensions(params)
-        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn), spec) for (fqn, owners, p), spec in zip(params, specs)]
+        return [(fqn, owners, p, _block_rows(fqn, p, block_size_fn), spec, own_mesh.get(fqn)) for (fqn, owners, p), spec in zip(params, specs)]
 
     # Ranks that plan differently (or fail on some ranks only) all raise here, before any
     # collective. Tensor-parallel parameters are planned by their local (TP) shape.
     with_blocks = validation.agree_on_plan(
-        plan, lambda entries: [(fqn, tuple(_local_shape(p)), str(p.dtype), rows) for fqn, _, p, rows, _ in entries], mesh.get_group(mesh.ndim - 1)
+        plan, lambda entries: [(fqn, tuple(_local_shape(p)), str(p.dtype), rows) for fqn, _, p, rows, _, _ in entries], mesh.get_group(mesh.ndim - 1)
     )
     reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
     unit.register_state_dict_hooks()
     where = " + ".join(type(m).__name__ for m in modules)
-    for fqn, _, param, _, _ in with_blocks:
+    for fqn, _, param, _, _, _ in with_blocks:
         _SHARDED_BY_ANOTHER_CALL[param] = f"{fqn!r} of the {where} unit"
     for m in modules:
         m._vescale_fsdp_unit = unit
@@ -505,22 +510,25 @@ def _local_shape(param: torch.Tensor) -> torch.Size:
     return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
 
 
-def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any], mesh: DeviceMesh) -> None:
+def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any], mesh: DeviceMesh, device: torch.device) -> dict[str, DeviceMesh]:
     """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it, on every rank before any
-    collective. ``None`` and ``Shard(0)`` are what veScale-FSDP does. ``Shard(d)`` for
-    another dim (torchtitan asks it for experts with fewer rows than ranks) is accepted and
-    trains the same parameters: the planner already splits tensors with fewer rows than
-    ranks without FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank
-    (placement ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so."""
-    other_dims = []
+    collective; returns the parameters it puts on another mesh than the unit's.
+
+    ``None`` and ``Shard(0)`` are what veScale-FSDP does. ``Shard(d)`` for another dim
+    (torchtitan asks it for experts with fewer rows than ranks) is accepted and trains the
+    same parameters: the planner already splits tensors with fewer rows than ranks without
+    FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank (placement
+    ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so. A
+    ``ShardPlacementResult`` may also name another mesh for the parameter (torch >= 2.12;
+    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it.
+    """
+    other_dims, own_mesh = [], {}
     for fqn, _, param in params:
         placement = shard_placement_fn(param)
         if isinstance(placement, ShardPlacementResult):
-            if placement.mesh_info.mesh != mesh:
-                raise NotImplementedError(
-                    f"shard_placement_fn returned a ShardPlacementResult on mesh {placement.mesh_info.mesh} for {fqn!r}: "
-                    f"veScale-FSDP shards a unit's parameters over its one mesh ({mesh}); return a Shard or None"
-                )
+            param_mesh = _parameter_mesh(fqn, placement.mesh_info, device)
+            if param_mesh != mesh:
+                own_mesh[fqn] = param_mesh
             placement = placement.placement
         if placement is None:
             continue
@@ -541,6 +549,40 @@ def _check_shard_placements(params: list[tuple[str, Any, nn.Parameter]], shard_p
             "(Warned once per process.)",
             stacklevel=5,  # the user's fully_shard call (via fully_shard, agree_on_plan, plan)
         )
+    return own_mesh
+
+
+def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMesh:
+    """The mesh a ``ShardPlacementResult`` names, in the layouts a unit's mesh may have: 1-D
+    (shard over it) or 2-D HSDP (replicate over dim 0, shard over dim 1)."""
+    param_mesh = mesh_info.mesh
+    replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None)
+    shard_dim = getattr(mesh_info, "shard_mesh_dim", None)
+    layout_ok = (param_mesh.ndim == 1 and shard_dim == 0 and replicate_dim is None) or (
+        param_mesh.ndim == 2 and shard_dim == 1 and replicate_dim == 0
+    )
+    if not layout_ok:
+        raise NotImplementedError(
+            f"shard_placement_fn put {fqn!r} on {type(mesh_info).__name__}(mesh={param_mesh}, shard_mesh_dim={shard_dim}, "
+            f"replicate_mesh_dim={replicate_dim}): veScale-FSDP shards over a 1-D mesh, or replicates over dim 0 and "
+            "shards over dim 1 of a 2-D one (HSDP)"
+        )
+    if param_mesh.device_type != device.type:
+        raise ValueError(f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}")
+    if param_mesh.get_coordinate() is None:
+        raise ValueError(f"shard_placement_fn put {fqn!r} on mesh {param_mesh}, which does not hold this rank ({torch.distributed.get_rank()})")
+    return param_mesh
+
+
+def _refuse_with_parameter_meshes(own_mesh: dict[str, DeviceMesh], reshard_after_forward: Any, spmd: Any) -> None:
+    first = next(iter(own_mesh))
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward} with parameters on their own mesh ({first!r}, from "
+            "shard_placement_fn): pass True or False, as FSDP2 needs for such units"
+        )
+    if spmd is not None:
+        raise NotImplementedError(f"dp_mesh_dims with parameters on their own mesh ({first!r}, from shard_placement_fn)")
 
 
 # One warning per process for Shard(d > 0) answers (a model asks it for every layer).

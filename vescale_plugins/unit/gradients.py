@@ -85,13 +85,16 @@ class UnitGradients:
                 for m in members:
                     if m.sharded.grad is None:
                         dbuffer.sharded_grad_view(m.slot_index).zero_()
-            replicate_group = self.replicate_group
+            buffer_mesh = self.buffer_meshes[dbuffer_index]
+            replicate_group = buffer_mesh.replicate_group
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's sums wait in a partial buffer; no gradient is attached yet.
                 root._reduces_in_flight.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
                 continue
-            handle = dbuffer.reduce_scatter(self.gradient_divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group)
+            # Default: the mean over every data-parallel rank of the buffer's own mesh.
+            divide_factor = float(buffer_mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
+            handle = dbuffer.reduce_scatter(divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group)
             handle.after_wait = functools.partial(run_post_accumulate_grad_hooks, members)
             root._reduces_in_flight.append(handle)
             for m, received in zip(members, got):

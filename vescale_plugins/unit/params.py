@@ -8,8 +8,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from .._dtensor_bridge import make_dtensor, set_local_tensor
@@ -17,7 +17,7 @@ from ..dbuffer import DBuffer
 from ..tensor_parallel import ParallelSpec
 from .buffer_split import split_group
 from .managed import ManagedParam, track_slots
-from .mesh import post_forward_group
+from .mesh import UnitMesh, post_forward_group
 from .traversal import outside_functorch
 
 if TYPE_CHECKING:
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["UnitParams"]
 
-# (fqn, owners, parameter, block rows, how it is distributed besides FSDP (TP/EP) or None)
-ParamSpec = tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, "ParallelSpec | None"]
+# (fqn, owners, parameter, block rows, how it is distributed besides FSDP (TP/EP) or None,
+# the mesh it shards over when shard_placement_fn gave it its own, else None: the unit's)
+ParamSpec = tuple[str, list[tuple[nn.Module, str]], nn.Parameter, int, "ParallelSpec | None", "DeviceMesh | None"]
 
 
 class UnitParams:
@@ -35,18 +36,22 @@ class UnitParams:
     # -- construction -----------------------------------------------------------------
 
     def _build(self: "FSDPUnit", params: list[ParamSpec]) -> list[ManagedParam]:
-        """Plan and allocate the DBuffers of each (dtype, requires_grad) group, one or more
-        as the planner's split says (:mod:`.buffer_split`); shard into them."""
-        groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, (_, _, param, _, _) in enumerate(params):
-            groups.setdefault((param.dtype, param.requires_grad), []).append(i)
+        """Plan and allocate the DBuffers of each (mesh, dtype, requires_grad) group, one or
+        more as the planner's split says (:mod:`.buffer_split`); shard into them."""
+        groups: dict[tuple[DeviceMesh, torch.dtype, bool], list[int]] = {}
+        for i, (_, _, param, _, _, param_mesh) in enumerate(params):
+            groups.setdefault((param_mesh or self.mesh, param.dtype, param.requires_grad), []).append(i)
         self.dbuffers: list[DBuffer] = []
+        self.buffer_meshes: list[UnitMesh] = []  # the mesh each DBuffer shards over
+        unit_meshes = {self.mesh: self.unit_mesh}
         managed: list[ManagedParam | None] = [None] * len(params)
-        for (dtype, requires_grad), group_indices in groups.items():
+        for (mesh, dtype, requires_grad), group_indices in groups.items():
+            unit_mesh = unit_meshes.setdefault(mesh, UnitMesh.of(mesh))
             device = params[group_indices[0]][2].device
             shapes, block_rows = [_local(params[i][2]).shape for i in group_indices], [params[i][3] for i in group_indices]
             comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
-            for positions, layout in split_group(shapes, block_rows, dtype, comm_dtype, dist.get_world_size(self.group)):
+            for positions, layout in split_group(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size):
+                self.buffer_meshes.append(unit_mesh)
                 self._build_buffer(params, [group_indices[p] for p in positions], dtype, requires_grad, device, layout, managed)
         result = [m for m in managed if m is not None]
         for m in result:
@@ -58,43 +63,53 @@ class UnitParams:
 
     def _build_buffer(self: "FSDPUnit", params: list[ParamSpec], indices: list[int], dtype: torch.dtype, requires_grad: bool,
                       device: torch.device, layout, managed: list[ManagedParam | None]) -> None:
-        """One DBuffer over ``params[indices]`` with the planned ``layout``; shard into it."""
-        dbuffer = self._new_dbuffer([_local(params[i][2]).shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout)
+        """One DBuffer over ``params[indices]`` with the planned ``layout`` (its mesh already
+        appended to ``buffer_meshes``); shard into it."""
+        group = self.buffer_meshes[len(self.dbuffers)].shard_group
+        dbuffer = self._new_dbuffer([_local(params[i][2]).shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout, group=group)
         self.dbuffers.append(dbuffer)
         for slot_index, i in enumerate(indices):
-            fqn, owners, param, _, parallel = params[i]
-            sharded = nn.Parameter(self._shard_into(dbuffer, slot_index, param, parallel), requires_grad=requires_grad)
+            fqn, owners, param, _, parallel, _ = params[i]
+            sharded = nn.Parameter(self._shard_into(len(self.dbuffers) - 1, slot_index, param, parallel), requires_grad=requires_grad)
             managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param), parallel=parallel)
 
-    def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None) -> DBuffer:
+    def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None, group=None) -> DBuffer:
         floating = dtype.is_floating_point
         return DBuffer(
-            shapes, block_rows, dtype, device, self.group,
+            shapes, block_rows, dtype, device, group or self.group,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
             layout=layout,
         )
 
-    def _placements(self: "FSDPUnit", dbuffer: DBuffer, slot_index: int) -> list[Placement]:
-        slot = dbuffer.slots[slot_index]
-        return self.unit_mesh.placements(slot.shape, slot.numel, slot.local_units)
+    def _placements(self: "FSDPUnit", dbuffer_index: int, slot_index: int) -> list[Placement]:
+        slot = self.dbuffers[dbuffer_index].slots[slot_index]
+        return self.buffer_meshes[dbuffer_index].placements(slot.shape, slot.numel, slot.local_units)
 
-    def _shard_into(self: "FSDPUnit", dbuffer: DBuffer, slot_index: int, param: torch.Tensor, parallel: ParallelSpec | None) -> torch.Tensor:
+    def _slice_start(self: "FSDPUnit", dbuffer_index: int, slot_index: int) -> int:
+        """Where this rank's part of the slot's parameter starts in the flattened parameter."""
+        dbuffer = self.dbuffers[dbuffer_index]
+        slot = dbuffer.slots[slot_index]
+        return self.buffer_meshes[dbuffer_index].shard_rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+
+    def _shard_into(self: "FSDPUnit", dbuffer_index: int, slot_index: int, param: torch.Tensor, parallel: ParallelSpec | None) -> torch.Tensor:
         """Copy this rank's part of ``param`` into the sharded buffer once; return the DTensor.
 
         A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
         (dp, tp) mesh with the ragged cut on the dp dim (see ``tensor_parallel``)."""
+        dbuffer = self.dbuffers[dbuffer_index]
         slot = dbuffer.slots[slot_index]
         local = dbuffer.sharded_view(slot_index)
         if param.device.type != "meta":
             with torch.no_grad():
                 flat = _local(param).detach().reshape(-1)
-                start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+                start = self._slice_start(dbuffer_index, slot_index)
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
         if parallel is not None:
-            ragged = self._placements(dbuffer, slot_index)[-1]
+            ragged = self._placements(dbuffer_index, slot_index)[-1]
             return make_dtensor(local, parallel.sharded_mesh, parallel.sharded_placements(ragged), parallel.shape, parallel.stride)
-        return make_dtensor(local, self.mesh, self._placements(dbuffer, slot_index), slot.shape, _contiguous_stride(slot.shape))
+        mesh = self.buffer_meshes[dbuffer_index].mesh
+        return make_dtensor(local, mesh, self._placements(dbuffer_index, slot_index), slot.shape, _contiguous_stride(slot.shape))
 
     def readopt_sharded_params(self: "FSDPUnit") -> None:
         """After ``to_empty``/``_apply`` replaced local tensors: move them back into DBuffers."""
@@ -110,7 +125,8 @@ class UnitParams:
                 # module.to(device or dtype) / to_empty: new buffers in the new device and dtype;
                 # mixed-precision dtypes follow a dtype change unless the policy fixed them.
                 self.dbuffers[dbuffer_index] = dbuffer = self._new_dbuffer(
-                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dtype, device, layout=dbuffer.layout
+                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dtype, device, layout=dbuffer.layout,
+                    group=dbuffer.group,
                 )
                 dbuffer.label = label
                 if self.root is not None:
@@ -159,7 +175,7 @@ class UnitParams:
                 local = value.to_local() if same else value.redistribute(m.sharded.device_mesh, m.sharded.placements).to_local()
             else:
                 full = value.detach() if m.parallel is None else m.parallel.local_part(value.detach()).contiguous()
-                start = self.rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+                start = self._slice_start(m.buffer_index, m.slot_index)
                 local = full.reshape(-1)[start : start + slot.local_length]
             dbuffer.sharded_view(m.slot_index).reshape(-1).copy_(local.reshape(-1))
         return m.sharded
@@ -218,11 +234,10 @@ class UnitParams:
         consecutive ranks until backward, which gathers within those k ranks only (FSDP2's
         memory and traffic: 1/k of the unit per rank)."""
         self.wait_for_unshard()
-        group = post_forward_group(self.mesh, self.reshard_after_forward)
         for m in self.managed:
             m.register(m.sharded)
-        for b in self.dbuffers:
-            b.reshard_to_group(group)
+        for b, unit_mesh in zip(self.dbuffers, self.buffer_meshes):
+            b.reshard_to_group(post_forward_group(unit_mesh.mesh, self.reshard_after_forward))
 
     def reshard(self: "FSDPUnit") -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
