@@ -40,7 +40,7 @@ class UnitParams:
         more as the planner's split says (:mod:`.buffer_split`); shard into them."""
         groups: dict[tuple[DeviceMesh, torch.dtype, bool], list[int]] = {}
         for i, (_, _, param, _, _, param_mesh) in enumerate(params):
-            groups.setdefault((param_mesh or self.mesh, param.dtype, param.requires_grad), []).append(i)
+            groups.setdefault((self.mesh if param_mesh is None else param_mesh, param.dtype, param.requires_grad), []).append(i)
         self.dbuffers: list[DBuffer] = []
         self.buffer_meshes: list[UnitMesh] = []  # the mesh each DBuffer shards over
         unit_meshes = {self.mesh: self.unit_mesh}
@@ -76,7 +76,7 @@ class UnitParams:
     def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None, group=None) -> DBuffer:
         floating = dtype.is_floating_point
         return DBuffer(
-            shapes, block_rows, dtype, device, group or self.group,
+            shapes, block_rows, dtype, device, self.group if group is None else group,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
             layout=layout,
