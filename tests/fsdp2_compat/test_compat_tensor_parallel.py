@@ -159,20 +159,29 @@ def test_hsdp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
     dist_run(_hsdp_tp_state_dict_save_load, 4, impl, mlp_dim, timeout=T)
 
 
-def _shard_placement_fn_ep(impl, reshard_non_layer_modules):
-    """test_fully_shard_training.py's ``test_shard_placement_fn_tp_ep`` without TP (tp_degree=1,
-    dp_replicate=1): 4 ranks as efsdp(2) x ep(2); each block's experts (EP DTensors) shard over
-    the efsdp mesh through ``ShardPlacementResult``, everything else over the 4-rank dp mesh."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+def _shard_placement_fn_ep(impl, reshard_non_layer_modules, dp_replicate=1):
+    """test_fully_shard_training.py's ``test_shard_placement_fn_tp_ep`` without TP
+    (tp_degree=1): ranks as dp_replicate x efsdp(2) x ep(2); each block's experts (EP
+    DTensors) shard over the efsdp mesh through ``ShardPlacementResult``, everything else over
+    the dp mesh (efsdp x ep); with dp_replicate=2 both are HSDP meshes."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
     A = api(impl)
     world = dist.get_world_size()
-    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    sparse = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
-    ep_mesh, efsdp_mesh = sparse["ep"], sparse["efsdp"]
-    dp_mesh_info, efsdp_mesh_info = FSDPMeshInfo(dp_mesh, shard_mesh_dim=0), FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0)
+    if dp_replicate == 1:
+        dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        sparse = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
+        efsdp_mesh = sparse["efsdp"]
+        dp_mesh_info, efsdp_mesh_info = FSDPMeshInfo(dp_mesh, shard_mesh_dim=0), FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0)
+    else:
+        sparse = init_device_mesh("cpu", (dp_replicate, world // dp_replicate // 2, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        sparse["efsdp", "ep"]._flatten("dp_shard")
+        dp_mesh, efsdp_mesh = sparse["dp_replicate", "dp_shard"], sparse["dp_replicate", "efsdp"]
+        dp_mesh_info = HSDPMeshInfo(dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        efsdp_mesh_info = HSDPMeshInfo(efsdp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    ep_mesh = sparse["ep"]
     model_args = ModelArgs(n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_heads=4, dropout_p=0.0, num_experts=8)
     torch.manual_seed(42)
     model = Transformer(model_args)
@@ -192,7 +201,7 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules):
     for (name, param), (_, ref_param) in zip(model.named_parameters(), ref_model.named_parameters()):
         tc.assertEqual(param.full_tensor(), ref_param)
     experts_w1 = model.layers[0].expert_layer.experts.w1
-    tc.assertEqual(experts_w1.device_mesh.mesh_dim_names, ("efsdp", "ep"))
+    tc.assertEqual(experts_w1.device_mesh.mesh_dim_names, (*efsdp_mesh.mesh_dim_names, "ep"))
     ref_expert_params = {p for b in ref_model.layers for p in b.expert_layer.experts.parameters()}
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
@@ -208,7 +217,8 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules):
                 continue
             if param in ref_expert_params:
                 dist.all_reduce(param.grad, group=ep_mesh.get_group())
-                dist.all_reduce(param.grad, group=efsdp_mesh.get_group())
+                for dim in range(efsdp_mesh.ndim):  # efsdp, then dp_replicate (HSDP)
+                    dist.all_reduce(param.grad, group=efsdp_mesh.get_group(dim))
                 param.grad.div_(efsdp_mesh.size())
             else:
                 dist.all_reduce(param.grad)
@@ -228,3 +238,8 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules):
 @pytest.mark.parametrize("reshard_non_layer_modules", [True, False, 2])
 def test_shard_placement_fn_ep(dist_run, impl, reshard_non_layer_modules):
     dist_run(_shard_placement_fn_ep, 4, impl, reshard_non_layer_modules, timeout=T)
+
+
+def test_shard_placement_fn_ep_hsdp(dist_run, impl):
+    # The original's dp_replicate=2 subtests: HSDP meshes for both the experts and the rest.
+    dist_run(_shard_placement_fn_ep, 8, impl, True, 2, timeout=T)
