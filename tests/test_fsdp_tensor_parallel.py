@@ -474,11 +474,6 @@ def test_dp_mesh_dims_validation_matches_fsdp2(dist_run):
 
 def _unsupported_combinations():
     mesh = _mesh_2x2()
-    # a 2-D TP/EP mesh (EP x TP experts)
-    tp_2d = nn.Linear(4, 4)
-    tp_2d.weight = nn.Parameter(distribute_tensor(tp_2d.weight.detach(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp")), [Shard(0), Replicate()]))
-    with pytest.raises(NotImplementedError, match="parameter 'weight' is a DTensor on a 2-D mesh"):
-        fully_shard(tp_2d, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     # a TP mesh from another root cannot be combined with the dp mesh
     foreign = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     lin = nn.Linear(4, 4)
@@ -637,3 +632,62 @@ def _int_reshard_with_tp():
 @pytest.mark.timeout(420)
 def test_reshard_after_forward_to_2_of_4_dp_ranks_with_tp2(dist_run):
     dist_run(_int_reshard_with_tp, 8, timeout=360)
+
+
+def _ep_x_tp_experts(path: str):
+    """Experts on a 2-D (ep, tp) mesh (torch's ExpertParallelWithTP: Shard(0) over ep, w1
+    colwise and w2 rowwise over tp), sharded by FSDP over efsdp: on 8 ranks as (efsdp=2,
+    ep=2, tp=2), gradients and parameters match FSDP2 and an unsharded reference."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ExpertLayer, ExpertParallelWithTP
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("efsdp", "ep", "tp"))
+    torch.manual_seed(0)
+    base = ExpertLayer(num_experts=4, dim=6, hidden_dim=10)
+    for p in base.parameters():
+        nn.init.normal_(p, std=0.3)
+    reference = copy.deepcopy(base)
+    models = []
+    for shard in (torch_fully_shard, fully_shard):
+        model = copy.deepcopy(base)
+        parallelize_module(model, mesh["tp"], ExpertParallelWithTP(mesh["ep"], mesh["tp"]))
+        models.append(shard(model, mesh=mesh["efsdp"]))
+    theirs, ours = models
+    w1 = ours.experts.w1
+    assert w1.device_mesh.mesh_dim_names == ("efsdp", "ep", "tp")
+    assert type(w1.placements[0]) is StridedRaggedShard and w1.placements[1:] == (Shard(0), Shard(1))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, ours, reference)]
+    for step in range(3):
+        # a TP group reads the same tokens; EP gathers them over ep, FSDP averages over efsdp
+        x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(100 * step + dist.get_rank() // 2))
+        losses = []
+        for model in (theirs, ours):
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            losses.append(loss.detach())
+        reference(x).pow(2).sum().backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad, group=mesh["ep"].get_group())
+            dist.all_reduce(p.grad, group=mesh["efsdp"].get_group())
+            p.grad.div_(mesh["efsdp"].size())
+        torch.testing.assert_close(losses[1], losses[0], **LOSS_TOL)
+        _assert_same(ours, theirs, "grad", PARAM_TOL)
+        _assert_same(ours, reference, "grad", PARAM_TOL)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_same(ours, theirs, "param", PARAM_TOL)
+    _assert_same(ours, reference, "param", PARAM_TOL)
+
+    # A DCP checkpoint of ours loads into a fresh copy exactly, and into FSDP2's layout too.
+    dcp.save(ours.state_dict(), checkpoint_id=path)
+    for shard in (fully_shard, torch_fully_shard):
+        fresh = parallelize_module(ExpertLayer(num_experts=4, dim=6, hidden_dim=10), mesh["tp"], ExpertParallelWithTP(mesh["ep"], mesh["tp"]))
+        fresh = shard(fresh, mesh=mesh["efsdp"])
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        fresh.load_state_dict(state)
+        _assert_same(fresh, ours, "param", {"rtol": 0, "atol": 0})
+
+
+def test_experts_on_an_ep_x_tp_mesh_match_fsdp2_and_unsharded(dist_run, tmp_path):
+    dist_run(_ep_x_tp_experts, 8, str(tmp_path), timeout=120)

@@ -136,12 +136,7 @@ def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: 
         return _spmd_spec(fqn, param, spmd)
     if not isinstance(param, DTensor):
         return None
-    tp_mesh = param.device_mesh
-    if tp_mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {fqn!r} is a DTensor on a {tp_mesh.ndim}-D mesh ({param.placements}): veScale-FSDP "
-            "composes with one tensor- or expert-parallel dim (a 1-D TP/EP mesh)"
-        )
+    tp_mesh = param.device_mesh  # one or more TP/EP dims, e.g. experts on (ep, tp)
     _check_placements(fqn, param)
     try:
         sharded_mesh = concatenate_meshes([dp_mesh, tp_mesh])
