@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale_plugins import RaggedShard, fully_shard
+from vescale_plugins.record import record_run
 
 STEPS = 5
 # The module, not the function the package exports under the same name.
@@ -156,8 +157,12 @@ def _parameter_meshes_checkpoint(path: str) -> None:
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 with parameters on their own mesh"):
         model.layers[0].set_reshard_after_forward(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        _ep_step(model, opt, step)
+    with record_run(model, opt) as record:
+        for step in range(2):
+            _ep_step(model, opt, step)
+            record.mark_step()
+    block = next(u for u in record.to_dict()["sharding"]["units"] if u["modules"] == ["layers.0"])
+    assert sorted(block["buffer_group_sizes"]) == [2, 4] and "over groups of" in record.summary()
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     restored = _ep_model(1)
     restored_opt = torch.optim.AdamW(restored.parameters(), lr=1e-2)

@@ -139,7 +139,10 @@ class RunRecord:
             # Which parameters each buffer (one all-gather and one reduce-scatter) holds: a
             # (dtype, requires_grad) group gets several when the planner's split pays.
             members = [[m.fqn for m in unit._members[i]] for i in range(len(unit.dbuffers))]
-            rows.append({"modules": names, **figures, "buffer_parameters": members})
+            # Ranks each buffer is sharded over: more than one size where shard_placement_fn
+            # put parameters on their own mesh (experts over the expert-data-parallel ranks).
+            group_sizes = [dist.get_world_size(b.group) for b in unit.dbuffers]
+            rows.append({"modules": names, **figures, "buffer_parameters": members, "buffer_group_sizes": group_sizes})
         return {
             "backend": dist.get_backend(group) if group is not None else None,
             "group_size": dist.get_world_size(group) if group is not None else 1,
@@ -266,6 +269,7 @@ class RunRecord:
             lines.append(
                 f"  unit {', '.join(u['modules']) or '<root>'}: {u['parameters']:,} params, largest unsharded "
                 f"{_mib(u['largest_unsharded_bytes'])}, padding {u['padding_ratio']:.2%}, {u['buffers']} buffer(s)"
+                + (f" over groups of {u['buffer_group_sizes']} ranks" if len(set(u["buffer_group_sizes"])) > 1 else "")
             )
         p = d["precision"]
         lines.append(f"  precision: params {p['sharded_parameters']}, all-gather {p['all_gather']}, grads {p['gradients']}, reduce-scatter {p['reduce_scatter']}, optimizer {p['optimizer_state']}")
