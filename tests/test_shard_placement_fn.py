@@ -122,7 +122,7 @@ def test_bad_answers_are_refused_before_the_module_changes(dist_run):
     dist_run(_bad_answers, 2)
 
 
-def _ep_model(seed: int):
+def _ep_model(seed: int, num_experts: int = 4, shard=fully_shard):
     """torch's toy MoE Transformer with EP=2 on 4 ranks, its experts sharded over the
     efsdp mesh by ``ShardPlacementResult`` and the rest over the 4-rank dp mesh."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -132,12 +132,12 @@ def _ep_model(seed: int):
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     efsdp_info, dp_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), FSDPMeshInfo(dp_mesh, shard_mesh_dim=0)
     torch.manual_seed(seed)
-    model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, num_experts=4))
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, num_experts=num_experts))
     Transformer.parallelize(model, tp_mesh=None, use_seq_parallel=False, ep_mesh=sparse["ep"])
     for block in model.layers:
         experts = set(block.expert_layer.experts.parameters())
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(Shard(0), efsdp_info if p in e else dp_info))
-    fully_shard(model, mesh=dp_mesh)
+        shard(block, mesh=dp_mesh, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(Shard(0), efsdp_info if p in e else dp_info))
+    shard(model, mesh=dp_mesh)
     return model
 
 
@@ -179,3 +179,18 @@ def _parameter_meshes_checkpoint(path: str) -> None:
 def test_parameters_on_their_own_mesh_checkpoint_and_resume_exactly(dist_run, tmp_path):
     # Training parity with FSDP2 and an unsharded reference: tests/fsdp2_compat (test_shard_placement_fn_ep).
     dist_run(_parameter_meshes_checkpoint, 4, str(tmp_path))
+
+
+def _uneven_experts() -> None:
+    # 5 experts over ep=2: the two EP ranks of one efsdp group hold 3 and 2 experts, so their
+    # local shapes differ across the unit's dp group, which must not read as a rank-dependent plan.
+    losses = []
+    for shard in (torch_fully_shard, fully_shard):
+        model = _ep_model(0, num_experts=5, shard=shard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses.append([_ep_step(model, opt, step).item() for step in range(3)])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5), losses
+
+
+def test_experts_split_unevenly_by_expert_parallelism_train_as_fsdp2(dist_run):
+    dist_run(_uneven_experts, 4)

@@ -457,7 +457,10 @@ def fully_shard(
     # Ranks that plan differently (or fail on some ranks only) all raise here, before any
     # collective. Tensor-parallel parameters are planned by their local (TP) shape.
     with_blocks = validation.agree_on_plan(
-        plan, lambda entries: [(fqn, tuple(_local_shape(p)), str(p.dtype), rows) for fqn, _, p, rows, _, _ in entries], mesh.get_group(mesh.ndim - 1)
+        # A parameter on its own mesh is compared by its global shape: the unit's group may
+        # span its expert-parallel ranks, whose local shapes differ where experts split unevenly.
+        plan, lambda entries: [(fqn, tuple(_local_shape(p) if own is None else p.shape), str(p.dtype), rows) for fqn, _, p, rows, _, own in entries],
+        mesh.get_group(mesh.ndim - 1),
     )
     reshard_after_forward = _normalise_reshard_after_forward(reshard_after_forward, mesh)
     unit = FSDPUnit(modules, with_blocks, mesh, reshard_after_forward, mp_policy)
