@@ -194,3 +194,26 @@ def _uneven_experts() -> None:
 
 def test_experts_split_unevenly_by_expert_parallelism_train_as_fsdp2(dist_run):
     dist_run(_uneven_experts, 4)
+
+
+def _meta_then_materialise() -> None:
+    """Built on the meta device, materialised with ``to_empty`` and given an eager model's
+    values: the unit's buffers on both meshes come back and train as the eager-built model."""
+    eager = _ep_model(0)
+    with torch.device("meta"):
+        meta = _ep_model(0)
+    meta.to_empty(device="cpu")
+    unit = meta.layers[0]._vescale_fsdp_unit
+    assert sorted(b.group.size() for b in unit.dbuffers) == [2, 4]
+    set_model_state_dict(meta, get_model_state_dict(eager))
+    for name, param in _full(eager).items():
+        assert torch.equal(_full(meta)[name], param), name
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, meta)]
+    for step in range(2):
+        assert torch.equal(_ep_step(meta, optimizers[1], step), _ep_step(eager, optimizers[0], step))
+    for name, param in _full(eager).items():
+        assert torch.equal(_full(meta)[name], param), name
+
+
+def test_parameters_on_their_own_mesh_after_meta_init(dist_run):
+    dist_run(_meta_then_materialise, 4)

@@ -570,7 +570,7 @@ def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMes
             f"replicate_mesh_dim={replicate_dim}): veScale-FSDP shards over a 1-D mesh, or replicates over dim 0 and "
             "shards over dim 1 of a 2-D one (HSDP)"
         )
-    if param_mesh.device_type != device.type:
+    if device.type != "meta" and param_mesh.device_type != device.type:
         raise ValueError(f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}")
     if param_mesh.get_coordinate() is None:
         raise ValueError(f"shard_placement_fn put {fqn!r} on mesh {param_mesh}, which does not hold this rank ({torch.distributed.get_rank()})")
