@@ -83,7 +83,7 @@ def test_clip_grad_norm_1d(dist_run, impl, norm_type):
 # -- test_fully_shard_grad_scaler.py -----------------------------------------------------
 
 
-def _gradient_scaler(impl, has_inf):
+def _gradient_scaler(impl, has_inf, test_2d=False):
     from torch.amp.grad_scaler import GradScaler, OptState
 
     A = api(impl)
@@ -93,6 +93,20 @@ def _gradient_scaler(impl, has_inf):
         A.fully_shard(layer)
     A.fully_shard(model)
     inp = torch.randn([4, 4])
+    if test_2d:  # the original's DP x TP case: (dp=2, tp=2) on 4 ranks
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.testing._internal.common_fsdp import MLP
+
+        mesh_2d = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_mesh = mesh_2d["dp"], mesh_2d["tp"]
+        model = nn.Sequential(MLP(2), MLP(2), MLP(2))
+        plan = {f"{i}.{name}": style() for i in range(3) for name, style in (("in_proj", ColwiseParallel), ("out_proj", RowwiseParallel))}
+        model = parallelize_module(model, device_mesh=tp_mesh, parallelize_plan=plan)
+        for module in model:
+            A.fully_shard(module, mesh=dp_mesh)
+        A.fully_shard(model, mesh=dp_mesh)
+        inp = torch.randn((2,))
     loss = model(inp).sum()
     scaler = GradScaler("cpu", init_scale=2.0, enabled=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -129,6 +143,11 @@ def _gradient_scaler(impl, has_inf):
 @pytest.mark.parametrize("has_inf", [True, False])
 def test_gradient_scaler(dist_run, impl, has_inf):
     dist_run(_gradient_scaler, 2, impl, has_inf, timeout=T)
+
+
+@pytest.mark.parametrize("has_inf", [True, False])
+def test_gradient_scaler_2d(dist_run, impl, has_inf):
+    dist_run(_gradient_scaler, 4, impl, has_inf, True, timeout=T)
 
 
 # -- test_fully_shard_ignore_params.py ---------------------------------------------------
