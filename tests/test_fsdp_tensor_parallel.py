@@ -691,3 +691,25 @@ def _ep_x_tp_experts(path: str):
 
 def test_experts_on_an_ep_x_tp_mesh_match_fsdp2_and_unsharded(dist_run, tmp_path):
     dist_run(_ep_x_tp_experts, 8, str(tmp_path), timeout=120)
+
+
+def _two_tp_dims_gather_exactly():
+    """Parameters on a 2-D (ep, tp) mesh with rows cut by both dims (or by one, uneven: 10 rows
+    over 4 and 2 shards), sharded over efsdp: full_tensor and a redistribute to Replicate give
+    back the original, as for FSDP2's _StridedShard."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("efsdp", "ep", "tp"))
+    torch.manual_seed(0)
+    full = torch.randn(10, 3)
+    for placements in ([Shard(0), Shard(0)], [Shard(1), Shard(0)], [Shard(0), Replicate()]):
+        for shard in (torch_fully_shard, fully_shard):
+            holder = nn.Module()
+            holder.w = nn.Parameter(distribute_tensor(full, mesh["ep", "tp"], placements))
+            shard(holder, mesh=mesh["efsdp"])
+            assert torch.equal(holder.w.full_tensor(), full), (placements, shard)
+            replicated = holder.w.redistribute(holder.w.device_mesh, [Replicate()] * 3).to_local()
+            assert torch.equal(replicated, full), (placements, shard)
+        assert type(holder.w.placements[0]) is StridedRaggedShard
+
+
+def test_two_tp_dims_gather_exactly(dist_run):
+    dist_run(_two_tp_dims_gather_exactly, 8)
