@@ -82,20 +82,15 @@ def _parity_and_checkpoint(path: str) -> None:
         torch.testing.assert_close(_full(ours)[name], param, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
     # FSDP2's Shard(1) checkpoint loads into ours (and the other way round), exactly.
-    dcp.save(get_model_state_dict(theirs), checkpoint_id=path + "/theirs")
-    fresh = fully_shard(Experts(), shard_placement_fn=_experts_on_dim_1)
-    state = get_model_state_dict(fresh)
-    dcp.load(state, checkpoint_id=path + "/theirs")
-    set_model_state_dict(fresh, state)
-    for name, param in _full(theirs).items():
-        assert torch.equal(_full(fresh)[name], param), name
-    dcp.save(get_model_state_dict(ours), checkpoint_id=path + "/ours")
-    back = torch_fully_shard(Experts(), shard_placement_fn=_experts_on_dim_1)
-    state = get_model_state_dict(back)
-    dcp.load(state, checkpoint_id=path + "/ours")
-    set_model_state_dict(back, state)
-    for name, param in _full(ours).items():
-        assert torch.equal(_full(back)[name], param), name
+    for saved, loader in ((theirs, fully_shard), (ours, torch_fully_shard)):
+        checkpoint = f"{path}/{'ours' if saved is ours else 'theirs'}"
+        dcp.save(get_model_state_dict(saved), checkpoint_id=checkpoint)
+        fresh = loader(Experts(), shard_placement_fn=_experts_on_dim_1)
+        state = get_model_state_dict(fresh)
+        dcp.load(state, checkpoint_id=checkpoint)
+        set_model_state_dict(fresh, state)
+        for name, param in _full(saved).items():
+            assert torch.equal(_full(fresh)[name], param), name
 
 
 def test_shard_dim_1_trains_as_fsdp2_and_checkpoints_cross_load(dist_run, tmp_path):

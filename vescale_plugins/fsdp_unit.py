@@ -45,10 +45,7 @@ class FSDPUnit(UnitHooks, UnitGradients, UnitPrefetch, UnitParams):
         self.modules = modules
         self.mesh = mesh
         self.unit_mesh = UnitMesh.of(mesh)
-        self.group = self.unit_mesh.shard_group
-        self.world_size = self.unit_mesh.shard_size
-        self.rank = self.unit_mesh.shard_rank
-        self.replicate_group = self.unit_mesh.replicate_group
+        self.group = self.unit_mesh.shard_group  # the default mesh's (each DBuffer has its own)
         self.requires_all_reduce = True
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True

@@ -51,8 +51,7 @@ class UnitParams:
             shapes, block_rows = [_local(params[i][2]).shape for i in group_indices], [params[i][3] for i in group_indices]
             comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
             for positions, layout in split_group(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size):
-                self.buffer_meshes.append(unit_mesh)
-                self._build_buffer(params, [group_indices[p] for p in positions], dtype, requires_grad, device, layout, managed)
+                self._build_buffer(params, [group_indices[p] for p in positions], unit_mesh, dtype, requires_grad, device, layout, managed)
         result = [m for m in managed if m is not None]
         for m in result:
             m.register(m.sharded)
@@ -61,22 +60,22 @@ class UnitParams:
         self._members: list[list[ManagedParam]] = [[m for m in result if m.buffer_index == i] for i in range(len(self.dbuffers))]
         return result
 
-    def _build_buffer(self: "FSDPUnit", params: list[ParamSpec], indices: list[int], dtype: torch.dtype, requires_grad: bool,
-                      device: torch.device, layout, managed: list[ManagedParam | None]) -> None:
-        """One DBuffer over ``params[indices]`` with the planned ``layout`` (its mesh already
-        appended to ``buffer_meshes``); shard into it."""
-        group = self.buffer_meshes[len(self.dbuffers)].shard_group
-        dbuffer = self._new_dbuffer([_local(params[i][2]).shape for i in indices], [params[i][3] for i in indices], dtype, device, layout=layout, group=group)
+    def _build_buffer(self: "FSDPUnit", params: list[ParamSpec], indices: list[int], unit_mesh: UnitMesh, dtype: torch.dtype,
+                      requires_grad: bool, device: torch.device, layout, managed: list[ManagedParam | None]) -> None:
+        """One DBuffer over ``params[indices]`` with the planned ``layout``, sharded over
+        ``unit_mesh``; shard into it."""
+        dbuffer = self._new_dbuffer([_local(params[i][2]).shape for i in indices], [params[i][3] for i in indices], dtype, device, unit_mesh.shard_group, layout=layout)
         self.dbuffers.append(dbuffer)
+        self.buffer_meshes.append(unit_mesh)
         for slot_index, i in enumerate(indices):
             fqn, owners, param, _, parallel, _ = params[i]
             sharded = nn.Parameter(self._shard_into(len(self.dbuffers) - 1, slot_index, param, parallel), requires_grad=requires_grad)
             managed[i] = ManagedParam(fqn, owners, sharded, len(self.dbuffers) - 1, slot_index, original=weakref.ref(param), parallel=parallel)
 
-    def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, layout=None, group=None) -> DBuffer:
+    def _new_dbuffer(self: "FSDPUnit", shapes, block_rows, dtype: torch.dtype, device: torch.device, group, layout=None) -> DBuffer:
         floating = dtype.is_floating_point
         return DBuffer(
-            shapes, block_rows, dtype, device, self.group if group is None else group,
+            shapes, block_rows, dtype, device, group,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
             layout=layout,
@@ -125,8 +124,7 @@ class UnitParams:
                 # module.to(device or dtype) / to_empty: new buffers in the new device and dtype;
                 # mixed-precision dtypes follow a dtype change unless the policy fixed them.
                 self.dbuffers[dbuffer_index] = dbuffer = self._new_dbuffer(
-                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dtype, device, layout=dbuffer.layout,
-                    group=dbuffer.group,
+                    [s.shape for s in dbuffer.slots], [s.block_rows for s in dbuffer.slots], dtype, device, dbuffer.group, layout=dbuffer.layout
                 )
                 dbuffer.label = label
                 if self.root is not None:
