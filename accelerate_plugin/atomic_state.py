@@ -4,7 +4,7 @@ Accelerate writes a state directory in place (DCP shards, optimizer, RNG states)
 that dies while overwriting one leaves a mix of two training states that loads without
 error. With a :class:`VeScaleFSDPPlugin`, ``save_state(output_dir)`` writes into a fresh
 sibling directory and commits it only once every rank has finished
-(``vescale_plugins.checkpoint_commit``); ``load_state(input_dir)`` loads only a committed
+(``vescale_plugins.checkpoint.commit``); ``load_state(input_dir)`` loads only a committed
 directory. With ``automatic_checkpoint_naming`` Accelerate picks the directory itself and
 lists its siblings by number, so those saves run unchanged.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from vescale_plugins.checkpoint_commit import committed_directory, resolve_committed
+from vescale_plugins.checkpoint.commit import committed_directory, resolve_committed
 
 from .plugin import VeScaleFSDPPlugin
 

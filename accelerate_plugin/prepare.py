@@ -17,7 +17,7 @@ from accelerate.utils.other import get_module_children_bottom_up
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from vescale_plugins.summary import sharding_summary
+from vescale_plugins.observe.summary import sharding_summary
 from vescale_plugins.wrap import shard_model
 
 from .full_state import load_model_from_rank0

@@ -1,9 +1,9 @@
-"""Checkpoint files for both strategies, written through ``vescale_plugins.checkpoint``.
+"""Checkpoint files for both strategies, written through ``vescale_plugins.checkpoint.state_dicts``.
 
 Two formats, as with Lightning's FSDP strategies:
 
 * sharded: a directory. The model's and optimizer's shards are a DCP checkpoint written by
-  :func:`vescale_plugins.checkpoint.save_sharded` (each rank writes its own shards, nothing is
+  :func:`vescale_plugins.checkpoint.state_dicts.save_sharded` (each rank writes its own shards, nothing is
   gathered; it loads at any world size, and a plain-torch loop using the core helpers reads
   it too). Everything else (loop state, epoch, user metadata) goes to ``meta.pt``, written by
   rank 0, the file name Lightning uses.
@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 
 from vescale_plugins.checkpoint import OPTIMIZER_KEY, load_sharded, write_sharded
-from vescale_plugins.checkpoint_commit import commit_file, committed_directory, resolve_committed
+from vescale_plugins.checkpoint.commit import commit_file, committed_directory, resolve_committed
 
 __all__ = [
     "METADATA_FILENAME",
@@ -61,7 +61,7 @@ def is_full_checkpoint(path: Path) -> bool:
 
 
 def single_optimizer(optimizers: Sequence[Optimizer]) -> Optional[Optimizer]:
-    """A sharded checkpoint holds one optimizer (what ``vescale_plugins.checkpoint`` stores)."""
+    """A sharded checkpoint holds one optimizer (what ``vescale_plugins.checkpoint.state_dicts`` stores)."""
     if len(optimizers) > 1:
         raise NotImplementedError(
             f"a sharded checkpoint holds one optimizer's state, but there are {len(optimizers)} optimizers; "

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins import VeScaleFSDPModule
-from vescale_plugins.summary import sharding_summary
+from vescale_plugins.observe.summary import sharding_summary
 from vescale_plugins.wrap import is_sharded, shard_model
 
 from .options import ShardingOptions

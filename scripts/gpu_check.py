@@ -81,7 +81,7 @@ class _StreamCounter:
         self.events_recorded = self.event_waits = self.record_stream_calls = 0
 
     def __enter__(self) -> "_StreamCounter":
-        from vescale_plugins.comm_streams import CommStreams
+        from vescale_plugins.dbuffer.streams import CommStreams
 
         self._patched = [(CommStreams, "record", CommStreams.record), (CommStreams, "wait", CommStreams.wait), (torch.Tensor, "record_stream", torch.Tensor.record_stream)]
         counter = self

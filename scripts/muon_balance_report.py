@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vescale_plugins.model_catalog import CATALOG, ModelUnits  # noqa: E402
+from vescale_plugins.tools.model_catalog import CATALOG, ModelUnits  # noqa: E402
 from vescale_plugins.optim.root_assignment import assign_roots, newton_schulz_flops  # noqa: E402
 
 WORLD_SIZES = (8, 64, 256, 1024)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vescale_plugins.model_catalog import CATALOG, ModelUnits, Unit, block_size  # noqa: E402
+from vescale_plugins.tools.model_catalog import CATALOG, ModelUnits, Unit, block_size  # noqa: E402
 from vescale_plugins.planner import (  # noqa: E402
     CostModel,
     clear_plan_cache,

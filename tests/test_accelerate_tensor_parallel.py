@@ -38,7 +38,7 @@ from test_fsdp_tensor_parallel import (
     data_parallel,
     tensor_parallel,
 )
-from vescale_plugins.placement import StridedRaggedShard
+from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
 

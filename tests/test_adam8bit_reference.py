@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from vescale_plugins.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
-from vescale_plugins.kernels.quant_map import dynamic_map, quantize
+from vescale_plugins.optim.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
+from vescale_plugins.optim.kernels.quant_map import dynamic_map, quantize
 from vescale_plugins.optim.tiles import TileGrid, tile_rows
 
 
@@ -119,7 +119,7 @@ def test_tile_rows_rule():
 
 
 def test_bands_of_tile_rows_step_like_the_whole_matrix(monkeypatch):
-    import vescale_plugins.kernels.adam8bit_torch as reference
+    import vescale_plugins.optim.kernels.adam8bit_torch as reference
 
     gen = torch.Generator().manual_seed(1)
     p, g = torch.randn(103, 70, generator=gen), torch.randn(103, 70, generator=gen)

@@ -24,8 +24,8 @@ def _compare() -> dict:
     """One flat run of several parameters (edges, 1-D, 0-D, a 3-D) stepped both ways."""
     import torch
 
-    from vescale_plugins.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
-    from vescale_plugins.kernels.adam8bit_triton import adam8bit_tiles_, tile_table
+    from vescale_plugins.optim.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
+    from vescale_plugins.optim.kernels.adam8bit_triton import adam8bit_tiles_, tile_table
     from vescale_plugins.optim.tiles import TileGrid
 
     gen = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vescale_plugins.bench.memory import BEFORE, AllocationTracker, _Block, _Event, _pair
+from vescale_plugins.observe.allocations import BEFORE, AllocationTracker, _Block, _Event, _pair
 
 F32 = 4  # bytes per float32 element
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 from distributed import _context
 from vescale_plugins import fully_shard
 from vescale_plugins.checkpoint import load_sharded, save_sharded
-from vescale_plugins.checkpoint_commit import (
+from vescale_plugins.checkpoint.commit import (
     COMMIT_MARKER,
     CheckpointCorruptError,
     CheckpointNotCommittedError,
@@ -52,7 +52,7 @@ def _die(*_args, **_kwargs):
 def _install_fault(fault: str) -> None:
     import torch.distributed.checkpoint.filesystem as filesystem
 
-    import vescale_plugins.checkpoint_commit as commit
+    import vescale_plugins.checkpoint.commit as commit
 
     if fault == "before_first_file":
         filesystem.FileSystemWriter.write_data = _die

@@ -11,11 +11,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-import vescale_plugins.dbuffer as dbuffer_module
+import vescale_plugins.dbuffer.buffer as dbuffer_module
 from models import clone, make_decoder, reference_step
 from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
-from vescale_plugins.comm_streams import CommStreams
-from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.dbuffer.streams import CommStreams
+from vescale_plugins.dbuffer.buffer import DBuffer
 
 
 class FakeStreamAPI:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vescale_plugins.inplace_collectives import all_gather_into, reduce_scatter_into, uses_point_to_point
+from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into, uses_point_to_point
 
 
 def _group_is_freed_after_destroy():

@@ -14,9 +14,9 @@ from vescale_plugins.forecast.layouts import plan_unit_layouts, rank_payloads
 from vescale_plugins.forecast.memory import ADAMW8BIT_BYTES_PER_ELEMENT, forecast_memory, optimizer_bytes_per_element
 from vescale_plugins.forecast.model import ModelSpec
 from vescale_plugins.forecast.step_time import _exposed
-from vescale_plugins.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
+from vescale_plugins.tools.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
 from vescale_plugins.planner import Layout
-from vescale_plugins.record import zero_stage_bytes_per_parameter
+from vescale_plugins.observe.record import zero_stage_bytes_per_parameter
 
 # A dense Llama whose every dim divides 8 ranks: no padding for either engine.
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)

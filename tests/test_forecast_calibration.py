@@ -20,7 +20,7 @@ from vescale_plugins.bench.engines import BenchSettings, _loss, build_engine, bu
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.forecast.memory import ADAMW_STEP_BYTES, forecast_memory, unit_figures, vescale_optimizer_bytes_per_rank
 from vescale_plugins.forecast.model import spec_from_modules
-from vescale_plugins.record import record_run
+from vescale_plugins.observe.record import record_run
 
 SETTINGS = BenchSettings(PRESETS["small"], batch_size=1, seq_len=16, mixed_precision=False, reshard_after_forward=None, block_rows=None, frontend="plain", seed=0)
 

@@ -27,7 +27,7 @@ from lightning_strategy.model_setup import shard_for_training
 from lightning_strategy.options import ShardingOptions
 from test_accelerate_parity import accelerate_env
 from vescale_plugins import fully_shard
-from vescale_plugins.fsdp_unit import _iter_units
+from vescale_plugins.runtime.fsdp_unit import _iter_units
 
 
 class TwoBlocks(nn.Module):

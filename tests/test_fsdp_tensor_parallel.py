@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from vescale_plugins import fully_shard
-from vescale_plugins.placement import RaggedShard, StridedRaggedShard
+from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -490,8 +490,8 @@ def test_unsupported_combinations_are_refused_before_any_collective(dist_run):
 
 
 def _post_forward_groups_of_a_dp_submesh():
-    from vescale_plugins._dtensor_bridge import every_copy_of_mesh
-    from vescale_plugins.unit.mesh import post_forward_group
+    from vescale_plugins.ragged.dtensor import every_copy_of_mesh
+    from vescale_plugins.runtime.mesh import post_forward_group
 
     mesh = _mesh_2x2()
     dp = mesh["dp"]
@@ -583,7 +583,7 @@ def _int_reshard_with_tp():
     Not against FSDP2 here: torch 2.13's FSDP2 hangs on this configuration (its post-forward
     ``DeviceMesh`` for an int ``reshard_after_forward`` on a dp submesh is built by the ranks
     of one submesh copy only, and ``new_group`` needs every rank)."""
-    import vescale_plugins.dbuffer as dbuffer_module
+    import vescale_plugins.dbuffer.buffer as dbuffer_module
 
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)

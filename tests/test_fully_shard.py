@@ -408,7 +408,7 @@ def test_eval_forward_state_dict_and_dtype_change(dist_run):
 
 
 def _synchronous_reduce_scatter_gives_the_same_gradients():
-    import vescale_plugins.dbuffer as dbuffer_module
+    import vescale_plugins.dbuffer.buffer as dbuffer_module
 
     world = dist.get_world_size()
     reference = make_decoder()

@@ -11,7 +11,7 @@ import weakref
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import vescale_plugins.dbuffer as dbuffer_module
+import vescale_plugins.dbuffer.buffer as dbuffer_module
 from models import local_batch, loss_fn, make_decoder
 from test_fully_shard import adamw, shard_decoder
 

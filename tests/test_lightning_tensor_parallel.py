@@ -38,7 +38,7 @@ from test_fsdp_tensor_parallel import (
     tensor_parallel,
 )
 from test_lightning_parity import launched_by_harness, make_fabric, make_trainer
-from vescale_plugins.placement import StridedRaggedShard
+from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
 

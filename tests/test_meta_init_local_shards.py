@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import vescale_plugins._dtensor_bridge as bridge
+import vescale_plugins.ragged.dtensor.random_init as bridge
 from models import make_decoder
 from test_fully_shard import assert_matches, shard_decoder
 

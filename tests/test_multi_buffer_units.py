@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
-from vescale_plugins.record import record_run
-from vescale_plugins.unit.buffer_split import buffer_split_cost, use_buffer_split_cost
+from vescale_plugins.observe.record import record_run
+from vescale_plugins.runtime.buffer_split import buffer_split_cost, use_buffer_split_cost
 
 STEPS = 4
 TOL = dict(rtol=2e-5, atol=2e-6)

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from vescale_plugins.bench.__main__ import parse_args
-from vescale_plugins.bench.quiet_profiler import profile
+from vescale_plugins.observe.quiet_profiler import profile
 
 REPO = Path(__file__).resolve().parents[1]
 

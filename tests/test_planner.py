@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vescale_plugins.model_catalog import CATALOG, block_size, row_count, row_length
+from vescale_plugins.tools.model_catalog import CATALOG, block_size, row_count, row_length
 from vescale_plugins.planner import (
     CostModel,
     Layout,

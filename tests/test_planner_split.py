@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vescale_plugins.model_catalog import CATALOG, block_size
+from vescale_plugins.tools.model_catalog import CATALOG, block_size
 from vescale_plugins.planner import padding_lower_bound, plan_unit, unit_plan_options
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.split_bounds import (

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-import vescale_plugins.dbuffer as dbuffer_module
+import vescale_plugins.dbuffer.buffer as dbuffer_module
 from vescale_plugins import RaggedShard
-from vescale_plugins.inplace_collectives import uses_point_to_point
+from vescale_plugins.dbuffer.collectives import uses_point_to_point
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.bfloat16]

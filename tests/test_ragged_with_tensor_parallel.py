@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from vescale_plugins.placement import RaggedShard, StridedRaggedShard
+from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,8 +8,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from models import LAYERS, local_batch, loss_fn, make_decoder
 from test_fully_shard import adamw, shard_decoder
-from vescale_plugins import record as run_record
-from vescale_plugins.record import record_run
+from vescale_plugins.observe import record as run_record
+from vescale_plugins.observe.record import record_run
 
 
 def _train(model, opt, steps, record=None):

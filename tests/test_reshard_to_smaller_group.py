@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-import vescale_plugins.dbuffer as dbuffer_module
+import vescale_plugins.dbuffer.buffer as dbuffer_module
 from models import clone, local_batch, loss_fn, make_decoder, reference_step
 from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins import fully_shard

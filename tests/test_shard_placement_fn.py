@@ -18,11 +18,11 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale_plugins import RaggedShard, fully_shard
-from vescale_plugins.record import record_run
+from vescale_plugins.observe.record import record_run
 
 STEPS = 5
 # The module, not the function the package exports under the same name.
-fully_shard_module = importlib.import_module("vescale_plugins.fully_shard")
+fully_shard_module = importlib.import_module("vescale_plugins.runtime.api")
 
 
 class Experts(nn.Module):

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 from models import clone, make_decoder, reference_step
 from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
-from vescale_plugins.dbuffer import _StorageToggle
-import vescale_plugins.storage_pool as storage_pool
-from vescale_plugins.storage_pool import MAX_PER_KEY, StoragePool
+from vescale_plugins.dbuffer.buffer import _StorageToggle
+import vescale_plugins.dbuffer.storage_pool as storage_pool
+from vescale_plugins.dbuffer.storage_pool import MAX_PER_KEY, StoragePool
 
 
 @pytest.fixture(autouse=True)

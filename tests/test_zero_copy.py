@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import vescale_plugins.dbuffer as dbuffer_module
+import vescale_plugins.dbuffer.buffer as dbuffer_module
 from models import local_batch, loss_fn, make_decoder
 from test_fully_shard import adamw, shard_decoder
 from vescale_plugins import fully_shard

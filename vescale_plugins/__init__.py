@@ -1,19 +1,31 @@
-"""veScale-FSDP core: RaggedShard placement, structure-aware planner, DBuffer runtime.
+"""veScale-FSDP: a drop-in for PyTorch FSDP2 over RaggedShard placements, a structure-aware
+planner and persistent flat buffers (DBuffer).
 
-Importing this package teaches torch's DTensor the ``RaggedShard`` placement (see
-``_dtensor_bridge``); nothing else in torch changes behaviour.
+Layers, each importing only the ones below it: ``ragged`` and ``planner``; ``dbuffer``;
+``runtime`` (``fully_shard``); ``checkpoint``, ``observe``, ``optim``, ``wrap``; the adapters
+(``lightning_strategy``, ``accelerate_plugin``); the tools (``bench``, ``forecast``,
+``tools``). See ``docs/design.md``.
+
+Importing this package teaches torch's DTensor the ``RaggedShard`` placement
+(:func:`vescale_plugins.ragged.dtensor.install`); nothing else in torch changes behaviour.
 """
 
-from . import _dtensor_bridge
-from .fully_shard import UnshardHandle, VeScaleFSDPModule, fully_shard, register_fsdp_forward_method
-from .placement import RaggedShard
-from .ragged_layout import RaggedLayout, RankSlice, flat_interval_boxes, ragged_layout, validate_ragged
+from vescale_plugins.ragged import dtensor as _dtensor
+from vescale_plugins.ragged import RaggedLayout, RaggedShard, RankSlice, StridedRaggedShard, flat_interval_boxes, ragged_layout, validate_ragged
+from vescale_plugins.runtime.api import UnshardHandle, VeScaleFSDPModule, fully_shard, register_fsdp_forward_method
 
-_dtensor_bridge.install()
+_dtensor.install()
 
 __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "VeScaleFSDPModule",
     "UnshardHandle",
-    "RaggedShard", "RaggedLayout", "RankSlice", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
+    "RaggedShard",
+    "StridedRaggedShard",
+    "RaggedLayout",
+    "RankSlice",
+    "ragged_layout",
+    "validate_ragged",
+    "flat_interval_boxes",
+]

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .fully_shard import BlockSizeFn, fully_shard
+from vescale_plugins.runtime.api import BlockSizeFn, fully_shard
 
 __all__ = ["default_units", "units_of_classes", "shard_model", "is_sharded"]
 

@@ -14,10 +14,10 @@ from typing import Sequence
 
 import torch
 
-from .engines import ENGINES, FRONTENDS, BenchSettings
-from .llama import PRESETS, LlamaConfig
-from .report import environment, parity_line, render_table, summarize, write_json, write_plot
-from .runner import launch, settings_dict
+from vescale_plugins.bench.engines import ENGINES, FRONTENDS, BenchSettings
+from vescale_plugins.bench.llama import PRESETS, LlamaConfig
+from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_json, write_plot
+from vescale_plugins.bench.runner import launch, settings_dict
 
 
 def _count(minimum: int):

@@ -38,11 +38,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from .. import fully_shard
-from ..optim import AdamW, AdamW8bit, tile_rows
-from .engines import BenchSettings, _loss, _units, batches, build_model
-from .llama import PRESETS
-from .memory import AllocationTracker
+from vescale_plugins import fully_shard
+from vescale_plugins.optim import AdamW, AdamW8bit, tile_rows
+from vescale_plugins.bench.engines import BenchSettings, _loss, _units, batches, build_model
+from vescale_plugins.bench.llama import PRESETS
+from vescale_plugins.observe.allocations import AllocationTracker
 
 __all__ = ["ENGINES", "main", "state_bytes"]
 

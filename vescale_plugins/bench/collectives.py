@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..inplace_collectives import all_gather_into, reduce_scatter_into
-from ..ragged_collectives import _all_gather_single, _reduce_scatter_single
-from .memory import AllocationTracker
+from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
+from vescale_plugins.ragged.collectives import _all_gather_single, _reduce_scatter_single
+from vescale_plugins.observe.allocations import AllocationTracker
 
 __all__ = ["measure", "main"]
 

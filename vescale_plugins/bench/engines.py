@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from .. import fully_shard
-from ..fsdp_unit import _iter_units
-from ..planner import clear_plan_cache
-from .llama import Llama, LlamaConfig
+from vescale_plugins import fully_shard
+from vescale_plugins.runtime.fsdp_unit import _iter_units
+from vescale_plugins.planner import clear_plan_cache
+from vescale_plugins.bench.llama import Llama, LlamaConfig
 
 ENGINES = ("fsdp2", "vescale")
 FRONTENDS = ("plain", "fabric", "accelerate")
@@ -287,7 +287,7 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
     """
     from torch.profiler import ProfilerActivity
 
-    from .quiet_profiler import profile
+    from vescale_plugins.observe.quiet_profiler import profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step(tokens, targets)

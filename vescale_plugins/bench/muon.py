@@ -34,15 +34,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import fully_shard
-from ..optim import Muon, muon_param_groups
-from ..optim.muon import adjust_lr
-from ..optim.newton_schulz import newton_schulz_for
-from ..optim.root_assignment import newton_schulz_flops
-from .engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
-from .launcher import launch_ranks
-from .llama import PRESETS, LlamaConfig
-from .report import environment
+from vescale_plugins import fully_shard
+from vescale_plugins.optim import Muon, muon_param_groups
+from vescale_plugins.optim.muon import adjust_lr
+from vescale_plugins.optim.newton_schulz import newton_schulz_for
+from vescale_plugins.optim.root_assignment import newton_schulz_flops
+from vescale_plugins.bench.engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
+from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.bench.llama import PRESETS, LlamaConfig
+from vescale_plugins.bench.report import environment
 
 MUON_LR, ADAMW_LR = 0.02, 1e-3
 # The bench's presets, and one small enough for a smoke test.

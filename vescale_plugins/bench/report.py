@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .engines import ENGINES
+from vescale_plugins.bench.engines import ENGINES
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:

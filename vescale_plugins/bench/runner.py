@@ -17,9 +17,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
-from .launcher import launch_ranks
-from .memory import AllocationTracker
+from vescale_plugins.bench.engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
+from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.observe.allocations import AllocationTracker
 
 
 def _device() -> torch.device:
@@ -76,7 +76,7 @@ def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch
 
 def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, Any]:
     """The run record of a few more veScale-FSDP steps (sharding, memory, every collective)."""
-    from ..record import record_run
+    from vescale_plugins.observe.record import record_run
 
     with record_run(engine.model, engine.optimizer) as record:
         for tokens, targets in data:

@@ -11,7 +11,7 @@ one seed, shards one copy with ``torch.distributed.fsdp.fully_shard`` and one wi
 AdamW on the same per-rank batches. Four phases, in this order:
 
 1. memory, per engine: build, train ``MEMORY_WARMUP_STEPS`` steps, then count one step's
-   peak live tensor bytes with :class:`~vescale_plugins.bench.memory.AllocationTracker`
+   peak live tensor bytes with :class:`~vescale_plugins.observe.allocations.AllocationTracker`
    (allocator events, so in-place storage resizes count; the engine is built inside the
    tracker, so parameters and optimizer state count too); the rank with the highest peak,
    smallest of ``memory_repeats`` repeats;
@@ -55,10 +55,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, record_function
 
 from vescale_plugins import fully_shard as vescale_fully_shard
-from vescale_plugins.bench.memory import AllocationTracker, RegionMemory
-from vescale_plugins.bench.quiet_profiler import profile
-from vescale_plugins.dbuffer import GRADIENT_RELEASE_REGION
-from vescale_plugins.inplace_collectives import POINT_TO_POINT_SCOPE
+from vescale_plugins.observe.allocations import AllocationTracker, RegionMemory
+from vescale_plugins.observe.quiet_profiler import profile
+from vescale_plugins.dbuffer.buffer import GRADIENT_RELEASE_REGION
+from vescale_plugins.dbuffer.collectives import POINT_TO_POINT_SCOPE
 
 ENGINES = ("fsdp2", "vescale")
 SHARD_FNS: dict[str, Callable[..., Any]] = {"fsdp2": torch_fully_shard, "vescale": vescale_fully_shard}

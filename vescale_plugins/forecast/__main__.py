@@ -11,8 +11,8 @@ import sys
 import time
 from typing import Sequence
 
-from .hardware import GPUS, load_hardware
-from .memory import OPTIMIZERS, PRECISIONS
+from vescale_plugins.forecast.hardware import GPUS, load_hardware
+from vescale_plugins.forecast.memory import OPTIMIZERS, PRECISIONS
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -64,15 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
     if args.calibrate:
-        from .calibrate import calibrate
+        from vescale_plugins.forecast.calibrate import calibrate
 
         figures = calibrate(args.calibrate, ranks=args.calibrate_ranks)
         console.print(figures)
         console.print(f"wrote {args.calibrate}")
         return 0
-    from .forecast import ForecastSettings, forecast
-    from .model import resolve_model
-    from .report import render_tables, write_json, write_plot
+    from vescale_plugins.forecast.forecast import ForecastSettings, forecast
+    from vescale_plugins.forecast.model import resolve_model
+    from vescale_plugins.forecast.report import render_tables, write_json, write_plot
 
     try:
         spec = resolve_model(args.model)

@@ -5,7 +5,7 @@ with ``cores / ranks`` threads, at least 1) measure, side by side:
 
 * collectives: all-gather and reduce-scatter of fp32 buffers from 64 KiB to 16 MiB, both
   FSDP2's calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``) and veScale-FSDP's
-  in-place ones (:mod:`vescale_plugins.inplace_collectives`); a least-squares line
+  in-place ones (:mod:`vescale_plugins.dbuffer.collectives`); a least-squares line
   ``t = a + b * bytes`` per path gives the ring's latency ``a / (n - 1)`` and bus bandwidth
   ``(n - 1) / n / b`` (veScale-FSDP's path) and FSDP2's time over it at the largest size;
 * compute: fp32 matmuls the size of the bench model's projections (FLOP/s per process);
@@ -66,7 +66,7 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], ranks: int) -> 
 
 
 def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
-    from ..inplace_collectives import all_gather_into, reduce_scatter_into
+    from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 
     n = dist.get_world_size()
     timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}

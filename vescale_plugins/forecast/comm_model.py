@@ -9,7 +9,7 @@ speed of its slowest link, the network. An all-reduce is a reduce-scatter then a
 
 from __future__ import annotations
 
-from .hardware import Hardware
+from vescale_plugins.forecast.hardware import Hardware
 
 __all__ = ["Link", "all_reduce_s", "link_for_group", "ring_collective_s"]
 

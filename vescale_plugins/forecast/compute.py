@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import math
 
-from ..model_catalog import Unit
-from .model import ModelSpec, is_routed_expert
+from vescale_plugins.tools.model_catalog import Unit
+from vescale_plugins.forecast.model import ModelSpec, is_routed_expert
 
 __all__ = ["activation_bytes", "is_block", "block_activation_elements", "training_flops_per_token", "unit_flops_per_token"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .compute import activation_bytes, training_flops_per_token
-from .hardware import Hardware
-from .memory import PRECISIONS, forecast_memory
-from .model import ModelSpec
-from .step_time import forecast_step_time
+from vescale_plugins.forecast.compute import activation_bytes, training_flops_per_token
+from vescale_plugins.forecast.hardware import Hardware
+from vescale_plugins.forecast.memory import PRECISIONS, forecast_memory
+from vescale_plugins.forecast.model import ModelSpec
+from vescale_plugins.forecast.step_time import forecast_step_time
 
 __all__ = ["ForecastSettings", "forecast", "forecast_world_size"]
 

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..model_catalog import Unit
-from ..planner import Layout, plan_layout
-from ..planner.baselines import fsdp2_padding
+from vescale_plugins.tools.model_catalog import Unit
+from vescale_plugins.planner import Layout, plan_layout
+from vescale_plugins.planner.baselines import fsdp2_padding
 
 __all__ = ["UnitLayouts", "dbuffer_alignment", "dbuffer_block_sizes", "plan_unit_layouts", "rank_payloads"]
 

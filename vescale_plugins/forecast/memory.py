@@ -34,10 +34,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from ..model_catalog import Unit
-from ..record import unit_sharding_figures
-from .layouts import UnitLayouts, plan_unit_layouts, rank_payloads
-from .model import ModelSpec
+from vescale_plugins.tools.model_catalog import Unit
+from vescale_plugins.observe.record import unit_sharding_figures
+from vescale_plugins.forecast.layouts import UnitLayouts, plan_unit_layouts, rank_payloads
+from vescale_plugins.forecast.model import ModelSpec
 
 __all__ = [
     "OPTIMIZERS", "PRECISIONS", "MemoryBreakdown", "forecast_memory", "optimizer_bytes_per_element",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
+from vescale_plugins.tools.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
 
 __all__ = ["ModelSpec", "resolve_model", "spec_from_modules", "is_routed_expert"]
 

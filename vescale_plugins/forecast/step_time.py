@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .comm_model import all_reduce_s, link_for_group, ring_collective_s
-from .compute import is_block, unit_flops_per_token
-from .hardware import Hardware
-from .layouts import plan_unit_layouts
-from .memory import PRECISIONS, MemoryBreakdown
-from .model import ModelSpec
+from vescale_plugins.forecast.comm_model import all_reduce_s, link_for_group, ring_collective_s
+from vescale_plugins.forecast.compute import is_block, unit_flops_per_token
+from vescale_plugins.forecast.hardware import Hardware
+from vescale_plugins.forecast.layouts import plan_unit_layouts
+from vescale_plugins.forecast.memory import PRECISIONS, MemoryBreakdown
+from vescale_plugins.forecast.model import ModelSpec
 
 __all__ = ["StepTime", "forecast_step_time"]
 

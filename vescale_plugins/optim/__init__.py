@@ -8,13 +8,13 @@
 * :func:`clip_grad_norm_`: ``torch.nn.utils.clip_grad_norm_`` on flat gradient runs.
 """
 
-from .adam8bit import Adam8bit, AdamW8bit
-from .adamw import AdamW
-from .clip import clip_grad_norm_
-from .muon import Muon
-from .param_split import muon_param_groups, split_muon_params
-from .root_assignment import assign_roots, newton_schulz_flops
-from .tiles import TILE, tile_rows
+from vescale_plugins.optim.adam8bit import Adam8bit, AdamW8bit
+from vescale_plugins.optim.adamw import AdamW
+from vescale_plugins.optim.clip import clip_grad_norm_
+from vescale_plugins.optim.muon import Muon
+from vescale_plugins.optim.param_split import muon_param_groups, split_muon_params
+from vescale_plugins.optim.root_assignment import assign_roots, newton_schulz_flops
+from vescale_plugins.optim.tiles import TILE, tile_rows
 
 __all__ = [
     "TILE",

@@ -17,17 +17,16 @@ launch, on CPU the vectorised torch reference steps each parameter.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
 
-from ..kernels.adam8bit_torch import AdamHyper, adam8bit_step_
-from .adamw import _check_hyper
-from .flat import Run
-from .flat_state import FlatStateOptimizer, StateSpec
-from .sharding import check_tiles_whole, scale_shape, scales_dtensor, wrap_like
-from .tiles import TILE, TileGrid
+from vescale_plugins.optim.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
+from vescale_plugins.optim.adamw import _check_hyper
+from vescale_plugins.optim.flat import Run
+from vescale_plugins.optim.flat_state import FlatStateOptimizer, StateSpec
+from vescale_plugins.optim.sharding import check_tiles_whole, scale_shape, scales_dtensor, wrap_like
+from vescale_plugins.optim.tiles import TILE, TileGrid
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
@@ -73,9 +72,7 @@ class _Adam8bitBase(FlatStateOptimizer):
         beta1, beta2 = group["betas"]
         hyper = AdamHyper(float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], step, self._decoupled)
         if run.param_flat.is_cuda and run.param_flat.is_contiguous() and run.grad_flat.is_contiguous() and _triton_available():
-            from ..kernels.adam8bit_triton import adam8bit_run_step_
-
-            adam8bit_run_step_(run, flats, offsets, self.tile, hyper, self._tile_tables)
+            self._step_run_triton(run, flats, offsets, hyper)
             return
         for index, m in enumerate(run.members):
             if not m.numel:
@@ -94,6 +91,24 @@ class _Adam8bitBase(FlatStateOptimizer):
             )
 
     @staticmethod
+
+    def _step_run_triton(self, run: Run, flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], hyper: AdamHyper) -> None:
+        """One launch for the whole run (CUDA); its tile table is built once per run layout."""
+        from vescale_plugins.optim.kernels.adam8bit_triton import adam8bit_tiles_, tile_table
+
+        key = (run.key, self.tile)
+        grids = [TileGrid.of(m.local.shape, self.tile) for m in run.members]
+        table = self._tile_tables.get(key)
+        if table is None:
+            table = self._tile_tables[key] = tile_table(
+                [(m.offset, (g.rows, g.cols), offsets["exp_avg_scales"][i]) for i, (m, g) in enumerate(zip(run.members, grids))],
+                [(g.tile_h, g.tile_w) for g in grids], run.param_flat.device,
+            )
+        adam8bit_tiles_(
+            run.param_flat, run.grad_flat, flats["exp_avg_codes"], flats["exp_avg_scales"],
+            flats["exp_avg_sq_codes"], flats["exp_avg_sq_scales"], table, max(g.tile_h * g.tile_w for g in grids), hyper,
+        )
+
     def _matrix_view(flat: torch.Tensor, offset: int, grid: TileGrid) -> torch.Tensor:
         """A member's codes as its ``rows x cols`` matrix (a run of one keeps its own shape)."""
         if flat.dim() != 1:

@@ -12,9 +12,9 @@ from typing import Any, Iterable
 
 import torch
 
-from .flat import Run
-from .flat_state import FlatStateOptimizer, StateSpec
-from .sharding import wrap_like
+from vescale_plugins.optim.flat import Run
+from vescale_plugins.optim.flat_state import FlatStateOptimizer, StateSpec
+from vescale_plugins.optim.sharding import wrap_like
 
 __all__ = ["AdamW"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from .flat import contiguous_runs
+from vescale_plugins.optim.flat import contiguous_runs
 
 __all__ = ["clip_grad_norm_"]
 

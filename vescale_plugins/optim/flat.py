@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..dbuffer import sharded_padding_of
+from vescale_plugins.dbuffer.buffer import sharded_padding_of
 
 __all__ = ["Member", "Run", "contiguous_runs", "local_of"]
 

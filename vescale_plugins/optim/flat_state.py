@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-from .flat import Run, contiguous_runs, local_of
+from vescale_plugins.optim.flat import Run, contiguous_runs, local_of
 
 __all__ = ["FlatStateOptimizer", "StateSpec"]
 

@@ -33,9 +33,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as functional_adam
 
-from ..placement import RaggedShard
-from .muon_exchange import EXCHANGE_DTYPE, BucketExchange, ExchangePlan, build_exchange_plan
-from .newton_schulz import newton_schulz_for
+from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.optim.muon_exchange import EXCHANGE_DTYPE, BucketExchange, ExchangePlan, build_exchange_plan
+from vescale_plugins.optim.newton_schulz import newton_schulz_for
 
 __all__ = ["Muon", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "EPS"]
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .root_assignment import assign_roots, newton_schulz_flops
+from vescale_plugins.optim.root_assignment import assign_roots, newton_schulz_flops
 
 __all__ = ["MatrixSlot", "ExchangePlan", "build_exchange_plan", "BucketExchange"]
 

@@ -14,9 +14,9 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .._dtensor_bridge import make_dtensor
-from ..placement import RaggedShard
-from .tiles import TileGrid
+from vescale_plugins.ragged.dtensor import make_dtensor
+from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.optim.tiles import TileGrid
 
 __all__ = ["row_starts", "check_tiles_whole", "wrap_like", "scales_dtensor", "scale_shape"]
 

@@ -16,11 +16,11 @@ contiguous interval and tensors do not overlap; every rank owns exactly ``shard_
 elements; the same input gives the same layout on every rank, run and hash seed.
 """
 
-from .bounds import padding_lower_bound, shard_size_lower_bound
-from .cost import RingCost, choose_split
-from .layout import Layout
-from .search import clear_plan_cache, plan_layout
-from .split import CostModel, UnitPlan, plan_unit, unit_plan_options
+from vescale_plugins.planner.bounds import padding_lower_bound, shard_size_lower_bound
+from vescale_plugins.planner.cost import RingCost, choose_split
+from vescale_plugins.planner.layout import Layout
+from vescale_plugins.planner.search import clear_plan_cache, plan_layout
+from vescale_plugins.planner.split import CostModel, UnitPlan, plan_unit, unit_plan_options
 
 __all__ = [
     "CostModel",

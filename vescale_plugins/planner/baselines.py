@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .bounds import round_up
+from vescale_plugins.planner.bounds import round_up
 
 __all__ = ["flat_padding_and_cut_blocks", "fsdp2_padding", "megatron_fsdp_padding"]
 

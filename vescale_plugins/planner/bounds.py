@@ -22,7 +22,7 @@ import math
 from bisect import bisect_left
 from typing import Sequence
 
-from .layout import check_plan_inputs
+from vescale_plugins.planner.layout import check_plan_inputs
 
 __all__ = [
     "AdmissibleShardSizes",

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .layout import Layout
-from .search import plan_layout
-from .split import UnitPlan, unit_plan_options
+from vescale_plugins.planner.layout import Layout
+from vescale_plugins.planner.search import plan_layout
+from vescale_plugins.planner.split import UnitPlan, unit_plan_options
 
 __all__ = ["RingCost", "choose_split"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .bounds import aligned_payload, round_up
-from .layout import check_plan_inputs
-from .placement import earliest_start
+from vescale_plugins.planner.bounds import aligned_payload, round_up
+from vescale_plugins.planner.layout import check_plan_inputs
+from vescale_plugins.planner.placement import earliest_start
 
 __all__ = ["exact_min_shard_size"]
 

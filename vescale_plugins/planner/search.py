@@ -24,9 +24,9 @@ import functools
 import math
 from typing import Callable, Sequence
 
-from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
-from .layout import Layout, check_plan_inputs
-from .placement import (
+from vescale_plugins.planner.bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
+from vescale_plugins.planner.layout import Layout, check_plan_inputs
+from vescale_plugins.planner.placement import (
     Placement,
     TensorClass,
     group_classes,

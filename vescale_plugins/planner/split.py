@@ -37,11 +37,11 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .bounds import padding_lower_bound
-from .layout import Layout, check_plan_inputs
-from .search import plan_layout
-from .split_bounds import least_bound_partitions, smallest_tensors
-from .split_spill import spill_partitions
+from vescale_plugins.planner.bounds import padding_lower_bound
+from vescale_plugins.planner.layout import Layout, check_plan_inputs
+from vescale_plugins.planner.search import plan_layout
+from vescale_plugins.planner.split_bounds import least_bound_partitions, smallest_tensors
+from vescale_plugins.planner.split_spill import spill_partitions
 
 __all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
 

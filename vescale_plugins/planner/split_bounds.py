@@ -24,8 +24,8 @@ import itertools
 import math
 from typing import Sequence
 
-from .bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts
-from .layout import check_plan_inputs
+from vescale_plugins.planner.bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts
+from vescale_plugins.planner.layout import check_plan_inputs
 
 __all__ = [
     "EXACT_TRANSITIONS", "TINY_FRACTION", "UnitKinds", "least_bound_partitions",

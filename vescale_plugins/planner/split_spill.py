@@ -32,7 +32,7 @@ import itertools
 import math
 from typing import Sequence
 
-from .split_bounds import UnitKinds, unit_kinds
+from vescale_plugins.planner.split_bounds import UnitKinds, unit_kinds
 
 __all__ = ["MAX_SPILL", "SMALL_COUNT", "SPILL_BEAM", "STARTS_PER_BUDGET", "spill_partitions"]
 

@@ -1,0 +1,109 @@
+"""Saving and loading sharded models, for the adapters and for plain-torch users.
+
+Thin wrappers over ``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` helpers:
+a sharded checkpoint is a DCP directory written with no gathering (each rank writes the
+boxes of its own ragged shards) and loads at any world size; a full checkpoint is one
+``torch.save`` file written by rank 0 that a plain, unsharded model loads.
+
+Sharded saves commit atomically (see ``checkpoint_commit``): a save that dies part-way
+leaves the previous checkpoint loadable and is itself never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from vescale_plugins.checkpoint.commit import committed_directory, resolve_committed
+
+__all__ = [
+    "save_sharded",
+    "write_sharded",
+    "load_sharded",
+    "full_model_state_dict",
+    "full_optimizer_state_dict",
+    "load_full_model_state_dict",
+    "load_full_optimizer_state_dict",
+]
+
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+
+
+def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Write a DCP directory: the model's (and optimizer's) shards plus ``extra`` picklable state.
+
+    Collective. Committed atomically: a previous checkpoint at ``path`` is replaced only once
+    every rank has written everything.
+    """
+    with committed_directory(path) as staging:
+        write_sharded(staging, model, optimizer, extra)
+
+
+def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+    """The DCP files of :func:`save_sharded`, written in place into ``directory`` (no commit)."""
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizer is not None:
+        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra or {})
+    dcp.save(state, checkpoint_id=str(directory))
+
+
+def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load a DCP directory into ``model`` (and ``optimizer``), at any world size.
+
+    ``extra`` gives the other entries to read (their current values are the templates);
+    the loaded ``extra`` is returned. Only a committed directory loads (see
+    :func:`~vescale_plugins.checkpoint.commit.resolve_committed`).
+    """
+    path = resolve_committed(path)
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizer is not None:
+        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
+    state.update(extra or {})
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state[MODEL_KEY])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[OPTIMIZER_KEY])
+    return {k: v for k, v in state.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain full tensors on CPU, on rank 0 (empty elsewhere): what an unsharded model loads."""
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state as full tensors on CPU, keyed by parameter name, on rank 0."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Load full tensors (e.g. ``torch.load`` of a full checkpoint) into a sharded model.
+
+    Every rank passes the full state dict; each keeps its own shards.
+    """
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a full optimizer state dict (as saved by :func:`full_optimizer_state_dict`)."""
+    set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,76 @@
+"""DTensors over DBuffer views: built without validation on the runtime's hot path, re-pointed
+at new storage, and copied or pickled even when the view sits at a storage offset."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from vescale_plugins.ragged.dtensor.specs import (
+    ORIGINAL,
+)
+
+
+def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
+    """Re-point a DTensor (e.g. a sharded parameter) at new local storage, keeping its identity.
+
+    ``param.data = ...`` does not reach a DTensor's local tensor, so this sets it directly
+    (FSDP2 does the same); the layout must not change.
+    """
+    if local.shape != dtensor._local_tensor.shape:
+        raise ValueError(f"new local tensor {tuple(local.shape)} does not match {tuple(dtensor._local_tensor.shape)}")
+    dtensor._local_tensor = local
+
+
+def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], requires_grad: bool = False) -> DTensor:
+    """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return dtensor_at_offset_zero(local, spec, requires_grad)
+
+
+def dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """A DTensor over ``local`` whose wrapper has storage offset 0.
+
+    DTensor's wrapper copies its local tensor's storage offset, and torch's ``deepcopy`` and
+    pickling recognise a wrapper subclass by ``data_ptr() == 0``: over a view at an offset
+    (a slice of a DBuffer, or a ``detach()`` of one, as ``state_dict()`` returns), the
+    DTensor is taken for a tensor owning storage and copying or saving it fails. Built over
+    an alias of the same storage at offset 0 (no copy), then pointed at the real view.
+    """
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    alias = torch.empty(0, dtype=local.dtype, device=local.device).set_(local.untyped_storage(), 0, local.shape, local.stride())
+    dtensor = DTensor(alias, spec, requires_grad=requires_grad)
+    dtensor._local_tensor = local
+    return dtensor
+
+
+def _offset_free(self: DTensor) -> DTensor:
+    twin = dtensor_at_offset_zero(self._local_tensor, self._spec, self.requires_grad)
+    if self.grad is not None:
+        twin.grad = self.grad
+    return twin
+
+
+def dtensor_deepcopy(self: DTensor, memo: dict) -> DTensor:
+    """``copy.deepcopy`` of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0 or id(self) in memo or not self.is_leaf:
+        return ORIGINAL["__deepcopy__"](self, memo)
+    twin = _offset_free(self)
+    result = ORIGINAL["__deepcopy__"](twin, memo)
+    memo[id(self)] = result
+    memo.setdefault(id(memo), []).append(twin)  # as copy._keep_alive: the twin's id stays unique
+    return result
+
+
+def dtensor_reduce_ex(self: DTensor, protocol: int) -> Any:
+    """Pickling (``torch.save``) of any DTensor, also one whose wrapper has a storage offset."""
+    if self.storage_offset() == 0:
+        return ORIGINAL["__reduce_ex__"](self, protocol)
+    return ORIGINAL["__reduce_ex__"](_offset_free(self), protocol)
+
+

@@ -1,0 +1,83 @@
+"""Random in-place initialisers on ragged shards: each rank draws its slice of what a draw of
+the full tensor would give, so sharded ``reset_parameters()`` matches the unsharded model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vescale_plugins.ragged.dtensor.specs import (
+    aten,
+    call_torch_default,
+    has_ragged,
+    other_dims_slice,
+    ragged_mesh_dim,
+)
+
+RANDOM_INPLACE = (
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # a Python keyword
+    aten.random_.to,
+)
+
+
+# Ops whose CPU draw, made in consecutive pieces, equals one draw of the whole tensor (see
+# _draw_local_part_of_full): uniform_ takes one draw per element; normal_ fills 16 elements
+# from 16 uniforms, and recomputes the last 16 of a tensor whose size is not a multiple of 16.
+_PIECEWISE_ON_CPU = (aten.uniform_.default, aten.normal_.default)
+# Elements per piece (a multiple of 16); the temporary is at most twice this (512 KiB in fp32).
+_RANDOM_PIECE = 1 << 16
+
+
+def random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Fill a ragged shard with its slice of a full-tensor draw from the default generator.
+
+    Every rank draws as if it drew the whole tensor with the same generator state, so sharded
+    ``reset_parameters()`` after meta-device init gives exactly the eager model's values at
+    every world size. On CPU, ``uniform_`` and ``normal_`` (what ``reset_parameters`` and
+    ``nn.init`` use) draw in pieces of at most ``2 * _RANDOM_PIECE`` elements and keep only
+    this rank's slice, so no full-size tensor is ever allocated; other ops, and other devices
+    (whose generators draw in a layout that pieces would change), draw the full tensor once.
+    """
+    target = args[0]
+    if not (isinstance(target, DTensor) and has_ragged(target.placements)):
+        return call_torch_default(op, args, kwargs)
+    i = ragged_mesh_dim(target._spec)
+    rank = target.device_mesh.get_local_rank(i)
+    local = target._local_tensor
+    if op in _PIECEWISE_ON_CPU and local.device.type == "cpu" and target.ndim and len(target.placements) == 1:
+        part = target.placements[i].layout(target.shape).slices[rank]
+        _draw_local_part_of_full(op, local.view(-1), part.offset, target.numel(), args[1:], kwargs)
+        return target
+    full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+    op(full, *args[1:], **kwargs)
+    local.copy_(target.placements[i].split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
+    return target
+
+
+def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int, args: tuple, kwargs: dict) -> None:
+    """``out`` = elements ``[start, start + out.numel())`` of ``op`` applied to a fresh tensor of
+    ``numel`` elements, drawn in pieces (all but the last a multiple of 16 elements; the last
+    between one and two pieces long, so a tail recomputation stays inside it)."""
+    stop = start + out.numel()
+    piece = torch.empty(min(numel, 2 * _RANDOM_PIECE), dtype=out.dtype, device=out.device)
+    position = 0
+    while position < numel:
+        size = _RANDOM_PIECE if numel - position >= 2 * _RANDOM_PIECE else numel - position
+        drawn = piece[:size]
+        op(drawn, *args, **kwargs)  # also where nothing is kept: the generator must advance alike
+        low, high = max(position, start), min(position + size, stop)
+        if low < high:
+            out[low - start : high - start].copy_(drawn[low - position : high - position])
+        position += size
+
+

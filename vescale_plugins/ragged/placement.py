@@ -1,0 +1,126 @@
+"""RaggedShard: a DTensor placement where each rank holds a contiguous run of whole units.
+
+``RaggedShard(dims, local_units)`` flattens the leading ``dims`` of a tensor into rows and
+cuts its row-major storage into ``sum(local_units)`` equal units; rank ``r`` of the mesh dim
+holds units ``[sum(u[:r]), sum(u[:r+1]))``. Zeros are allowed (that rank holds nothing), so
+one placement covers element-wise, row-wise (even = ``Shard(0)``, or uneven), block-wise
+(a unit of g rows) and whole-tensor-on-one-rank (``dims=()``, one-hot units) sharding.
+
+Stock DTensor code works on it once ``vescale_plugins`` is imported: see ``_dtensor_bridge``
+for the few places where torch is taught about it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Placement
+
+from vescale_plugins.ragged.layout import (
+    RaggedLayout,
+    _validate_placement_args,
+    ragged_layout,
+)
+
+__all__ = ["RaggedShard", "StridedRaggedShard"]
+
+
+class RaggedShard(Placement):
+    """Contiguous, possibly uneven, runs of whole units of a tensor per rank.
+
+    Args:
+        dims: the prefix ``(0, ..., k-1)`` of tensor dims flattened into rows; the trailing
+            dims are never split. ``()`` makes the whole tensor one row.
+        local_units: one non-negative weight per rank of the mesh dim (their sum > 0).
+    """
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
+        super().__init__()
+        dims, local_units = tuple(int(d) for d in dims), tuple(local_units)
+        _validate_placement_args(dims, local_units, f"RaggedShard(dims={dims}, local_units={local_units})")
+        self.dims = dims
+        self.local_units = local_units
+
+    def layout(self, shape: Sequence[int]) -> RaggedLayout:
+        """Every rank's slice of a tensor of ``shape`` (raises ``ValueError`` if it does not fit)."""
+        return ragged_layout(shape, self.dims, self.local_units)
+
+    def check_mesh_dim_size(self, mesh_dim_size: int, shape: Sequence[int]) -> None:
+        """Raise ``ValueError`` unless there is one unit weight per rank of the mesh dim."""
+        if len(self.local_units) != mesh_dim_size:
+            raise ValueError(
+                f"{self!r} on shape {tuple(shape)}: {len(self.local_units)} local_units for a mesh "
+                f"dim of {mesh_dim_size} ranks; give exactly one weight per rank"
+            )
+
+    def split_full(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's local tensor, a view of the contiguous ``full`` tensor."""
+        rank_slice = self.layout(full.shape).slices[rank]
+        flat = full.reshape(-1)
+        return flat[rank_slice.offset : rank_slice.offset + rank_slice.length].view(rank_slice.local_shape)
+
+    def is_element_wise(self, ndim: int) -> bool:
+        return len(self.dims) == ndim
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
+
+    def __hash__(self) -> int:
+        return hash((RaggedShard, self.dims, self.local_units))
+
+    def __reduce__(self) -> tuple:
+        # The C++ base has no pickle support; rebuild from the arguments (torch.save of a
+        # state dict with DTensors, copy.deepcopy of a placement or a DTensor spec).
+        return (RaggedShard, (self.dims, self.local_units))
+
+    def __deepcopy__(self, memo: dict) -> "RaggedShard":
+        return RaggedShard(self.dims, self.local_units)
+
+    def __copy__(self) -> "RaggedShard":
+        return RaggedShard(self.dims, self.local_units)
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+
+    def __str__(self) -> str:
+        return f"RS{self.dims}{list(self.local_units)}"
+
+
+class StridedRaggedShard(RaggedShard):
+    """A RaggedShard applied after ``split_factor`` shards of its rows by later mesh dims.
+
+    On a ``(dp, tp)`` mesh whose tensor-parallel dim holds ``Shard(0)`` (ColwiseParallel,
+    expert parallelism), veScale-FSDP cuts each rank's tensor-parallel shard, not the global
+    tensor: read left to right, as DTensor reads placements, the data-parallel rank's rows
+    are strided (a run of rows in each of the ``split_factor`` tensor-parallel chunks). This
+    is the paper's StridedRaggedShard and plays the role of FSDP2's ``_StridedShard``. The
+    layout arithmetic is RaggedShard's, on the tensor-parallel local shape.
+    """
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int], split_factor: int) -> None:
+        super().__init__(dims, local_units)
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor < 2:
+            raise ValueError(f"StridedRaggedShard split_factor must be an int >= 2, got {split_factor!r}")
+        self.split_factor = split_factor
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and self.split_factor == other.split_factor  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((StridedRaggedShard, self.dims, self.local_units, self.split_factor))
+
+    def __reduce__(self) -> tuple:
+        return (StridedRaggedShard, (self.dims, self.local_units, self.split_factor))
+
+    def __deepcopy__(self, memo: dict) -> "StridedRaggedShard":
+        return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
+
+    def __copy__(self) -> "StridedRaggedShard":
+        return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
+
+    def __repr__(self) -> str:
+        return f"StridedRaggedShard(dims={self.dims}, local_units={self.local_units}, split_factor={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"SRS{self.dims}{list(self.local_units)}/{self.split_factor}"

@@ -1,0 +1,67 @@
+"""A unit's mesh: which group it shards over, which it replicates over, and its placements.
+
+A 1-D mesh shards over all of it; a 2-D one (HSDP) replicates over dim 0 and shards over dim
+1, as FSDP2: DBuffers are laid out for, and gathered in, the shard group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate
+
+from vescale_plugins.ragged.dtensor import every_copy_of_mesh
+from vescale_plugins.ragged.placement import RaggedShard
+
+__all__ = ["UnitMesh", "is_group_size", "post_forward_group"]
+
+
+@dataclass(frozen=True)
+class UnitMesh:
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_size: int  # ranks in the shard group (the DBuffers' world size)
+    shard_rank: int
+    replicate_group: dist.ProcessGroup | None
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> "UnitMesh":
+        shard_dim = mesh.ndim - 1
+        return cls(
+            mesh,
+            mesh.get_group(shard_dim),
+            mesh.size(shard_dim),
+            mesh.get_local_rank(shard_dim),
+            mesh.get_group(0) if mesh.ndim == 2 else None,
+        )
+
+    def placements(self, shape: torch.Size, numel: int, local_units: tuple[int, ...]) -> list[Placement]:
+        """The DTensor placements of a parameter whose shard-group layout is ``local_units``."""
+        # A zero-size parameter is one (empty) unit: dims=() (see DBuffer's zero-size slots).
+        ragged = RaggedShard((0,) if len(shape) and numel else (), local_units)
+        return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
+
+
+def is_group_size(value: Any) -> bool:
+    """``reshard_after_forward`` given as a number of ranks (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# One set of k-rank groups per (mesh, k), shared by every unit that reshards to k ranks.
+_POST_FORWARD_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
+
+
+def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
+    """This rank's group of k consecutive ranks of the shard dim (every rank creates all of
+    them, in the same order, at the first forward that needs them; for a submesh such as a
+    tensor-parallel model's dp mesh, those of every copy of it)."""
+    key = (id(mesh), k)
+    if key not in _POST_FORWARD_GROUPS:
+        rows = every_copy_of_mesh(mesh).reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+        enumeration = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
+        _POST_FORWARD_GROUPS[key], _ = dist.new_subgroups_by_enumeration(enumeration)
+    return _POST_FORWARD_GROUPS[key]

@@ -1,0 +1,186 @@
+"""Parameters that are already DTensors when ``fully_shard`` sees them (TP, EP, SPMD meshes).
+
+Two ways in, as FSDP2's:
+
+- **tensor/expert parallel**: ``parallelize_module`` (or an EP plan) made the parameter a
+  DTensor on a TP/EP mesh, and ``fully_shard(mesh=dp_mesh)`` gets a data-parallel mesh from
+  the same root mesh. The sharded parameter lives on the two concatenated, ``(dp, tp)``.
+- **SPMD mesh** (``dp_mesh_dims``): the parameter is a DTensor on the full mesh with
+  ``Replicate()`` on the data-parallel dim(s), and ``fully_shard(mesh=full_mesh,
+  dp_mesh_dims=...)`` names them; the sharded parameter lives on that same mesh.
+
+Either way the unit's DBuffer holds this rank's tensor-parallel local tensor, cut by the
+planner over the data-parallel ranks; the sharded parameter is a DTensor with a RaggedShard
+(StridedRaggedShard where a later mesh dim shards its rows) on the data-parallel dim and
+the original placements on the others; the gathered parameter is the original DTensor, so
+the tensor-parallel forward runs unchanged, and its gradient arrives as a DTensor too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from vescale_plugins.ragged.dtensor import concatenate_meshes, make_dtensor, other_dims_slice
+from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
+
+__all__ = ["ParallelSpec", "SpmdMesh", "resolve_dp_mesh_dims", "parallel_spec_for"]
+
+
+@dataclass(frozen=True)
+class SpmdMesh:
+    """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the full mesh and its shard dim."""
+
+    mesh: DeviceMesh
+    shard_dim: int
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How one parameter is distributed besides veScale-FSDP's own sharding.
+
+    ``unsharded_*`` is the DTensor the module saw before ``fully_shard`` (what the forward
+    sees again once gathered); ``sharded_mesh`` is where the sharded parameter lives, and
+    ``sharded_template`` its placements with ``None`` on the dim the RaggedShard goes on.
+    """
+
+    unsharded_mesh: DeviceMesh
+    unsharded_placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    sharded_mesh: DeviceMesh
+    sharded_template: tuple[Placement | None, ...]
+    # Mesh dims of ``unsharded_mesh`` that are data-parallel (SPMD mesh): gradients may be
+    # Partial there, which the reduce-scatter sums; other Partial dims are reduced first.
+    dp_dims_of_unsharded: tuple[int, ...]
+
+    def sharded_placements(self, ragged: RaggedShard) -> tuple[Placement, ...]:
+        """The sharded parameter's placements with ``ragged`` on the data-parallel dim; a
+        StridedRaggedShard when later mesh dims shard the rows it cuts."""
+        placements = list(self.sharded_template)
+        dp_dim = placements.index(None)
+        split_factor = math.prod(
+            self.sharded_mesh.size(j)
+            for j, p in enumerate(placements)
+            if j > dp_dim and isinstance(p, Shard) and ragged.dims and p.dim % len(self.shape) < len(ragged.dims)
+        )
+        if split_factor > 1:
+            ragged = StridedRaggedShard(ragged.dims, ragged.local_units, split_factor)
+        placements[dp_dim] = ragged
+        return tuple(placements)
+
+    def unsharded_param(self, local: torch.Tensor) -> DTensor:
+        """The gathered parameter: the original DTensor over this rank's gathered local tensor."""
+        return make_dtensor(local, self.unsharded_mesh, self.unsharded_placements, self.shape, self.stride)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gathered parameter's gradient as this rank's local tensor to reduce-scatter.
+
+        As FSDP2: the gradient is first moved to the parameter's own placements (an embedding
+        under RowwiseParallel gets a Replicate gradient for a Shard(0) weight), except on
+        data-parallel dims, where a Partial is what the reduce-scatter sums."""
+        if isinstance(grad, AsyncCollectiveTensor):
+            grad = grad.wait()
+        if not isinstance(grad, DTensor):
+            return grad
+        target = tuple(
+            grad.placements[i] if i in self.dp_dims_of_unsharded else p for i, p in enumerate(self.unsharded_placements)
+        )
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, target)
+        return grad._local_tensor
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel local tensor of a full (global) value (a view)."""
+        return other_dims_slice(full, self.unsharded_placements, self.unsharded_mesh)
+
+
+def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> tuple[DeviceMesh, SpmdMesh]:
+    """FSDP2's validation of ``dp_mesh_dims``, with its errors; returns the data-parallel
+    (shard) mesh and the full mesh. Flattening several dims and replicate dims (HSDP/DDP on
+    an SPMD mesh) are refused."""
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard_names, replicate_names = _names(dp_mesh_dims.shard), _names(dp_mesh_dims.replicate)
+    for name in (*shard_names, *replicate_names):
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
+    if replicate_names or len(shard_names) != 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dp_mesh_dims!r}: veScale-FSDP supports one shard dim and no replicate "
+            "dim on an SPMD mesh; for HSDP pass mesh=full_mesh[(replicate, shard)] with "
+            "parameters on the other dims' submesh (FSDP2's tensor-parallel form)"
+        )
+    shard_dim = mesh.mesh_dim_names.index(shard_names[0])
+    return mesh[shard_names[0]], SpmdMesh(mesh, shard_dim)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: SpmdMesh | None) -> ParallelSpec | None:
+    """The parameter's ParallelSpec (``None`` for a plain tensor without ``dp_mesh_dims``),
+    validated: every error names the parameter and is raised before any collective."""
+    if spmd is not None:
+        return _spmd_spec(fqn, param, spmd)
+    if not isinstance(param, DTensor):
+        return None
+    tp_mesh = param.device_mesh  # one or more TP/EP dims, e.g. experts on (ep, tp)
+    _check_placements(fqn, param)
+    try:
+        sharded_mesh = concatenate_meshes([dp_mesh, tp_mesh])
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh {tp_mesh} that cannot be combined with the "
+            f"data-parallel mesh {dp_mesh} ({e}); build both as named dims of one mesh, e.g. "
+            "mesh = init_device_mesh(dev, (dp, tp), mesh_dim_names=('dp', 'tp')), and pass "
+            "mesh['dp'] to fully_shard and mesh['tp'] to parallelize_module"
+        ) from e
+    # HSDP: (replicate, shard, *tp), Replicate on the replicate dim, as FSDP2's HSDP x TP
+    template = (*[Replicate()] * (dp_mesh.ndim - 1), None, *param.placements)
+    return ParallelSpec(tp_mesh, tuple(param.placements), param.shape, param.stride(), sharded_mesh, template, ())
+
+
+def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+            f"(e.g. via distribute_module). Got plain tensor for parameter '{fqn}'."
+        )
+    if param.device_mesh is not spmd.mesh:
+        raise ValueError(
+            "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
+            f"different mesh objects (parameter '{fqn}')"
+        )
+    placement = param.placements[spmd.shard_dim]
+    if not isinstance(placement, Replicate):
+        name = spmd.mesh.mesh_dim_names[spmd.shard_dim]
+        raise ValueError(
+            f"Expected Replicate() on DP shard dim '{name}' (index {spmd.shard_dim}) but got {placement} "
+            f"(parameter '{fqn}')"
+        )
+    _check_placements(fqn, param)
+    template = tuple(None if j == spmd.shard_dim else p for j, p in enumerate(param.placements))
+    return ParallelSpec(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,))
+
+
+def _check_placements(fqn: str, param: DTensor) -> None:
+    """``Shard(d)`` (even or not) and ``Replicate()``: every rank's local tensor is one dense
+    tensor, which the planner lays out for its data-parallel group."""
+    for j, p in enumerate(param.placements):
+        if not (isinstance(p, Replicate) or type(p) is Shard):
+            raise NotImplementedError(
+                f"parameter {fqn!r} has placement {p!r} on mesh dim {j}: veScale-FSDP composes with "
+                "Shard(d) and Replicate() (ColwiseParallel, RowwiseParallel, expert Shard(0))"
+            )
