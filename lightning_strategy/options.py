@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from vescale_plugins.runtime.api import BlockSizeFn
+from vescale_plugins import BlockSizeFn
 from vescale_plugins.wrap import default_units, units_of_classes
 
 __all__ = [

@@ -39,7 +39,7 @@ from vescale_plugins.checkpoint import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from vescale_plugins.runtime.api import BlockSizeFn
+from vescale_plugins import BlockSizeFn
 from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
+import vescale_plugins.dbuffer.storage as storage_module
+from vescale_plugins.dbuffer.planning import plan_buffers
 from models import clone, make_decoder, reference_step
 from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins.dbuffer.streams import CommStreams
@@ -59,7 +61,7 @@ class FakeStreamAPI:
 
 def _logging_allocations(api):
     """Log which stream is current when a DBuffer grows a buffer's storage."""
-    original = dbuffer_module._StorageToggle.allocate
+    original = storage_module.ResizableStorage.allocate
 
     def allocate(toggle):
         if not toggle.allocated:
@@ -73,7 +75,8 @@ def _protocol_of_one_gather_and_reduce():
     world, rank = dist.get_world_size(), dist.get_rank()
     api = FakeStreamAPI()
     shapes = [torch.Size([5, 3]), torch.Size([7])]
-    dbuffer = DBuffer(shapes, [1, 1], torch.float32, torch.device("cpu"), dist.group.WORLD)
+    (plan,) = plan_buffers(shapes, [1, 1], torch.float32, torch.float32, world)
+    dbuffer = DBuffer(shapes, [1, 1], torch.float32, torch.device("cpu"), dist.group.WORLD, plan.layout)
     dbuffer.streams = CommStreams(torch.device("cpu"), api)
     full = [torch.arange(15.0).view(5, 3), torch.arange(7.0) * 10]
     for index, tensor in enumerate(full):
@@ -81,7 +84,7 @@ def _protocol_of_one_gather_and_reduce():
         start = rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
         dbuffer.sharded_view(index).reshape(-1).copy_(tensor.reshape(-1)[start : start + slot.local_length])
     original, allocate = _logging_allocations(api)
-    dbuffer_module._StorageToggle.allocate = allocate
+    storage_module.ResizableStorage.allocate = allocate
     try:
         gather = dbuffer.all_gather(async_op=True)
         # Issued on the all-gather stream after it waited for compute; memory is that stream's.
@@ -105,7 +108,7 @@ def _protocol_of_one_gather_and_reduce():
             want = (tensor.reshape(-1) * mean)[start : start + slot.local_length]
             torch.testing.assert_close(dbuffer.sharded_grad_view(index).reshape(-1), want)
     finally:
-        dbuffer_module._StorageToggle.allocate = original
+        storage_module.ResizableStorage.allocate = original
 
 
 def test_stream_protocol_of_one_gather_and_one_reduce(dist_run):

@@ -27,7 +27,7 @@ from lightning_strategy.model_setup import shard_for_training
 from lightning_strategy.options import ShardingOptions
 from test_accelerate_parity import accelerate_env
 from vescale_plugins import fully_shard
-from vescale_plugins.runtime.fsdp_unit import _iter_units
+from vescale_plugins.runtime.state import groups_under
 
 
 class TwoBlocks(nn.Module):
@@ -43,7 +43,7 @@ class TwoBlocks(nn.Module):
 
 
 def _units(model: nn.Module) -> int:
-    return len(_iter_units([model]))
+    return len(groups_under([model]))
 
 
 def _lightning_switch_and_log_line():

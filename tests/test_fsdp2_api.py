@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 import vescale_plugins
 from vescale_plugins import RaggedShard
-from vescale_plugins.runtime.api import VeScaleFSDPModule
+from vescale_plugins import VeScaleFSDPModule
 
 T = 120
 IMPLS = {"torch": fsdp.fully_shard, "vescale": vescale_plugins.fully_shard}

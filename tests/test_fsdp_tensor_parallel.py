@@ -597,7 +597,7 @@ def _int_reshard_with_tp():
 
     ours = shard(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), fully_shard)
     opts = [_adamw(m) for m in (reference, ours)]
-    sizes, ranks, original = [], [], dbuffer_module._all_gather
+    sizes, ranks, original = [], [], dbuffer_module.all_gather_into
 
     def counted(output, tensor, group, async_op=False):
         sizes.append(dist.get_world_size(group))
@@ -607,11 +607,11 @@ def _int_reshard_with_tp():
     for step in range(2):
         tokens, targets = _batch(step, dp_rank)
         loss = _loss(ours, tokens, targets)
-        dbuffer_module._all_gather = counted
+        dbuffer_module.all_gather_into = counted
         try:
             loss.backward()
         finally:
-            dbuffer_module._all_gather = original
+            dbuffer_module.all_gather_into = original
         ref_loss = sum(_loss(reference, *_batch(step, d)) for d in range(dp_size)) / dp_size
         ref_loss.backward()
         global_loss = loss.detach().clone()

@@ -75,8 +75,8 @@ def assert_sharded_views(model):
         unit = getattr(module, "_vescale_fsdp_unit", None)
         if unit is None or module is not unit.modules[0]:
             continue
-        for m in unit.managed:
-            dbuffer = unit.dbuffers[m.buffer_index]
+        for m in unit.fsdp_params:
+            dbuffer = m.dbuffer
             assert isinstance(m.sharded, DTensor) and isinstance(m.sharded.placements[0], RaggedShard), m.fqn
             assert m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr(), m.fqn
             if m.sharded.grad is not None:

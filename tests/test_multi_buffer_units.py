@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
 from vescale_plugins.observe.record import record_run
-from vescale_plugins.runtime.buffer_split import buffer_split_cost, use_buffer_split_cost
+from vescale_plugins import BufferSplitCost
 
 STEPS = 4
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -32,9 +32,9 @@ class SplitMLP(nn.Module):
         return self.head(self.block(x))
 
 
-def _shard(model, shard):
-    shard(model.block)
-    shard(model)
+def _shard(model, shard, **kwargs):
+    shard(model.block, **kwargs)
+    shard(model, **kwargs)
     return model
 
 
@@ -70,9 +70,8 @@ def _adamw(model):
 def _multi_buffer_parity():
     world, rank = dist.get_world_size(), dist.get_rank()
     reference = SplitMLP()
-    with use_buffer_split_cost(alpha_s=0.0):  # split wherever it saves padding
-        ours = _shard(copy.deepcopy(reference), fully_shard)
-    assert buffer_split_cost().alpha_s > 0  # the default is back
+    # Split wherever it saves padding.
+    ours = _shard(copy.deepcopy(reference), fully_shard, buffer_split_cost=BufferSplitCost(alpha_s=0.0))
     theirs = _shard(copy.deepcopy(reference), torch_fully_shard)
     unit = ours.block._vescale_fsdp_unit
     assert len(unit.dbuffers) == 2, [b.layout for b in unit.dbuffers]
@@ -109,7 +108,7 @@ def _multi_buffer_parity():
     block = units[("block",)]
     assert block["buffers"] == 2 and len(block["shard_elements_per_rank"]) == 2
     named = [n for names in block["buffer_parameters"] for n in names]
-    assert sorted(named) == sorted(m.fqn for m in unit.managed) and len(named) == 4, block["buffer_parameters"]
+    assert sorted(named) == sorted(p.fqn for p in unit.fsdp_params) and len(named) == 4, block["buffer_parameters"]
     assert all(block["buffer_parameters"]), block["buffer_parameters"]
     assert units[("",)]["buffers"] == 1
     assert "2 buffer(s)" in record.summary()
@@ -126,8 +125,8 @@ def test_split_unit_trains_like_unsharded_and_fsdp2(dist_run, world):
 def _default_cost_keeps_one_buffer():
     model = _shard(SplitMLP(), fully_shard)
     assert len(model.block._vescale_fsdp_unit.dbuffers) == 1
-    with use_buffer_split_cost(max_buffers=1, alpha_s=0.0):
-        assert len(_shard(SplitMLP(), fully_shard).block._vescale_fsdp_unit.dbuffers) == 1
+    never_split = BufferSplitCost(max_buffers=1, alpha_s=0.0)
+    assert len(_shard(SplitMLP(), fully_shard, buffer_split_cost=never_split).block._vescale_fsdp_unit.dbuffers) == 1
 
 
 def test_default_cost_keeps_one_buffer_on_small_units(dist_run):
@@ -136,8 +135,6 @@ def test_default_cost_keeps_one_buffer_on_small_units(dist_run):
 
 def test_split_cost_rejects_nonsense():
     with pytest.raises(ValueError, match="max_buffers"):
-        with use_buffer_split_cost(max_buffers=0):
-            pass
+        BufferSplitCost(max_buffers=0)
     with pytest.raises(ValueError, match="alpha_s"):
-        with use_buffer_split_cost(alpha_s=-1.0):
-            pass
+        BufferSplitCost(alpha_s=-1.0)

@@ -61,7 +61,7 @@ def _comm_counts(fn):
     ``CommDebugMode`` does not see: they are counted as the collective they implement.
     """
     counts = {}
-    originals = dbuffer_module._all_gather, dbuffer_module._reduce_scatter
+    originals = dbuffer_module.all_gather_into, dbuffer_module.reduce_scatter_into
 
     def counted(kind, collective):
         def run(output, tensor, group, async_op=False):
@@ -71,13 +71,13 @@ def _comm_counts(fn):
 
         return run
 
-    dbuffer_module._all_gather = counted("all_gather", originals[0])
-    dbuffer_module._reduce_scatter = counted("reduce_scatter", originals[1])
+    dbuffer_module.all_gather_into = counted("all_gather", originals[0])
+    dbuffer_module.reduce_scatter_into = counted("reduce_scatter", originals[1])
     try:
         with CommDebugMode() as mode:
             out = fn()
     finally:
-        dbuffer_module._all_gather, dbuffer_module._reduce_scatter = originals
+        dbuffer_module.all_gather_into, dbuffer_module.reduce_scatter_into = originals
     for op, n in mode.get_comm_counts().items():
         name = str(op).split(".")[-1].replace("_", "") if "reduce_scatter" not in str(op) else "reduce_scatter"
         kind = next((v for k, v in _COLLECTIVE_NAMES.items() if k.replace("_", "") in name), name)

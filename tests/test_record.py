@@ -8,6 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from models import LAYERS, local_batch, loss_fn, make_decoder
 from test_fully_shard import adamw, shard_decoder
+from vescale_plugins.dbuffer import observer
 from vescale_plugins.observe import record as run_record
 from vescale_plugins.observe.record import record_run
 
@@ -82,7 +83,7 @@ def _recorded_run():
     assert "run record" in record.summary()
 
     # Closed: nothing is collected any more.
-    assert run_record.ACTIVE is None
+    assert observer.current() is None
     before = len(record.events)
     _train(model, opt, 1)
     assert len(record.events) == before

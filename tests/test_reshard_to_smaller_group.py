@@ -17,17 +17,17 @@ FSDP2_TOL = dict(rtol=1e-4, atol=1e-4)
 
 def _gather_group_sizes(fn):
     """Run ``fn``; the group size of every DBuffer all-gather it issued, in order."""
-    sizes, original = [], dbuffer_module._all_gather
+    sizes, original = [], dbuffer_module.all_gather_into
 
     def counted(output, tensor, group, async_op=False):
         sizes.append(dist.get_world_size(group))
         return original(output, tensor, group, async_op=async_op)
 
-    dbuffer_module._all_gather = counted
+    dbuffer_module.all_gather_into = counted
     try:
         out = fn()
     finally:
-        dbuffer_module._all_gather = original
+        dbuffer_module.all_gather_into = original
     return out, sizes
 
 

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from vescale_plugins import fully_shard
-from vescale_plugins.runtime.validation import PlanMismatchError
+from vescale_plugins import PlanMismatchError
 
 
 class WithEmpty(nn.Module):

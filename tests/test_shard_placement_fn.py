@@ -22,7 +22,7 @@ from vescale_plugins.observe.record import record_run
 
 STEPS = 5
 # The module, not the function the package exports under the same name.
-fully_shard_module = importlib.import_module("vescale_plugins.runtime.api")
+fully_shard_module = importlib.import_module("vescale_plugins.runtime.setup")
 
 
 class Experts(nn.Module):
@@ -148,7 +148,7 @@ def _ep_step(model, opt, step: int) -> torch.Tensor:
 def _parameter_meshes_checkpoint(path: str) -> None:
     model = _ep_model(0)
     unit = model.layers[0]._vescale_fsdp_unit
-    assert sorted(m.shard_size for m in unit.buffer_meshes) == [2, 4]  # experts over efsdp, the rest over dp
+    assert sorted(b.mesh.shard_size for b in unit.buffers) == [2, 4]  # experts over efsdp, the rest over dp
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 with parameters on their own mesh"):
         model.layers[0].set_reshard_after_forward(2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

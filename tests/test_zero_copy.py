@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
+import vescale_plugins.dbuffer.handles as handles_module
 from models import local_batch, loss_fn, make_decoder
 from test_fully_shard import adamw, shard_decoder
 from vescale_plugins import fully_shard
@@ -87,11 +88,11 @@ def _record_library_paths(recorder, monkeypatch_targets):
     DBuffer = dbuffer_module.DBuffer
     DBuffer.all_gather = path("all_gather", originals["all_gather"])
     DBuffer.reduce_scatter = path("reduce_scatter", originals["reduce_scatter"])
-    dbuffer_module.GatherHandle.wait = path("all_gather", originals["GatherHandle.wait"])
-    dbuffer_module.ReduceScatterHandle.wait = path("reduce_scatter", originals["ReduceScatterHandle.wait"])
-    dbuffer_module._all_gather = collective(originals["_all_gather"])
-    dbuffer_module._reduce_scatter = collective(originals["_reduce_scatter"])
-    dbuffer_module._wait_collective = collective(originals["_wait_collective"])
+    handles_module.GatherHandle.wait = path("all_gather", originals["GatherHandle.wait"])
+    handles_module.ReduceScatterHandle.wait = path("reduce_scatter", originals["ReduceScatterHandle.wait"])
+    dbuffer_module.all_gather_into = collective(originals["all_gather_into"])
+    dbuffer_module.reduce_scatter_into = collective(originals["reduce_scatter_into"])
+    handles_module.wait_collective = collective(originals["wait_collective"])
     return originals
 
 
@@ -104,9 +105,9 @@ def _ours_copy_nothing():
     _train_step(model, opt, 0)
     recorder = _LibraryOps()
     targets = [(dbuffer_module.DBuffer, "all_gather"), (dbuffer_module.DBuffer, "reduce_scatter"),
-               (dbuffer_module.GatherHandle, "wait"), (dbuffer_module.ReduceScatterHandle, "wait"),
-               (dbuffer_module, "_all_gather"), (dbuffer_module, "_reduce_scatter"),
-               (dbuffer_module, "_wait_collective")]
+               (handles_module.GatherHandle, "wait"), (handles_module.ReduceScatterHandle, "wait"),
+               (dbuffer_module, "all_gather_into"), (dbuffer_module, "reduce_scatter_into"),
+               (handles_module, "wait_collective")]
     originals = _record_library_paths(recorder, targets)
     try:
         with recorder:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
-from vescale_plugins.runtime.fsdp_unit import _iter_units
+from vescale_plugins.runtime.state import groups_under
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.bench.llama import Llama, LlamaConfig
 
@@ -91,7 +91,7 @@ def vescale_units(model: nn.Module) -> list[UnitChoice]:
     """Each veScale-FSDP unit of ``model``, inner units first."""
     names = {id(module): _strip_wrappers(name) for name, module in model.named_modules()}
     # Reversed pre-order: every unit after the units nested in it (the order fully_shard needs).
-    return [([names[id(m)] for m in unit.modules], unit.reshard_after_forward) for unit in reversed(_iter_units([model]))]
+    return [([names[id(m)] for m in unit.modules], unit.reshard_after_forward) for unit in reversed(groups_under([model]))]
 
 
 def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
@@ -231,8 +231,8 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     reduce_itemsize = 4
     if engine.name == "vescale":
         # Whatever units the front end chose (its own wrap policy), the root last.
-        found = _iter_units([engine.model])
-        found.sort(key=lambda unit: unit.root is unit)
+        found = groups_under([engine.model])
+        found.sort(key=lambda unit: unit.root_state is not None and unit.root_state.root is unit)
         padding = sum(b.layout.padding for unit in found for b in unit.dbuffers) // world
         unit_elements = [sum(b.layout.buffer_size for b in unit.dbuffers) for unit in found]
         reshard = [unit.reshard_after_forward for unit in found]

@@ -5,8 +5,8 @@ and reduce-scatter, its unit, bytes, start and end, and how much of it was hidde
 compute; the memory of each kind of buffer over time; and a static view of the sharding and
 precision. ``record.to_dict()`` is JSON-ready and ``record.summary()`` is for people.
 
-Off, it costs one global lookup per collective (``ACTIVE is None``): nothing is timed or
-stored unless a record is open. Open, it also runs a memory-profiling ``torch.profiler``
+The record is the buffers' observer (:mod:`vescale_plugins.dbuffer.observer`) while open; off,
+it costs one module-level lookup per collective: nothing is timed or stored. Open, it also runs a memory-profiling ``torch.profiler``
 session (unless another profiler is already running) to split the peak of live tensor bytes
 by what they were: this slows the recorded steps down, which is why it is a record and not a
 default.
@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from vescale_plugins.dbuffer import observer
 from vescale_plugins.planner import Layout
+from vescale_plugins.runtime.state import groups_under
 
 __all__ = ["RunRecord", "record_run", "CollectiveEvent", "unit_sharding_figures", "zero_stage_bytes_per_parameter"]
 
-ACTIVE: "RunRecord | None" = None
 
 
 @dataclass
@@ -122,12 +123,7 @@ class RunRecord:
     # -- the record ---------------------------------------------------------------------
 
     def _units(self) -> list[Any]:
-        units = []
-        for module in self.model.modules():
-            unit = getattr(module, "_vescale_fsdp_unit", None)
-            if unit is not None and unit not in units:
-                units.append(unit)
-        return units
+        return groups_under([self.model])
 
     def sharding(self) -> dict[str, Any]:
         units = self._units()
@@ -138,7 +134,7 @@ class RunRecord:
             figures = unit_sharding_figures([(b.layout, _itemsize(b.param_dtype)) for b in unit.dbuffers])
             # Which parameters each buffer (one all-gather and one reduce-scatter) holds: a
             # (dtype, requires_grad) group gets several when the planner's split pays.
-            members = [[m.fqn for m in unit._members[i]] for i in range(len(unit.dbuffers))]
+            members = [[p.fqn for p in b.params] for b in unit.buffers]
             # Ranks each buffer is sharded over: more than one size where shard_placement_fn
             # put parameters on their own mesh (experts over the expert-data-parallel ranks).
             group_sizes = [dist.get_world_size(b.group) for b in unit.dbuffers]
@@ -220,10 +216,6 @@ class RunRecord:
             return None
         from vescale_plugins.observe.allocations import AllocationTracker
 
-        # Pooled buffers were allocated before the tracker starts: free them, so every buffer
-        # memory the recorded steps use is allocated (and counted) inside the record.
-        for unit in self._units():
-            unit._storage_pool.clear()
         state = self.sharded_state_bytes()
         # Tensors made before the record opened are invisible to the tracker: count the sharded
         # parameters and optimizer state that existed then (gradients are remade each step).
@@ -336,15 +328,13 @@ def _module_name(root: nn.Module, target: nn.Module) -> str:
 @contextmanager
 def record_run(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[RunRecord]:
     """Record what ``model``'s veScale-FSDP units do inside the block (one record at a time)."""
-    global ACTIVE
-    if ACTIVE is not None:
+    if observer.current() is not None:
         raise RuntimeError("a run record is already open; close it before opening another")
     record = RunRecord(model, optimizer)
     tracker = record._start_peak_tracking()
-    ACTIVE = record
     try:
-        yield record
+        with observer.observed_by(record):
+            yield record
     finally:
-        ACTIVE = None
         if tracker is not None:
             record._finish_peak_tracking(tracker)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.nn as nn
 
-from vescale_plugins.runtime.fsdp_unit import _iter_units
-from vescale_plugins.runtime.api import VeScaleFSDPModule
+from vescale_plugins.runtime.module import VeScaleFSDPModule
+from vescale_plugins.runtime.state import groups_under
 
 __all__ = ["sharding_summary"]
 
@@ -20,7 +20,7 @@ _NAMES_SHOWN = 4
 
 def sharding_summary(model: nn.Module) -> str:
     """``veScale-FSDP: <Model> sharded as N units [names] over a 1-D mesh of W ranks (backend)``."""
-    units = _iter_units([model])
+    units = groups_under([model])
     model_class = type(model).__name__
     if isinstance(model, VeScaleFSDPModule):  # the class fully_shard made: VeScaleFSDP<original>
         model_class = type(model).__bases__[1].__name__

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from vescale_plugins.dbuffer.buffer import sharded_padding_of
+from vescale_plugins.runtime.param import dbuffer_of
 
 __all__ = ["Member", "Run", "contiguous_runs", "local_of"]
 
@@ -78,7 +78,7 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
     for entries in by_storage.values():
         entries.sort(key=lambda e: e[1].storage_offset())
         align = max(1, _ALIGNMENT_BYTES // entries[0][1].element_size())
-        padding = sharded_padding_of(entries[0][1])
+        padding = _storage_padding(entries[0][0], entries[0][1])
         current = [entries[0]]
         for entry in entries[1:]:
             previous_end = current[-1][1].storage_offset() + current[-1][1].numel()
@@ -93,6 +93,16 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
                 current = [entry]
         runs.append(_run(current))
     return runs
+
+
+def _storage_padding(param: torch.Tensor, local: torch.Tensor) -> list[tuple[int, int]] | None:
+    """The padding of the sharded DBuffer ``param`` is a view of, as element offsets into its
+    storage (that of ``local``); ``None`` for a parameter no DBuffer holds."""
+    dbuffer = dbuffer_of(param)
+    if dbuffer is None or dbuffer.sharded.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+        return None
+    base = dbuffer.sharded.storage_offset()
+    return [(base + start, base + end) for start, end in dbuffer.sharded_padding()]
 
 
 def _is_padding(padding: list[tuple[int, int]] | None, start: int, end: int) -> bool:

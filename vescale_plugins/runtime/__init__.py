@@ -1,10 +1,16 @@
-"""The runtime of one ``fully_shard`` unit, split by concern; ``FSDPUnit`` (in
-``vescale_plugins.runtime.fsdp_unit``) composes them:
+"""The FSDP2-compatible runtime: what ``fully_shard`` builds and what runs around forward and
+backward, one concern per module (FSDP2's shape):
 
-* ``params``: parameters, DBuffers, sharded/unsharded faces, unshard/reshard
-* ``hooks``: the forward/backward state machine and the root's end of iteration
-* ``gradients``: post-backward, reduce-scatter (and HSDP all-reduce), routing
-* ``prefetch``: which unit to gather next
-* ``mesh``: shard and replicate groups, placements, post-forward groups
-* ``managed``, ``traversal``: a parameter's record; walking inputs and outputs
+* :mod:`.api`: ``fully_shard`` and ``register_fsdp_forward_method``.
+* :mod:`.setup`: every set-up check, on every rank before any collective; the per-parameter
+  specs a unit is built from.
+* :mod:`.param_group`: ``FSDPParamGroup``, one unit: its DBuffers, gather and reshard, its
+  forward and backward hooks, the reduce-scatter of its gradients.
+* :mod:`.param`: ``FSDPParam``, one parameter's sharded and unsharded faces and gradients.
+* :mod:`.state`: ``RootState``, what the units under a root share: the forward order that
+  drives prefetch, the reduce-scatters in flight, the end of backward; ``TrainingState``.
+* :mod:`.module`: ``VeScaleFSDPModule``, FSDP2's ``FSDPModule`` methods.
+* :mod:`.mesh`: a unit's shard and replicate groups and placements.
+* :mod:`.tensor_parallel`: parameters that are already DTensors (TP, EP, SPMD meshes).
+* :mod:`.traversal`: walking a module's inputs and outputs.
 """

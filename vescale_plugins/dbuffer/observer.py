@@ -1,0 +1,77 @@
+"""How the buffers can be watched: the profiler regions around their work, and one observer
+(the run record) told of every buffer allocation and collective while it is open.
+
+Off, observation costs one module-level lookup per allocation or collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Protocol
+
+import torch
+
+__all__ = [
+    "ALL_GATHER_REGION",
+    "COMM_BUFFER_REGION",
+    "GRADIENT_BUFFER_REGION",
+    "GRADIENT_RELEASE_REGION",
+    "REDUCE_SCATTER_REGION",
+    "BufferObserver",
+    "current",
+    "observed_by",
+    "scope",
+]
+
+# Profiler record-function names around the library's collective paths (tests count the
+# copies inside them; the run record times them).
+ALL_GATHER_REGION = "vescale::all_gather"
+REDUCE_SCATTER_REGION = "vescale::reduce_scatter"
+# Marked only while observed, so the run record's memory split can tell the buffers apart.
+GRADIENT_BUFFER_REGION = "vescale::gradient_buffer"
+# Where autograd's gradients are copied into the buffer and freed (the record counts them as
+# unsharded gradients by where they die: they are born in whichever op computed them).
+GRADIENT_RELEASE_REGION = "vescale::gradient_release"
+COMM_BUFFER_REGION = "vescale::comm_buffer"
+
+
+class BufferObserver(Protocol):
+    """What the buffers report. ``kind`` is ``"unsharded_params"``, ``"unsharded_grads"`` or
+    ``"comm_buffers"``; sizes are bytes; times are the observer's own clock (``now()``)."""
+
+    def now(self) -> float: ...
+
+    def buffer_allocated(self, kind: str, nbytes: int) -> None: ...
+
+    def buffer_freed(self, kind: str, nbytes: int) -> None: ...
+
+    def collective_issued(self, kind: str, unit: str, nbytes: int, dtype: torch.dtype) -> Any:
+        """Returns a token for :meth:`collective_done`; its ``start_s`` is the issue time."""
+
+    def collective_done(self, token: Any, wait_started_s: float) -> None: ...
+
+
+_CURRENT: BufferObserver | None = None
+
+
+def current() -> BufferObserver | None:
+    """The open observer, or ``None``."""
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def observed_by(observer: BufferObserver) -> Iterator[None]:
+    """Report to ``observer`` inside the block (one at a time)."""
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("a run record is already open; close it before opening another")
+    _CURRENT = observer
+    try:
+        yield
+    finally:
+        _CURRENT = None
+
+
+def scope(name: str) -> Any:
+    """A profiler scope while observed (the record's memory split reads them), else nothing."""
+    return torch.profiler.record_function(name) if _CURRENT is not None else contextlib.nullcontext()

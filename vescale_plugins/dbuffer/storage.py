@@ -1,0 +1,57 @@
+"""Flat buffers whose memory comes and goes while the tensor (and every view cut from it)
+stays: how unsharded parameters and gradients are freed between uses."""
+
+from __future__ import annotations
+
+import torch
+
+from vescale_plugins.dbuffer import observer
+
+__all__ = ["ResizableStorage", "set_version_counter"]
+
+
+class ResizableStorage:
+    """A flat tensor whose storage is released and re-grown in place, so views survive (FSDP2
+    does the same for its unsharded parameters). ``kind`` is what the observer is told."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, kind: str) -> None:
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.nbytes = numel * self.tensor.element_size()
+        self.kind = kind
+        self._release_storage()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor.untyped_storage().size() > 0
+
+    def allocate(self) -> torch.Tensor:
+        storage = self.tensor.untyped_storage()
+        if storage.size() == 0:
+            watcher = observer.current()
+            if watcher is not None:
+                watcher.buffer_allocated(self.kind, self.nbytes)
+            storage.resize_(self.nbytes)
+        return self.tensor
+
+    def release(self) -> None:
+        if self.allocated:
+            watcher = observer.current()
+            if watcher is not None:
+                watcher.buffer_freed(self.kind, self.nbytes)
+        self._release_storage()
+
+    def _release_storage(self) -> None:
+        if self.tensor.device.type != "meta":
+            self.tensor.untyped_storage().resize_(0)
+
+
+def set_version_counter(tensor: torch.Tensor, version: int) -> None:
+    """Reset ``tensor``'s autograd version counter (shared with all its views) to ``version``.
+
+    The all-gather refills the storage that the unsharded parameters (saved for backward)
+    alias, with the same values, so autograd must not see it as a modification. gloo's
+    asynchronous all-gather writes from its own thread, after the call returns, so the
+    version is restored when the collective is waited on. FSDP2 uses the same private API
+    (through ``_unsafe_preserve_version_counter``) for its copy-out.
+    """
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))

@@ -1,0 +1,272 @@
+"""``VeScaleFSDPModule``: FSDP2's ``FSDPModule`` methods on every module ``fully_shard``
+manages, and the class each managed module becomes (``FSDP<Name>``'s counterpart)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
+
+from vescale_plugins.runtime.param_group import FSDPParamGroup
+from vescale_plugins.runtime.setup import check_reshard_after_forward, normalise_reshard_after_forward, refuse_with_parameter_meshes
+from vescale_plugins.runtime.state import groups_under
+
+__all__ = ["UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
+
+
+class UnshardHandle(_TorchUnshardHandle):
+    """Returned by ``unshard(async_op=True)``, as FSDP2's: ``wait()`` blocks until the
+    all-gather is done and registers the unsharded parameters; waiting is optional (the
+    unit's next forward waits for it) and a second ``wait()`` does nothing."""
+
+    def __init__(self, unit: FSDPParamGroup) -> None:
+        self._unit: FSDPParamGroup | None = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            if self._unit._pending_unshard:  # not yet waited for (nor resharded) elsewhere
+                self._unit.use_unsharded_params()
+            self._unit = None  # as FSDP2: keep no reference after waiting
+
+
+class _FSDPStateAdapter:
+    """What ``_get_fsdp_state()`` returns for our modules: FSDP2's private state object is
+    reached by torch's own helpers (``torch.distributed.fsdp.register_fsdp_forward_method``,
+    which transformers' Trainer calls for ``generate``); its forward hooks are provided,
+    anything else raises naming what to use instead."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return group_of(module).pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return group_of(module).post_forward(module, output)
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(
+            f"FSDP2's private state attribute {name!r} does not exist on a module managed by "
+            "vescale_plugins.fully_shard; use the public FSDPModule methods"
+        )
+
+
+def _refuse_deepcopy(*args: Any, **kwargs: Any) -> Any:
+    # FSDP2 raises the same error (an AssertionError) for its modules.
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization "
+        "(vescale_plugins.fully_shard manages this module)."
+    )
+
+
+class VeScaleFSDPModule(FSDPModule):
+    """Mixed into every module ``fully_shard`` manages: FSDP2's ``FSDPModule`` methods.
+
+    It subclasses torch's ``FSDPModule`` so ``isinstance(m, FSDPModule)`` checks (Accelerate,
+    transformers, Lightning, user code) see a managed module; every public method of
+    FSDPModule is overridden here, so none of FSDP2's internals run on our modules.
+    """
+
+    # FSDPModule.__new__ builds the original class, found at this index of the MRO:
+    # [VeScaleFSDP<Orig>, VeScaleFSDPModule, FSDPModule, Orig, ...].
+    _orig_cls_mro_index: int = 3
+    _vescale_fsdp_unit: FSDPParamGroup
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters now (FSDP2 semantics: the next forward reuses them)."""
+        unit = self._vescale_fsdp_unit
+        if async_op:
+            unit.unshard(async_op=True)
+            return UnshardHandle(unit)
+        unit.use_unsharded_params()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters; the sharded ones are registered again."""
+        self._vescale_fsdp_unit.reshard()
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_all_gather: veScale-FSDP all-gathers its DBuffers in place and takes no "
+            "custom all-gather; use torch.distributed.fsdp.fully_shard for custom collectives"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: veScale-FSDP reduce-scatters its gradient DBuffers itself "
+            "and takes no custom reduce-scatter; use torch.distributed.fsdp.fully_shard for that"
+        )
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        raise NotImplementedError(
+            "set_all_reduce_hook is not supported by vescale_plugins.fully_shard yet; reduce the "
+            "sharded gradients (param.grad) after backward instead"
+        )
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """FSDP2 makes the next all-gathers wait for ``event``; ours waits for it here (on the
+        host), which orders them after the optimizer step just the same."""
+        event.synchronize()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2: use :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Already so: veScale-FSDP always reduces with SUM and divides once afterwards."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Already so: every unit that ran backward reduce-scatters all its parameters, with
+        zeros where no gradient arrived, so the collectives always match across ranks."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Validated as FSDP2 does; veScale-FSDP keeps one reduce-scatter in flight (FSDP2's
+        default, 1), so only 1 is accepted."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        if max_input_buffers > 1:
+            raise NotImplementedError(
+                f"set_reduce_scatter_max_input_buffers({max_input_buffers}): veScale-FSDP keeps one "
+                "reduce-scatter in flight; use 1 (the default)"
+            )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        if enable:
+            raise NotImplementedError(
+                "set_separate_reduce_scatter_group(True): veScale-FSDP issues reduce-scatters on "
+                "the unit's own process group; leave it off"
+            )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """A memory hint in FSDP2 (skip the backward all-gather of a unit whose parameters
+        backward does not read, e.g. an embedding). veScale-FSDP gathers anyway, which gives
+        the same gradients; the value is validated and kept."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
+        self._vescale_fsdp_unit.unshard_in_backward = unshard_in_backward
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): veScale-FSDP communicates "
+                "from its persistent DBuffers, not process-group staging buffers; leave it off"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: symmetric-memory all-gathers are not supported by "
+            "vescale_plugins.fully_shard; use torch.distributed.fsdp.fully_shard for them"
+        )
+
+    def _get_fsdp_state(self) -> _FSDPStateAdapter:
+        return _FSDPStateAdapter(self)  # type: ignore[arg-type]
+
+    def _units(self, recurse: bool) -> list[FSDPParamGroup]:
+        return groups_under([self]) if recurse else [self._vescale_fsdp_unit]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With ``False``, backward accumulates full gradients locally and communicates nothing."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        check_reshard_after_forward(reshard_after_forward)
+        for unit in self._units(recurse):
+            if len({b.mesh.mesh for b in unit.buffers}) > 1:
+                refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward, None)
+            unit.reshard_after_forward = normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
+
+    def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+        """Start these units' all-gathers when this unit's forward starts (default: the unit
+        that ran after it in the previous forward; ``[]`` for none)."""
+        self._vescale_fsdp_unit.forward_prefetch = [group_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+        """Start these units' all-gathers during this unit's backward, once its first gradient
+        has landed (default: the unit that ran before it in forward)."""
+        self._vescale_fsdp_unit.backward_prefetch = [group_of(m) for m in modules]
+
+    def set_find_unused_parameters(self, enabled: bool) -> None:
+        """Accepted for code written for DDP (``find_unused_parameters``); nothing to switch.
+
+        veScale-FSDP always handles parameters that get gradients on some ranks only
+        (data-dependent routing: mixture-of-experts layers, conditional branches): each
+        reduce-scatter carries a presence flag per parameter, so such a parameter gets the
+        other ranks' reduced gradient on every rank, and one no rank's batch reached keeps
+        ``grad=None`` everywhere, as under DDP, with no extra collective.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_find_unused_parameters expects a bool, got {enabled!r}")
+
+    def reset_iter_state(self) -> None:
+        """After catching an exception from ``forward()`` or ``backward()``, call this on the
+        root module, then run the next iteration normally (FSDP2's recovery workflow): every
+        collective in flight is finished, every unit resharded, and the aborted iteration's
+        gradients and no-sync accumulation are dropped."""
+        group = self._vescale_fsdp_unit
+        if group.root_state is None:  # never ran forward: nothing under a root yet
+            for unit in groups_under([self]):
+                unit.reset_iteration_state()
+            return
+        if group.root_state.root is not group:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root module (the one fully_shard was "
+                "applied to last, which runs forward first), not on a unit inside it"
+            )
+        group.root_state.reset_iteration()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with ``False``, backward reduce-scatters within the shard group but does not
+        all-reduce across replicas; the sums wait (no gradient is attached) until a backward
+        with ``True`` all-reduces them with its own, as FSDP2. No effect on a 1-D mesh."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        for unit in self._units(True):
+            unit.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of the group size (this
+        unit only, not the units below it, as FSDP2)."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        self._vescale_fsdp_unit.gradient_divide_factor = float(factor)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # to_empty / to(device) replace local tensors; move them back into the DBuffers.
+        # Past FSDPModule: its _apply reads FSDP2's private state.
+        result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        self._vescale_fsdp_unit.readopt_sharded_params()
+        return result
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def fsdp_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
+    return _CLASS_CACHE[cls]
+
+
+def group_of(module: Any) -> FSDPParamGroup:
+    unit = getattr(module, "_vescale_fsdp_unit", None)
+    if unit is None:
+        raise ValueError(f"{type(module).__name__} is not managed by vescale_plugins.fully_shard")
+    return unit

@@ -1,0 +1,268 @@
+"""One managed parameter (FSDP2's ``FSDPParam``): its two faces and the operations on it.
+
+Between steps a managed parameter is an ``nn.Parameter(DTensor)`` whose placement is
+``RaggedShard`` and whose local tensor is a view of its DBuffer's sharded buffer (the
+*sharded* face). Around its unit's forward and backward the modules see a plain
+``nn.Parameter`` that is a view of the unsharded buffer (the *unsharded* face). Gradients
+arrive on the unsharded face and leave as a view of the sharded gradient buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Placement
+
+from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.ragged.dtensor import make_dtensor, set_local_tensor
+from vescale_plugins.runtime.mesh import UnitMesh
+from vescale_plugins.runtime.tensor_parallel import ParallelSpec
+
+if TYPE_CHECKING:
+    from vescale_plugins.runtime.param_group import FSDPParamGroup
+
+__all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
+
+
+@dataclass
+class ShardedBuffer:
+    """One DBuffer of a unit, the mesh it shards over, and the parameters it holds (in slot
+    order). ``dbuffer`` is replaced when ``module.to()`` or ``to_empty()`` moves the unit."""
+
+    dbuffer: DBuffer
+    mesh: UnitMesh
+    params: list["FSDPParam"]
+
+
+class FSDPParam:
+    """One parameter of a unit.
+
+    Args:
+        fqn: its name under the unit's first module.
+        owners: the ``(module, attribute)`` slots that hold it (several when tied).
+        buffer, slot: where it lives (its DBuffer's ``slots[slot]``).
+        original: the parameter ``fully_shard`` replaced; its data is copied in once.
+        parallel: set when it was already a DTensor (tensor/expert parallel, SPMD mesh): the
+            DBuffer holds its local tensor and the gathered parameter is that DTensor again.
+    """
+
+    def __init__(
+        self, fqn: str, owners: tuple[tuple[nn.Module, str], ...], buffer: ShardedBuffer, slot: int,
+        original: nn.Parameter, parallel: ParallelSpec | None,
+    ) -> None:
+        self.fqn, self.owners, self.buffer, self.slot, self.parallel = fqn, owners, buffer, slot, parallel
+        # Weakly: a module outside the unit still holding it (a tied weight) is a parameter
+        # shared across units, which an outer unit must refuse.
+        self.original: Callable[[], nn.Parameter | None] = weakref.ref(original)
+        self.unsharded: nn.Parameter | None = None
+        # Gradients of micro-batches that did not sync, in the reduce dtype when it differs from
+        # the unsharded parameters' (FSDP2 accumulates there, not in bf16 on the parameter).
+        self.accumulated_grad: torch.Tensor | None = None
+        self.sharded = self._make_sharded(original)
+
+    @property
+    def dbuffer(self) -> DBuffer:
+        return self.buffer.dbuffer
+
+    # -- the sharded face -------------------------------------------------------------
+
+    def placements(self) -> list[Placement]:
+        slot = self.dbuffer.slots[self.slot]
+        return self.buffer.mesh.placements(slot.shape, slot.numel, slot.local_units)
+
+    def slice_start(self) -> int:
+        """Where this rank's part starts in the flattened (local TP) parameter."""
+        dbuffer = self.dbuffer
+        slot = dbuffer.slots[self.slot]
+        return self.buffer.mesh.shard_rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
+
+    def _make_sharded(self, param: nn.Parameter) -> nn.Parameter:
+        """Copy this rank's part of ``param`` into the sharded buffer once; the sharded face.
+
+        A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
+        (dp, tp) mesh with the ragged cut on the dp dim (see ``tensor_parallel``)."""
+        slot = self.dbuffer.slots[self.slot]
+        local = self.dbuffer.sharded_view(self.slot)
+        if param.device.type != "meta":
+            with torch.no_grad():
+                flat = _local(param).detach().reshape(-1)
+                start = self.slice_start()
+                local.reshape(-1).copy_(flat[start : start + slot.local_length])
+        if self.parallel is not None:
+            ragged = self.placements()[-1]
+            dtensor = make_dtensor(local, self.parallel.sharded_mesh, self.parallel.sharded_placements(ragged), self.parallel.shape, self.parallel.stride)
+        else:
+            dtensor = make_dtensor(local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape))
+        sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        _BY_SHARDED[id(sharded)] = self
+        return sharded
+
+    def replace_sharded(self, device: torch.device) -> None:
+        """A new sharded face on ``device`` over the same layout (assignment onto a meta unit:
+        a DTensor's device is fixed)."""
+        old = self.sharded
+        local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=device)
+        self.sharded = nn.Parameter(make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+        _BY_SHARDED[id(self.sharded)] = self
+        self.register(self.sharded)
+
+    def readopt_local(self, old_local: torch.Tensor) -> None:
+        """Point the sharded face at its view of the (possibly new) DBuffer, copying what the
+        replaced local tensor held."""
+        view = self.dbuffer.sharded_view(self.slot)
+        if old_local.device.type != "meta":
+            with torch.no_grad():
+                view.copy_(old_local)
+        set_local_tensor(self.sharded, view)
+        self.unsharded = None
+
+    def holds_its_view(self) -> bool:
+        """Whether the sharded face still is its view of the DBuffer (``to_empty``/``_apply``
+        replace local tensors)."""
+        local = self.sharded._local_tensor
+        return _same_storage(local, self.dbuffer.sharded_view(self.slot)) and local.dtype == self.dbuffer.dtype
+
+    def local_value_of(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``value``: a full tensor, or a DTensor of any placement over the
+        parameter's mesh (a sharded state dict)."""
+        if isinstance(value, DTensor):
+            same = value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh
+            return value.to_local() if same else value.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+        full = value.detach() if self.parallel is None else self.parallel.local_part(value.detach()).contiguous()
+        start = self.slice_start()
+        return full.reshape(-1)[start : start + self.dbuffer.slots[self.slot].local_length]
+
+    # -- the unsharded face -----------------------------------------------------------
+
+    def to_unsharded(self, after_gradient: Callable[[nn.Parameter], None]) -> None:
+        """Register the unsharded face (made once per gather) in the modules."""
+        if self.unsharded is None:
+            view = self.dbuffer.unsharded_view(self.slot)
+            gathered = view if self.parallel is None else self.parallel.unsharded_param(view)
+            self.unsharded = nn.Parameter(gathered, requires_grad=self.sharded.requires_grad)
+            if self.unsharded.requires_grad:
+                self.unsharded.register_post_accumulate_grad_hook(after_gradient)
+        self.register(self.unsharded)
+
+    def to_sharded(self) -> None:
+        self.register(self.sharded)
+
+    def register(self, param: nn.Parameter) -> None:
+        # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+    # -- gradients --------------------------------------------------------------------
+
+    def gathered_grad(self) -> torch.Tensor | None:
+        """The unsharded face's gradient as a local tensor (a TP DTensor's local shard)."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None or self.parallel is None:
+            return grad
+        return self.parallel.local_grad(grad)
+
+    def take_gradient(self) -> torch.Tensor | None:
+        """The full gradient to reduce (with what accumulated without sync), detached from the
+        parameter so the caller holds the only reference."""
+        grad = self.gathered_grad()
+        if self.unsharded is not None:
+            self.unsharded.grad = None
+        if self.accumulated_grad is not None:
+            grad = self.accumulated_grad if grad is None else self.accumulated_grad.add_(grad)
+            self.accumulated_grad = None
+        return grad
+
+    def accumulate_in(self, reduce_dtype: torch.dtype) -> None:
+        """Without sync: move the gradient into an accumulator in ``reduce_dtype`` where it
+        differs from the gradient's (bf16 compute, fp32 reduce), as FSDP2 does; otherwise
+        autograd keeps accumulating on the parameter in place."""
+        grad = self.gathered_grad()
+        if grad is None or (self.accumulated_grad is None and grad.dtype == reduce_dtype):
+            return
+        self.unsharded.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self.accumulated_grad.add_(grad)
+
+    def attach_sharded_grad(self) -> None:
+        """``.grad`` of the sharded face: a DTensor view of the sharded gradient buffer."""
+        local = self.dbuffer.sharded_grad_view(self.slot)
+        sharded = self.sharded
+        sharded.grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
+
+    def run_post_accumulate_grad_hooks(self) -> None:
+        """Hooks users registered on the sharded face run once its reduced gradient is final
+        (optimizer-in-backward steps there), as FSDP2's do."""
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        if hooks and self.sharded.grad is not None:
+            for hook in list(hooks.values()):
+                hook(self.sharded)
+
+
+# The FSDPParam of each sharded face, by the face's id: optimizers ask which DBuffer a
+# parameter views. Not a weak reference to the parameter (``module._apply`` swaps a DTensor
+# parameter's contents in place, which torch refuses for a weakly referenced tensor); the
+# lookup checks identity, so a reused id never answers.
+_BY_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+
+
+def fsdp_param_of(param: torch.Tensor) -> FSDPParam | None:
+    """The :class:`FSDPParam` whose sharded face ``param`` is, or ``None``."""
+    fsdp_param = _BY_SHARDED.get(id(param))
+    return fsdp_param if fsdp_param is not None and fsdp_param.sharded is param else None
+
+
+def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
+    """The DBuffer whose sharded buffer ``param`` (a sharded parameter) is a view of, or
+    ``None`` for any other tensor. A flat optimizer reads :meth:`DBuffer.sharded_padding`
+    from it to step across the padding between parameters."""
+    fsdp_param = fsdp_param_of(param)
+    return fsdp_param.dbuffer if fsdp_param is not None else None
+
+
+# Which (module, name) slots hold a managed parameter, so that assigning to one (meta-device
+# init followed by ``module.w = nn.Parameter(t)``, ``load_state_dict(assign=True)``) lands
+# in the unit's DBuffer instead of silently replacing the sharded parameter (FSDP2 adopts such
+# assignments too).
+_MANAGED_SLOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPParamGroup, FSDPParam]]]" = weakref.WeakKeyDictionary()
+
+
+def track_slots(group: "FSDPParamGroup", fsdp_params: list[FSDPParam]) -> None:
+    for fsdp_param in fsdp_params:
+        for module, name in fsdp_param.owners:
+            _MANAGED_SLOTS.setdefault(module, {})[name] = (group, fsdp_param)
+
+
+def _adopt_assigned_parameter(module: nn.Module, name: str, param: nn.Parameter) -> Any:
+    slots = _MANAGED_SLOTS.get(module)
+    if not slots or name not in slots:
+        return None
+    group, fsdp_param = slots[name]
+    return group.adopt_assigned(fsdp_param, param)
+
+
+nn.modules.module.register_module_parameter_registration_hook(_adopt_assigned_parameter)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What a unit's DBuffer holds of a parameter: a DTensor's (TP/EP) local tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    return a.data_ptr() == b.data_ptr() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,0 +1,450 @@
+"""One unit at run time (FSDP2's ``FSDPParamGroup``): what one ``fully_shard`` call manages.
+
+The unit holds its parameters (:class:`~vescale_plugins.runtime.param.FSDPParam`) in one or
+more DBuffers, grouped by (mesh, dtype, requires_grad) and split where the planner says it
+pays. Its forward gathers them (and starts the next unit's gather), its backward gathers
+them again if they were resharded, and its post-backward moves autograd's gradients into the
+gradient buffers, which leave by one reduce-scatter per DBuffer (then, under HSDP, one
+all-reduce across replicas). State shared by every unit under one root lives in
+:class:`~vescale_plugins.runtime.state.RootState`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.dbuffer.handles import GatherHandle
+from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
+from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
+from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
+from vescale_plugins.runtime.setup import ParamSpec
+from vescale_plugins.runtime.state import RootState, TrainingState
+from vescale_plugins.runtime.traversal import cast_floating, map_grad_tensors, outside_functorch, register_on_tensors, tensors_requiring_grad
+
+__all__ = ["FSDPParamGroup"]
+
+
+class FSDPParamGroup:
+    """The runtime of one ``fully_shard`` call (one unit).
+
+    The attributes set by ``FSDPModule``'s setters (``reshard_after_forward``,
+    ``requires_gradient_sync``, the prefetch lists, ...) are read here at run time.
+    """
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        params: list[ParamSpec],
+        mesh: DeviceMesh,
+        reshard_after_forward: bool | int | None,
+        mp_policy: MixedPrecisionPolicy,
+        buffer_split_cost: BufferSplitCost,
+    ) -> None:
+        self.modules = modules
+        self.mesh = mesh
+        self.group = UnitMesh.of(mesh).shard_group  # the unit mesh's (each DBuffer has its own)
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.mp_policy = mp_policy
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.is_last_backward = True
+        self.unshard_in_backward = True
+        # None: each DBuffer divides by its mesh's size (every data-parallel rank of it).
+        self.gradient_divide_factor: float | None = None
+        self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit (see RootState)
+        self.backward_prefetch: list[FSDPParamGroup] | None = None
+        # Set at the first forward under a root (the first unit to run forward is the root).
+        self.root_state: RootState | None = None
+        self.training_state = TrainingState.IDLE
+        self._pending_post_backward = 0  # _PostBackward nodes of this forward not yet run
+        self._backward_prefetched = False
+        self._pending_unshard: list[GatherHandle] = []
+        self._modules_run: set[int] = set()
+        self.buffers: list[ShardedBuffer] = []
+        self.fsdp_params = self._build(params, buffer_split_cost)
+        self._register_state_dict_hooks()
+
+    # -- construction -----------------------------------------------------------------
+
+    def _build(self, specs: list[ParamSpec], cost: BufferSplitCost) -> list[FSDPParam]:
+        """The DBuffers of each (mesh, dtype, requires_grad) group, as many as the planner's
+        split says, each parameter sharded into its slot."""
+        by_group: dict[tuple[DeviceMesh, torch.dtype, bool], list[int]] = {}
+        for i, spec in enumerate(specs):
+            by_group.setdefault((spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad), []).append(i)
+        meshes = {self.mesh: UnitMesh.of(self.mesh)}
+        built: list[FSDPParam | None] = [None] * len(specs)
+        for (mesh, dtype, _), indices in by_group.items():
+            unit_mesh = meshes.setdefault(mesh, UnitMesh.of(mesh))
+            members = [specs[i] for i in indices]
+            shapes, block_rows = [s.local.shape for s in members], [s.block_rows for s in members]
+            comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
+            for plan in plan_buffers(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size, cost):
+                in_buffer = [members[p] for p in plan.positions]
+                dbuffer = self._new_dbuffer(
+                    [s.local.shape for s in in_buffer], [s.block_rows for s in in_buffer], dtype, members[0].param.device, unit_mesh.shard_group, plan.layout
+                )
+                buffer = ShardedBuffer(dbuffer, unit_mesh, [])
+                for slot, spec in enumerate(in_buffer):
+                    buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
+                self.buffers.append(buffer)
+                for position, fsdp_param in zip(plan.positions, buffer.params):
+                    built[indices[position]] = fsdp_param
+        fsdp_params = [p for p in built if p is not None]
+        for fsdp_param in fsdp_params:
+            fsdp_param.to_sharded()
+        track_slots(self, fsdp_params)
+        return fsdp_params
+
+    def _new_dbuffer(self, shapes: list[torch.Size], block_rows: list[int], dtype: torch.dtype, device: torch.device, group: Any, layout: Any) -> DBuffer:
+        floating = dtype.is_floating_point
+        return DBuffer(
+            shapes, block_rows, dtype, device, group, layout,
+            param_dtype=self.mp_policy.param_dtype if floating else None,
+            reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
+        )
+
+    @property
+    def dbuffers(self) -> list[DBuffer]:
+        return [b.dbuffer for b in self.buffers]
+
+    def readopt_sharded_params(self) -> None:
+        """After ``to_empty``/``_apply`` replaced local tensors: move them back into DBuffers
+        (new ones in the new device or dtype, over the same layout)."""
+        for buffer in self.buffers:
+            members = buffer.params
+            if all(p.holds_its_view() for p in members):
+                continue
+            old = buffer.dbuffer
+            locals_ = [p.sharded._local_tensor for p in members]
+            device = locals_[0].device if locals_ else old.device
+            dtype = locals_[0].dtype if locals_ else old.dtype
+            if device != old.device or dtype != old.dtype or old.sharded.device.type == "meta":
+                # Mixed-precision dtypes follow a dtype change unless the policy fixed them.
+                buffer.dbuffer = self._new_dbuffer([s.shape for s in old.slots], [s.block_rows for s in old.slots], dtype, device, old.group, old.layout)
+                buffer.dbuffer.label = old.label
+            for fsdp_param, old_local in zip(members, locals_):
+                fsdp_param.readopt_local(old_local)
+
+    def adopt_assigned(self, fsdp_param: FSDPParam, value: nn.Parameter) -> nn.Parameter | None:
+        """``module.<name> = value`` on a managed parameter (``load_state_dict(assign=True)``
+        too): keep the sharded DTensor in its DBuffer and take ``value``'s data for this rank.
+
+        ``value`` is the full parameter (a plain tensor) or a DTensor of any placement over the
+        parameter's mesh (a sharded state dict). Returns the parameter to register.
+        """
+        if value is fsdp_param.sharded or value is fsdp_param.unsharded:
+            return None
+        if tuple(value.shape) != tuple(fsdp_param.sharded.shape):
+            raise ValueError(
+                f"cannot assign a tensor of shape {tuple(value.shape)} to {fsdp_param.fqn!r}, a parameter of "
+                f"shape {tuple(fsdp_param.sharded.shape)} sharded by fully_shard; assign a tensor of the same shape"
+            )
+        if self.is_unsharded or self._pending_unshard:
+            self.reshard()
+        if value.device.type == "meta":
+            return fsdp_param.sharded
+        if fsdp_param.dbuffer.sharded.device.type == "meta":
+            # Assigned over a meta-initialised unit: its buffer moves to the value's device
+            # (what to_empty would do); the other parameters wait for their own values.
+            for member in fsdp_param.buffer.params:
+                member.replace_sharded(value.device)
+            self.readopt_sharded_params()
+        with torch.no_grad():
+            fsdp_param.dbuffer.sharded_view(fsdp_param.slot).reshape(-1).copy_(fsdp_param.local_value_of(value).reshape(-1))
+        return fsdp_param.sharded
+
+    def _register_state_dict_hooks(self) -> None:
+        """Reshard before ``state_dict()``/``load_state_dict()`` so both see the sharded params."""
+        owners = {id(module): module for p in self.fsdp_params for module, _ in p.owners}
+        for module in owners.values():
+            module.register_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+
+    # -- unshard / reshard ------------------------------------------------------------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(b.is_unsharded for b in self.dbuffers)
+
+    def check_materialized(self) -> None:
+        for fsdp_param in self.fsdp_params:
+            if fsdp_param.sharded.device.type == "meta":
+                raise RuntimeError(
+                    f"parameter {fsdp_param.fqn!r} is still on the meta device: call module.to_empty(device=...) "
+                    "and initialise it (e.g. reset_parameters()) before running forward"
+                )
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
+        if self.is_unsharded or self._pending_unshard:
+            return
+        self.check_materialized()
+        with outside_functorch():
+            self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
+
+    def wait_for_unshard(self) -> None:
+        with outside_functorch():
+            for work in self._pending_unshard:
+                work.wait()
+        self._pending_unshard = []
+
+    def use_unsharded_params(self) -> None:
+        """Gather (if needed) and register the unsharded parameters in the modules."""
+        self.unshard()
+        self.wait_for_unshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_unsharded(self._after_gradient)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffers and register the sharded parameters again."""
+        self.wait_for_unshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        for dbuffer in self.dbuffers:
+            dbuffer.release_unsharded()
+
+    def _reshard_to_post_forward_group(self) -> None:
+        """``reshard_after_forward=k``: keep the parameters sharded over groups of k
+        consecutive ranks until backward, which gathers within those k ranks only (FSDP2's
+        memory and traffic: 1/k of the unit per rank)."""
+        self.wait_for_unshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        for buffer in self.buffers:
+            buffer.dbuffer.reshard_to_group(post_forward_group(buffer.mesh.mesh, self.reshard_after_forward))
+
+    # -- forward ----------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            # Activation checkpointing recomputes this forward inside the unit's backward: the
+            # backward owns the parameters' state, so only make sure they are unsharded (an
+            # earlier post-backward of a unit run twice may have resharded them), as FSDP2.
+            self.use_unsharded_params()
+            return self._cast_forward_inputs(args, kwargs)
+        if self._modules_run:
+            self._modules_run.add(id(module))
+            return self._cast_forward_inputs(args, kwargs)  # every module of a grouped unit
+        self._modules_run.add(id(module))
+        if self.root_state is None:
+            RootState.init_under(self)
+        root_state = self.root_state
+        if root_state.root is self:
+            root_state.start_forward()
+        if torch.is_grad_enabled():
+            root_state.forward_order.append(self)
+        self.use_unsharded_params()
+        for group in root_state.forward_prefetch_targets(self):
+            group.unshard(async_op=True)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        if torch.is_grad_enabled():
+            self.training_state = TrainingState.FORWARD
+            args, kwargs = self._attach_post_backward((args, kwargs))
+        return args, kwargs
+
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``MixedPrecisionPolicy(cast_forward_inputs=True)``: floating-point inputs to
+        ``param_dtype``, wherever they are nested (as FSDP2: lists, dicts, dataclasses)."""
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            return cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return self._cast_output(output)  # a recomputation (see pre_forward)
+        if len(self._modules_run) < len(self.modules):
+            return self._cast_output(output)  # each module of a grouped unit, as FSDP2
+        output = self.complete_forward(output)
+        if self.root_state.root is self:
+            output = self.root_state.complete_partial_forwards(output)
+        return self._cast_output(output)
+
+    def complete_forward(self, output: Any) -> Any:
+        """Reshard as the policy says and hook the outputs for the pre-backward."""
+        self._modules_run.clear()
+        if self._reshards_after_forward():
+            if is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
+                self._reshard_to_post_forward_group()
+            else:
+                self.reshard()
+        if torch.is_grad_enabled():
+            output = register_on_tensors(output, self._pre_backward_hook)
+        return output
+
+    def _reshards_after_forward(self) -> bool:
+        if not torch.is_grad_enabled():
+            return True  # no backward will need the parameters (evaluation, inference)
+        if self.reshard_after_forward is None:
+            return self.root_state.root is not self
+        return self.reshard_after_forward
+
+    # -- backward ---------------------------------------------------------------------
+
+    def _attach_post_backward(self, inputs: Any) -> Any:
+        tensors = tensors_requiring_grad(inputs)
+        if not tensors or torch._C._are_functorch_transforms_active():
+            # (under torch.func transforms the final callback reduces the unit instead)
+            return inputs
+        self._pending_post_backward += 1
+        outs = _PostBackward.apply(self, *tensors)
+        replacements = iter(outs if isinstance(outs, tuple) else (outs,))
+        return map_grad_tensors(inputs, lambda t: next(replacements))
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        root_state = self.root_state
+        if not root_state.callback_queued:
+            root_state.callback_queued = True
+            Variable._execution_engine.queue_callback(root_state.final_callback)
+        self.use_unsharded_params()
+        self._backward_prefetched = False
+        if not any(p.sharded.requires_grad for p in self.fsdp_params):
+            self._prefetch_for_backward()
+
+    def _after_gradient(self, param: nn.Parameter) -> None:
+        """At the unit's first gradient: finish the previous unit's reduce-scatter, then start
+        gathering the unit whose backward comes next.
+
+        The reduce-scatter has overlapped this unit's backward up to here; finishing it frees
+        its gradient buffer before the prefetch allocates, so the two are never alive at once.
+        """
+        if not self._backward_prefetched:
+            self.root_state.wait_for_reduces()
+        self._prefetch_for_backward()
+
+    def _prefetch_for_backward(self) -> None:
+        """Start gathering the unit(s) whose backward comes next.
+
+        A unit with gradients does this at its first gradient rather than at its pre-backward
+        (where FSDP2 does): the backward ops before that gradient have then released the
+        activation gradients they consumed (for an output head, the logits' gradient, often the
+        largest tensor of the step), so the prefetched parameters do not add to that moment.
+        """
+        if self._backward_prefetched:
+            return
+        self._backward_prefetched = True
+        for group in self.root_state.backward_prefetch_targets(self):
+            group.unshard(async_op=True)
+
+    def _post_backward_from_inputs(self) -> None:
+        self._pending_post_backward -= 1
+        if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
+
+        Resharding first frees the unsharded parameters before the reduce-scatter allocates.
+        """
+        if self.training_state not in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        self._prefetch_for_backward()  # if no gradient reached this unit
+        if self.reshard_after_backward:
+            self.reshard()
+        if self.requires_gradient_sync:
+            self._reduce_gradients()
+        else:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.accumulate_in(fsdp_param.dbuffer.reduce_dtype)
+
+    def _reduce_gradients(self) -> None:
+        """Move the unit's gradients into its gradient buffers and reduce-scatter them
+        asynchronously (at most one unit in flight).
+
+        Called after resharding, as FSDP2 chunk-cats after resharding: the buffer is allocated
+        once the unsharded parameters are freed and the previous unit's reduce-scatter (which
+        overlapped this unit's backward) is finished, so one unit's full gradients are alive
+        at a time, the root's aside. Autograd's gradients are copied in (one copy each: its
+        backward ops always write fresh tensors) and freed as they are copied. The root waits
+        for the last reduce-scatters at the end of backward.
+        """
+        root_state = self.root_state
+        root_state.wait_for_reduces()
+        for buffer in self.buffers:
+            members = [p for p in buffer.params if p.sharded.requires_grad]
+            if not members:
+                continue
+            dbuffer = buffer.dbuffer
+            # Every rank reduces every unit that ran backward, gradients or not (another rank's
+            # data may have reached parameters this one's did not): slices no gradient reached
+            # are zeroed. The dict holds the only references, so each gradient is freed as it
+            # is copied, before the reduce-scatter allocates the sharded gradient.
+            grads = {p.slot: p.take_gradient() for p in members}
+            received = [grads[p.slot] is not None for p in members]
+            dbuffer.fill_unsharded_grad(grads)
+            accumulate = any(p.sharded.grad is not None for p in members)
+            if accumulate:
+                # Gradients set to None since the last step restart from zero in the buffer.
+                for p in members:
+                    if p.sharded.grad is None:
+                        dbuffer.sharded_grad_view(p.slot).zero_()
+            replicate_group = buffer.mesh.replicate_group
+            if replicate_group is not None and not self.requires_all_reduce:
+                # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
+                # the shard group's sums wait in a partial buffer; no gradient is attached yet.
+                root_state.reduces_in_flight.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
+                continue
+            # Default: the mean over every data-parallel rank of the buffer's own mesh.
+            divide_factor = float(buffer.mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
+            handle = dbuffer.reduce_scatter(divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group)
+            handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
+            root_state.reduces_in_flight.append(handle)
+            for p, got in zip(members, received):
+                if p.sharded.grad is not None:
+                    continue
+                if got:
+                    p.attach_sharded_grad()
+                else:
+                    root_state.reduced_without_local_grad.append((p, dbuffer.sharded_grad))
+
+    def reset_iteration_state(self) -> None:
+        """Forget this iteration (after an exception aborted it): no gradient, no gather."""
+        self.wait_for_unshard()
+        self.training_state = TrainingState.IDLE
+        self._pending_post_backward = 0
+        self._backward_prefetched = False
+        self._modules_run.clear()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.accumulated_grad = None
+            if fsdp_param.unsharded is not None:
+                fsdp_param.unsharded.grad = None
+        self.reshard()
+        for dbuffer in self.dbuffers:
+            dbuffer.release_unsharded_grad()
+
+
+def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:
+    for fsdp_param in members:
+        fsdp_param.run_post_accumulate_grad_hooks()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FSDPParamGroup, *inputs: torch.Tensor) -> Any:
+        ctx.group = group
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.group._post_backward_from_inputs()
+        return (None, *grads)

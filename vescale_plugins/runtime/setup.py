@@ -1,0 +1,487 @@
+"""Every set-up check of ``fully_shard``, and the per-parameter specs the unit is built from.
+
+A distributed set-up that fails on one rank only hangs (or aborts) the others at their first
+collective, far from the cause. So :func:`plan_unit_setup` checks what each rank can check
+alone (arguments, the mesh, that a module is not already inside a unit), then plans the
+unit's parameters under :func:`agree_on_plan`, which exchanges one small fingerprint of the
+plan per rank: a ``block_size_fn`` (or a model) that differs between ranks, or an error
+raised on some ranks only, becomes the same clear error on every rank. Nothing here touches
+the modules, so bad input leaves them as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.runtime.tensor_parallel import ParallelSpec, SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
+
+try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:
+    ShardPlacementResult = ()  # isinstance(x, ()) is always False
+
+__all__ = [
+    "BlockSizeFn",
+    "ParamSpec",
+    "PlanMismatchError",
+    "UnitSetup",
+    "agree_on_plan",
+    "check_reshard_after_forward",
+    "normalise_reshard_after_forward",
+    "plan_unit_setup",
+    "record_sharded",
+    "refuse_with_parameter_meshes",
+]
+
+T = TypeVar("T")
+BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
+PlanEntry = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, block rows)
+
+_CHECKED_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+class PlanMismatchError(ValueError):
+    """Ranks planned different units (a rank-dependent ``block_size_fn`` or model)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ParamSpec:
+    """One parameter a unit will manage, as set-up found it.
+
+    ``owners`` are the ``(module, attribute)`` slots that hold it (more than one when tied
+    within the unit); ``block_rows`` the rows of dim 0 that must stay on one rank;
+    ``parallel`` how it is distributed besides FSDP (TP/EP/SPMD DTensor) or ``None``;
+    ``mesh`` the mesh ``shard_placement_fn`` gave it, or ``None`` for the unit's.
+    """
+
+    fqn: str
+    owners: tuple[tuple[nn.Module, str], ...]
+    param: nn.Parameter
+    block_rows: int
+    parallel: ParallelSpec | None
+    mesh: DeviceMesh | None
+
+    @property
+    def local(self) -> torch.Tensor:
+        """What the unit's DBuffer holds of it: a DTensor's (TP/EP) local tensor."""
+        return self.param._local_tensor if isinstance(self.param, DTensor) else self.param
+
+
+@dataclass(frozen=True, eq=False)
+class UnitSetup:
+    """What ``fully_shard`` builds a unit from: the unit's mesh, its reshard policy
+    (normalised: an int that equals 1 or the shard size is a bool) and its parameters."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool | int | None
+    params: list[ParamSpec]
+
+
+def plan_unit_setup(
+    modules: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    offload_policy: OffloadPolicy | None,
+    ignored_params: set[nn.Parameter] | None,
+    dp_mesh_dims: Any,
+    block_size_fn: BlockSizeFn | None,
+) -> UnitSetup:
+    """Check every argument and plan the unit's parameters, the same on every rank of the
+    unit's shard group (see :func:`agree_on_plan`); raises before the modules change."""
+    _check_modules_and_policies(modules, reshard_after_forward, offload_policy)
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+    spmd: SpmdMesh | None = None
+    if dp_mesh_dims is not None:
+        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, device)
+    mesh = _resolve_mesh(mesh, device)
+    ignored = set(ignored_params or ())
+
+    def plan() -> list[ParamSpec]:
+        params, shared = _collect_params(modules, ignored)
+        _check_not_already_sharded(modules[0], params)
+        own_mesh = _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
+        if own_mesh:
+            refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward, spmd)
+        specs = [
+            ParamSpec(fqn, tuple(owners), p, _block_rows(fqn, p, block_size_fn), parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd), own_mesh.get(fqn))
+            for fqn, owners, p in params
+        ]
+        if shared:
+            raise ValueError(
+                "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
+                + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
+                "module that contains every user of them"
+            )
+        _refuse_parameters_of_sibling_units(modules, specs)
+        _refuse_tensor_extensions(specs)
+        return specs
+
+    # Tensor-parallel parameters are planned by their local (TP) shape; a parameter on its own
+    # mesh by its global shape (the unit's group may span its expert-parallel ranks, whose
+    # local shapes differ where experts split unevenly).
+    specs = agree_on_plan(
+        plan,
+        lambda specs: [(s.fqn, tuple(s.local.shape if s.mesh is None else s.param.shape), str(s.param.dtype), s.block_rows) for s in specs],
+        mesh.get_group(mesh.ndim - 1),
+    )
+    return UnitSetup(mesh, normalise_reshard_after_forward(reshard_after_forward, mesh), specs)
+
+
+# -- arguments ------------------------------------------------------------------------
+
+
+def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any) -> None:
+    check_reshard_after_forward(reshard_after_forward)
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
+    for m in modules:
+        if getattr(m, "_vescale_fsdp_unit", None) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward (got a "
+                f"{type(m).__name__}): no hook would ever gather its parameters; shard each of its "
+                "blocks, or pass them as a list"
+            )
+
+
+def check_reshard_after_forward(value: Any) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"reshard_after_forward={value}: an int must be a positive number of ranks")
+        return
+    raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+
+
+def normalise_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) -> bool | int | None:
+    """An int is the size of the groups parameters stay sharded over after forward: it must
+    divide the shard dim's size; 1 means False and the full size True, as in FSDP2."""
+    if isinstance(value, bool) or value is None:
+        return value
+    shard_size = mesh.size(mesh.ndim - 1)
+    if shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must divide the shard group's size ({shard_size}); "
+            f"use one of {[d for d in range(1, shard_size + 1) if shard_size % d == 0]}"
+        )
+    return False if value == 1 else True if value == shard_size else value
+
+
+def _block_rows(fqn: str, param: nn.Parameter, block_size_fn: BlockSizeFn | None) -> int:
+    rows = block_size_fn(fqn, param) if block_size_fn is not None else None
+    if rows is None:
+        return 1
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"block_size_fn({fqn!r}) returned {rows!r}; it must return None or a positive int (rows)")
+    return rows
+
+
+# -- the mesh ---------------------------------------------------------------------------
+
+
+def _check_mesh(mesh: Any) -> None:
+    """``mesh`` must be a DeviceMesh that contains this rank."""
+    if isinstance(mesh, dist.ProcessGroup):
+        raise TypeError(
+            "fully_shard(mesh=...) got a ProcessGroup; pass a DeviceMesh: "
+            "torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type) wraps one"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) must be a DeviceMesh (or None for all ranks), got {type(mesh).__name__}")
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}: call fully_shard "
+            "only on the ranks of its mesh, or build the mesh over every rank that calls it "
+            "(init_device_mesh(device_type, (world_size,)))"
+        )
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
+        device_type = "cuda" if device.type == "cuda" else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    _check_mesh(mesh)
+    if mesh.ndim > 2:
+        raise NotImplementedError(
+            f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
+            "(replicate, shard) for hybrid sharding; with tensor or expert parallelism pass the "
+            "data-parallel submesh (parameters are DTensors on the other dims), or the full mesh "
+            "with dp_mesh_dims"
+        )
+    return mesh
+
+
+def _resolve_spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any, device: torch.device) -> tuple[DeviceMesh, SpmdMesh]:
+    """With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh: validated as FSDP2 does, and
+    replaced by its data-parallel shard dim."""
+    if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
+        raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {dp_mesh_dims!r}")
+    full_mesh = _resolve_mesh(mesh, device) if mesh is None else mesh
+    _check_mesh(full_mesh)
+    return resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
+
+
+# -- the parameters ---------------------------------------------------------------------
+
+
+def _collect_params(
+    modules: list[nn.Module], ignored: set[nn.Parameter]
+) -> tuple[list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]], list[str]]:
+    """This unit's parameters ``(fqn, owners, parameter)``: those under ``modules`` not
+    already managed by a unit inside them; and those shared with such a unit (refused)."""
+    managed_below: dict[int, str] = {}
+    for root in modules:
+        for sub in root.modules():
+            unit = getattr(sub, "_vescale_fsdp_unit", None)
+            if unit is not None:
+                for fsdp_param in unit.fsdp_params:
+                    managed_below[id(fsdp_param.sharded)] = fsdp_param.fqn
+                    original = fsdp_param.original()
+                    if original is not None:
+                        managed_below[id(original)] = fsdp_param.fqn
+    found: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
+    shared_with_child: list[str] = []
+    for root in modules:
+        for module_name, module in root.named_modules(remove_duplicate=False):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = f"{module_name}.{name}" if module_name else name
+                if id(param) in managed_below:
+                    if not _under_managing_unit(root, module_name):
+                        shared_with_child.append(f"{fqn!r} (managed as {managed_below[id(param)]!r})")
+                    continue
+                entry = found.setdefault(id(param), (fqn, [], param))
+                if (module, name) not in entry[1]:
+                    entry[1].append((module, name))
+    return list(found.values()), shared_with_child
+
+
+def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
+    """Whether the module at ``module_name`` sits inside a unit (so its params are that unit's)."""
+    module = root
+    for part in module_name.split(".") if module_name else []:
+        module = getattr(module, part)
+        if getattr(module, "_vescale_fsdp_unit", None) is not None:
+            return True
+    return False
+
+
+def _check_not_already_sharded(module: nn.Module, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
+    """Refuse parameters that a unit built earlier already shards: ``fully_shard`` on a child
+    after its parent (parameters of units *inside* ``module`` are not collected)."""
+    for fqn, _, param in params:
+        if isinstance(param, DTensor) and any(isinstance(p, RaggedShard) for p in param.placements):
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): its parameter {fqn!r} is already sharded by fully_shard "
+                "on a module that contains it; apply fully_shard bottom-up: each block (child) first, then "
+                "its parent and the root"
+            )
+
+
+# Every parameter a fully_shard call replaced, held weakly, with where it went: a module
+# outside that unit still holding one (a weight tied across sibling units) would otherwise be
+# sharded a second time into a separate, silently untied copy.
+_SHARDED_BY_ANOTHER_CALL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record_sharded(modules: list[nn.Module], specs: list[ParamSpec]) -> None:
+    """Remember which unit took each parameter (see ``_refuse_parameters_of_sibling_units``)."""
+    where = " + ".join(type(m).__name__ for m in modules)
+    for spec in specs:
+        _SHARDED_BY_ANOTHER_CALL[spec.param] = f"{spec.fqn!r} of the {where} unit"
+
+
+def _refuse_parameters_of_sibling_units(modules: list[nn.Module], specs: list[ParamSpec]) -> None:
+    for spec in specs:
+        managed_as = _SHARDED_BY_ANOTHER_CALL.get(spec.param)
+        if managed_as is not None:
+            here = " + ".join(type(m).__name__ for m in modules)
+            raise ValueError(
+                f"parameter {spec.fqn!r} of the {here} module is shared with {managed_as}, which "
+                "another fully_shard call already sharded; a shared (tied) parameter must belong "
+                "to one unit: put both modules in one call, fully_shard([module_a, module_b]), "
+                "or shard a module that contains both"
+            )
+
+
+_TENSOR_EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _refuse_tensor_extensions(specs: list[ParamSpec]) -> None:
+    """FSDP2's tensor-subclass all-gather extensions (e.g. float8 all-gather) would be
+    ignored by our DBuffer all-gather, silently changing what is communicated: refuse."""
+    for spec in specs:
+        hooks = [h for h in _TENSOR_EXTENSION_HOOKS if hasattr(spec.param, h)]
+        if hooks:
+            raise NotImplementedError(
+                f"parameter {spec.fqn!r} is a {type(spec.param).__name__} with FSDP2 all-gather extensions "
+                f"({', '.join(hooks)}); vescale_plugins.fully_shard does not run them. Use "
+                "torch.distributed.fsdp.fully_shard for this model, or keep the parameter a plain "
+                "tensor (e.g. float8 training without float8 all-gather)"
+            )
+
+
+# -- shard_placement_fn -------------------------------------------------------------------
+
+
+def _check_shard_placements(
+    params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any], mesh: DeviceMesh, device: torch.device
+) -> dict[str, DeviceMesh]:
+    """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it; returns the parameters it
+    puts on another mesh than the unit's.
+
+    ``None`` and ``Shard(0)`` are what veScale-FSDP does. ``Shard(d)`` for another dim
+    (torchtitan asks it for experts with fewer rows than ranks) is accepted and trains the
+    same parameters: the planner already splits tensors with fewer rows than ranks without
+    FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank (placement
+    ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so. A
+    ``ShardPlacementResult`` may also name another mesh for the parameter (torch >= 2.12;
+    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it.
+    """
+    other_dims, own_mesh = [], {}
+    for fqn, _, param in params:
+        placement = shard_placement_fn(param)
+        if isinstance(placement, ShardPlacementResult):
+            param_mesh = _parameter_mesh(fqn, placement.mesh_info, device)
+            if param_mesh != mesh:
+                own_mesh[fqn] = param_mesh
+            placement = placement.placement
+        if placement is None:
+            continue
+        if not isinstance(placement, Shard):
+            raise ValueError(f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)")
+        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < max(param.dim(), 1):
+            raise ValueError(f"shard_placement_fn returned {placement!r} for {fqn!r}: Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}")
+        if dim != 0:
+            other_dims.append(f"{fqn!r} ({placement!r})")
+    if other_dims and not _SHARD_DIM_WARNED:
+        _SHARD_DIM_WARNED.append(True)
+        more = f" and {len(other_dims) - 1} more" if len(other_dims) > 1 else ""
+        warnings.warn(
+            f"shard_placement_fn asked for another dim than 0 for {other_dims[0]}{more}: veScale-FSDP keeps whole "
+            "rows of dim 0 per rank (uneven where needed, so tensors with fewer rows than ranks need no other dim). "
+            "Training is the same; the sharded parameters' placement is RaggedShard, not Shard(d). "
+            "(Warned once per process.)",
+            stacklevel=6,  # the user's fully_shard call (via plan_unit_setup, agree_on_plan, plan)
+        )
+    return own_mesh
+
+
+# One warning per process for Shard(d > 0) answers (a model asks it for every layer).
+_SHARD_DIM_WARNED: list[bool] = []
+
+
+def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMesh:
+    """The mesh a ``ShardPlacementResult`` names, in the layouts a unit's mesh may have: 1-D
+    (shard over it) or 2-D HSDP (replicate over dim 0, shard over dim 1)."""
+    param_mesh = mesh_info.mesh
+    replicate_dim = getattr(mesh_info, "replicate_mesh_dim", None)
+    shard_dim = getattr(mesh_info, "shard_mesh_dim", None)
+    layout_ok = (param_mesh.ndim == 1 and shard_dim == 0 and replicate_dim is None) or (
+        param_mesh.ndim == 2 and shard_dim == 1 and replicate_dim == 0
+    )
+    if not layout_ok:
+        raise NotImplementedError(
+            f"shard_placement_fn put {fqn!r} on {type(mesh_info).__name__}(mesh={param_mesh}, shard_mesh_dim={shard_dim}, "
+            f"replicate_mesh_dim={replicate_dim}): veScale-FSDP shards over a 1-D mesh, or replicates over dim 0 and "
+            "shards over dim 1 of a 2-D one (HSDP)"
+        )
+    if device.type != "meta" and param_mesh.device_type != device.type:
+        raise ValueError(f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}")
+    if param_mesh.get_coordinate() is None:
+        raise ValueError(f"shard_placement_fn put {fqn!r} on mesh {param_mesh}, which does not hold this rank ({dist.get_rank()})")
+    return param_mesh
+
+
+def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any, spmd: Any) -> None:
+    """What a unit with parameters on their own mesh (``shard_placement_fn``) cannot do."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward} with parameters on their own mesh ({first_fqn!r}, from "
+            "shard_placement_fn): pass True or False, as FSDP2 needs for such units"
+        )
+    if spmd is not None:
+        raise NotImplementedError(f"dp_mesh_dims with parameters on their own mesh ({first_fqn!r}, from shard_placement_fn)")
+
+
+# -- agreement across ranks -----------------------------------------------------------------
+
+
+def _fingerprint(entries: Sequence[PlanEntry]) -> str:
+    return hashlib.sha256(repr(list(entries)).encode()).hexdigest()
+
+
+def agree_on_plan(plan: Callable[[], T], describe: Callable[[T], Sequence[PlanEntry]], group: dist.ProcessGroup | None) -> T:
+    """``plan()`` on every rank of ``group``, then one exchange: every rank raises the same
+    error if any rank failed or planned differently; else the plan is returned.
+
+    ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter.
+    """
+    result: T | None = None
+    outcome: tuple[str, Any]
+    try:
+        result = plan()
+        entries = list(describe(result))
+        outcome = ("ok", _fingerprint(entries))
+    except _CHECKED_ERRORS as error:
+        outcome = ("error", error)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if outcome[0] == "error":
+            raise outcome[1]
+        return result  # type: ignore[return-value]  # plan() returned, so result is set
+    # Errors travel as (class name, message): the exception object itself may not pickle.
+    mine = outcome if outcome[0] == "ok" else ("error", (type(outcome[1]).__name__, str(outcome[1])))
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, mine, group=group)
+    failed = [(rank, value) for rank, (kind, value) in enumerate(outcomes) if kind == "error"]
+    if failed:
+        if outcome[0] == "error":
+            raise outcome[1]
+        rank, (class_name, message) = failed[0]
+        error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
+        raise error_class(f"fully_shard failed on rank {rank} of the mesh: {message}")
+    if len({value for _, value in outcomes}) == 1:
+        return result  # type: ignore[return-value]  # plan() returned, so result is set
+    # Fingerprints differ: one more exchange names the first parameter that differs.
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, entries, group=group)
+    raise PlanMismatchError(_describe_mismatch(everyone))
+
+
+def _describe_mismatch(plans: list[list[PlanEntry]]) -> str:
+    fix = (
+        "; block_size_fn (and the model) must give every rank the same answer: make it depend on the "
+        "parameter's name and shape only, not on the rank or on local data"
+    )
+    reference = plans[0]
+    for rank, entries in enumerate(plans[1:], start=1):
+        if len(entries) != len(reference):
+            return f"rank 0 plans {len(reference)} parameters for this unit but rank {rank} plans {len(entries)}" + fix
+        for mine, theirs in zip(reference, entries):
+            if mine != theirs:
+                name, shape, dtype, rows = mine
+                return (
+                    f"parameter {name!r}: rank 0 has shape {shape}, {dtype}, blocks of {rows} rows; rank {rank} has "
+                    f"{theirs[0]!r} shape {theirs[1]}, {theirs[2]}, blocks of {theirs[3]} rows" + fix
+                )
+    return "ranks planned different units" + fix

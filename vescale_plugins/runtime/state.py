@@ -1,0 +1,189 @@
+"""State shared by the units under one root (FSDP2 keeps it on the root's ``FSDPState``).
+
+The first unit to run forward becomes the root of every unit below its modules. The root's
+state orders the gathers (the previous forward's order drives the prefetch), holds the
+reduce-scatters in flight, and closes each backward in one autograd callback: the last
+reduce-scatters are waited for, parameters only other ranks' data reached get their
+gradients, and units reshard.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from vescale_plugins.dbuffer.handles import ReduceScatterHandle
+
+if TYPE_CHECKING:
+    from vescale_plugins.runtime.param import FSDPParam
+    from vescale_plugins.runtime.param_group import FSDPParamGroup
+
+__all__ = ["RootState", "TrainingState", "groups_under"]
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the current iteration (FSDP2's ``TrainingState``)."""
+
+    IDLE = enum.auto()  # nothing pending: no forward with grad since the last backward
+    FORWARD = enum.auto()  # ran forward with grad: its backward is expected
+    PRE_BACKWARD = enum.auto()  # its backward started, gradients not reduced yet
+    POST_BACKWARD = enum.auto()  # its gradients were reduced (until the backward ends)
+
+
+def groups_under(modules: Iterable[nn.Module]) -> list["FSDPParamGroup"]:
+    """Every unit whose modules are among ``modules`` or below them, outermost first."""
+    groups: list[FSDPParamGroup] = []
+    for module in modules:
+        for sub in module.modules():
+            group = getattr(sub, "_vescale_fsdp_unit", None)
+            if group is not None and group not in groups:
+                groups.append(group)
+    return groups
+
+
+class RootState:
+    """What the units under ``root`` share for the iteration in progress."""
+
+    def __init__(self, root: "FSDPParamGroup", groups: list["FSDPParamGroup"]) -> None:
+        self.root = root
+        self.groups = groups  # every unit under the root, outermost first (the root first)
+        self.forward_order: list[FSDPParamGroup] = []  # units in the order this forward ran them
+        self.previous_forward_order: list[FSDPParamGroup] = []
+        self.reduces_in_flight: list[ReduceScatterHandle] = []
+        # Parameters reduced this backward without a local gradient, with the sharded
+        # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
+        self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
+        self.callback_queued = False
+
+    @staticmethod
+    def init_under(root: "FSDPParamGroup") -> None:
+        """Make ``root`` (the first unit to run forward) the root of every unit below its
+        modules that has none yet; label their buffers with their module names."""
+        found = groups_under(root.modules)
+        for group in found:
+            if group.root_state is None or group.root_state.root is root:
+                group.check_materialized()
+        groups = [g for g in found if g.root_state is None or g.root_state.root is root]
+        state = RootState(root, groups)
+        for group in groups:
+            group.root_state = state
+        for root_module in root.modules:
+            for name, module in root_module.named_modules():
+                group = getattr(module, "_vescale_fsdp_unit", None)
+                if group in groups and module is group.modules[0]:
+                    for dbuffer in group.dbuffers:
+                        dbuffer.label = name or "<root>"
+
+    # -- forward ----------------------------------------------------------------------
+
+    def start_forward(self) -> None:
+        """(At the root's pre-forward) The last forward's order becomes the prefetch order."""
+        if self.forward_order:
+            self.previous_forward_order, self.forward_order = self.forward_order, []
+
+    def forward_prefetch_targets(self, group: "FSDPParamGroup") -> list["FSDPParamGroup"]:
+        """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
+        in the previous training forward.
+
+        On CUDA, FSDP2 overlaps the next all-gather with compute implicitly (the CPU runs
+        ahead of the GPU and issues it early); a CPU backend has no run-ahead, so the next
+        unit is gathered explicitly. It costs one more unit's parameters during forward.
+        """
+        if group.forward_prefetch is not None:
+            return group.forward_prefetch
+        order = self.previous_forward_order
+        if group not in order:
+            return []
+        position = order.index(group) + 1
+        return [order[position]] if position < len(order) and order[position] is not group else []
+
+    def complete_partial_forwards(self, output: Any) -> Any:
+        """(Root, end of forward) Finish the forward of grouped units some of whose modules
+        did not run (a chunked loss calls the head after forward), on the root's output, as
+        FSDP2 does: they reshard, and their backward starts with the root's."""
+        for group in reversed(self.groups):
+            if group is not self.root and group._modules_run:
+                output = group.complete_forward(output)
+        return output
+
+    # -- backward ---------------------------------------------------------------------
+
+    def backward_prefetch_targets(self, group: "FSDPParamGroup") -> list["FSDPParamGroup"]:
+        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit before
+        ``group`` in this forward whose backward has not started."""
+        if group.backward_prefetch is not None:
+            return group.backward_prefetch
+        order = self.forward_order
+        if group not in order:
+            return []
+        position = order.index(group)
+        for earlier in reversed(order[:position]):
+            if earlier is not group and earlier.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+                return [earlier]
+        return []
+
+    def wait_for_reduces(self) -> None:
+        """Complete every reduce-scatter in flight, freeing their gradient buffers."""
+        for handle in self.reduces_in_flight:
+            handle.wait()
+        self.reduces_in_flight = []
+
+    def final_callback(self) -> None:
+        """End of backward: reduce every unit the per-input hooks did not reach, wait for
+        every reduce-scatter (gradients are final when ``backward()`` returns), reset state."""
+        self.callback_queued = False
+        for group in reversed(self.groups):
+            group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
+            if group.training_state is TrainingState.PRE_BACKWARD:
+                group.post_backward()
+            group._pending_post_backward = 0
+            if group.training_state is TrainingState.POST_BACKWARD:
+                group.training_state = TrainingState.IDLE
+        self.wait_for_reduces()
+        if self.reduced_without_local_grad:
+            self._attach_remote_gradients()
+        if self.root.reshard_after_backward:
+            for group in self.groups:
+                if group.is_unsharded and group.training_state is TrainingState.IDLE:
+                    group.reshard()
+
+    def _attach_remote_gradients(self) -> None:
+        """(Once every reduce-scatter of the backward is done) Give a gradient to each
+        parameter this rank's data never reached but another rank's did.
+
+        With data-dependent routing (mixture-of-experts layers, conditional branches) a
+        parameter can get gradients on some ranks only. Its reduce-scatter already carried the
+        other ranks' contributions and a presence flag per parameter (see DBuffer): a
+        parameter some rank had a gradient for gets the reduced gradient on every rank (so
+        every shard steps), one no rank's data reached keeps ``grad=None`` on every rank (so
+        optimizers skip it everywhere), as under DDP. Ranks that had every gradient read
+        nothing back; the others read one small flag vector per buffer.
+        """
+        pending, self.reduced_without_local_grad = self.reduced_without_local_grad, []
+        by_buffer: dict[int, tuple[list[FSDPParam], torch.Tensor]] = {}
+        for fsdp_param, sharded_grad in pending:
+            members, _ = by_buffer.setdefault(id(fsdp_param.buffer), ([], sharded_grad))
+            members.append(fsdp_param)
+        for members, sharded_grad in by_buffer.values():
+            received = members[0].dbuffer.received_gradient(sharded_grad, [p.slot for p in members])
+            attached = [p for p, got in zip(members, received) if got and p.sharded.grad is None]
+            for fsdp_param in attached:
+                fsdp_param.attach_sharded_grad()
+            for fsdp_param in attached:
+                fsdp_param.run_post_accumulate_grad_hooks()
+
+    def reset_iteration(self) -> None:
+        """After an exception aborted a forward or backward: finish every collective in
+        flight, reshard every unit and forget the iteration (its unreduced gradients and
+        no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
+        for handle in self.reduces_in_flight:
+            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        self.wait_for_reduces()
+        self.reduced_without_local_grad = []
+        self.callback_queued = False
+        self.forward_order = []
+        for group in self.groups:
+            group.reset_iteration_state()
