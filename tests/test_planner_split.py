@@ -258,7 +258,8 @@ def test_choose_split_rejects_nonsense():
 
 
 def test_padding_table_rows_and_markdown(tmp_path):
-    from vescale_plugins.planner import padding_table, plan_layout
+    from vescale_plugins.planner import plan_layout
+    from vescale_plugins.tools import padding_table
 
     rows = padding_table.padding_rows(["Llama-3-8B"], [16], [256])
     (row,) = rows

@@ -90,8 +90,6 @@ class _Adam8bitBase(FlatStateOptimizer):
                 grid.tile_h, grid.tile_w, hyper,
             )
 
-    @staticmethod
-
     def _step_run_triton(self, run: Run, flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], hyper: AdamHyper) -> None:
         """One launch for the whole run (CUDA); its tile table is built once per run layout."""
         from vescale_plugins.optim.kernels.adam8bit_triton import adam8bit_tiles_, tile_table
@@ -109,6 +107,7 @@ class _Adam8bitBase(FlatStateOptimizer):
             flats["exp_avg_sq_codes"], flats["exp_avg_sq_scales"], table, max(g.tile_h * g.tile_w for g in grids), hyper,
         )
 
+    @staticmethod
     def _matrix_view(flat: torch.Tensor, offset: int, grid: TileGrid) -> torch.Tensor:
         """A member's codes as its ``rows x cols`` matrix (a run of one keeps its own shape)."""
         if flat.dim() != 1:

@@ -51,17 +51,18 @@ def is_group_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# One set of k-rank groups per (mesh, k), shared by every unit that reshards to k ranks.
-_POST_FORWARD_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
+# One set of k-rank groups per enumeration of ranks, shared by every unit (and every mesh over
+# the same ranks) that reshards to k ranks. Keyed by the ranks, not by the mesh object, whose
+# id a later mesh over other ranks could reuse.
+_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
 
 
 def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     """This rank's group of k consecutive ranks of the shard dim (every rank creates all of
     them, in the same order, at the first forward that needs them; for a submesh such as a
     tensor-parallel model's dp mesh, those of every copy of it)."""
-    key = (id(mesh), k)
-    if key not in _POST_FORWARD_GROUPS:
-        rows = every_copy_of_mesh(mesh).reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
-        enumeration = [row[i : i + k] for row in rows for i in range(0, len(row), k)]
-        _POST_FORWARD_GROUPS[key], _ = dist.new_subgroups_by_enumeration(enumeration)
-    return _POST_FORWARD_GROUPS[key]
+    rows = every_copy_of_mesh(mesh).reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+    enumeration = tuple(tuple(row[i : i + k]) for row in rows for i in range(0, len(row), k))
+    if enumeration not in _POST_FORWARD_GROUPS:
+        _POST_FORWARD_GROUPS[enumeration], _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in enumeration])
+    return _POST_FORWARD_GROUPS[enumeration]
