@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import DistributedTestError
+from tests.support.distributed import DistributedTestError
 
 
 def _rank_and_sum():

@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from models import Block, Decoder, make_decoder, reference_step
-from test_fully_shard import adamw, assert_matches, sharded_step
+from tests.support.models import Block, Decoder, make_decoder, reference_step
+from tests.support.parity import adamw, assert_matches, sharded_step
 from vescale_plugins.checkpoint import full_model_state_dict, load_full_model_state_dict, load_sharded, save_sharded
 from vescale_plugins.wrap import default_units, is_sharded, shard_model, units_of_classes
 

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import accelerate_plugin.hooks as hooks
 from accelerate_plugin import VeScaleFSDPPlugin, run
-from models import local_batch, loss_fn, make_decoder
-from test_accelerate_parity import accelerate_env, decoder_plugin
-from test_fully_shard import adamw
+from tests.support.models import local_batch, loss_fn, make_decoder
+from tests.support.accelerate_harness import accelerate_env, decoder_plugin
+from tests.support.parity import adamw
 from vescale_plugins import RaggedShard
 from vescale_plugins.wrap import is_sharded, shard_model
 
@@ -63,7 +63,7 @@ def test_plugin_is_fsdp2_and_reads_the_fsdp_variables_of_a_launch_config(clean_f
         "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Attention",
         "FSDP_RESHARD_AFTER_FORWARD": "false",
         "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
-        "FSDP_VESCALE_BLOCK_SIZE_FN": "test_accelerate_config:two_rows",
+        "FSDP_VESCALE_BLOCK_SIZE_FN": f"{__name__}:two_rows",
     }.items():
         clean_fsdp_env.setenv(name, value)
     plugin = VeScaleFSDPPlugin()
@@ -98,7 +98,7 @@ def test_fsdp1_configs_and_cpu_offload_are_refused_when_the_plugin_is_built(clea
     with pytest.raises(ValueError, match="module:function"):
         VeScaleFSDPPlugin(block_size_fn="no_colon_here")
     with pytest.raises(ValueError, match="cannot be imported"):
-        VeScaleFSDPPlugin(block_size_fn="test_accelerate_config:missing")
+        VeScaleFSDPPlugin(block_size_fn=f"{__name__}:missing")
 
 
 def test_unknown_precision_and_multi_dimensional_meshes_are_refused(clean_fsdp_env):

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 # The launches run inside the first test's fixture setup; on a busy 2-core machine they take minutes.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
-from launched import launch  # noqa: E402
-from test_accelerate_parity import accelerate_env  # noqa: E402
+from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
+from tests.support.launched import launch  # noqa: E402
+from tests.support.accelerate_harness import accelerate_env  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 420  # each of two launches, within the module's 900 s
 FSDP2_CONFIG = """\
@@ -66,7 +66,7 @@ def vescale(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("hf_trainer_vescale")
     (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
     launch(
-        [*ACCELERATE, "--config_file", str(out / "fsdp2.yaml"), "-m", "accelerate_plugin.run", "tests/hf_trainer_run.py",
+        [*ACCELERATE, "--config_file", str(out / "fsdp2.yaml"), "-m", "accelerate_plugin.run", "tests/support/hf_trainer_run.py",
          "--out", str(out), "--runs", ",".join(VESCALE_RUNS), "--save", ",".join(SAVED_RUNS)],
         timeout_s=LAUNCH_TIMEOUT_S,
     )
@@ -77,7 +77,7 @@ def vescale(tmp_path_factory) -> tuple[Path, list[dict]]:
 def ddp(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_trainer_ddp")
     launch(
-        [*ACCELERATE, "--multi_gpu", "tests/hf_trainer_run.py", "--out", str(out), "--runs", ",".join(f"{m}:plain" for m in MODELS)],
+        [*ACCELERATE, "--multi_gpu", "tests/support/hf_trainer_run.py", "--out", str(out), "--runs", ",".join(f"{m}:plain" for m in MODELS)],
         timeout_s=LAUNCH_TIMEOUT_S, env={"ACCELERATE_USE_CPU": "true"},
     )
     return _results(out)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-from launched import REPO, launch
 from safetensors.torch import load_file
 
+from tests.support.launched import REPO, launch
+
+pytestmark = pytest.mark.distributed
 TIMEOUT_S = 240
 STEPS, ACCUMULATION = 3, 2
 

@@ -4,85 +4,21 @@ Each body runs on W gloo ranks with Accelerate's real ``prepare``/``accumulate``
 ``clip_grad_norm_`` on the CPU path (Accelerate's ``MULTI_CPU``, which the plugin turns into
 FSDP). The plain loop shards the same model the same way by hand; an unsharded model fed the
 global batch checks the clipped global norm and the updates independently of both.
-The helpers here are shared by the other ``test_accelerate_*`` modules.
 """
 
 from __future__ import annotations
-
-import os
-from contextlib import contextmanager
-from typing import Any, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils.data import DataLoader, TensorDataset
 
-from accelerate_plugin import VeScaleFSDPPlugin
-from models import batch, clone, local_batch, loss_fn, make_decoder, reference_step
-from test_fully_shard import TOL, adamw, assert_matches, shard_decoder
+from tests.support.accelerate_harness import MAX_GRAD_NORM, accelerate_env, decaying_lr, decoder_plugin, token_loader
+from tests.support.models import PER_RANK, clone, local_batch, loss_fn, make_decoder, reference_step
+from tests.support.parity import EXACT, TOL, adamw, assert_matches, assert_same_params, full_params, shard_decoder
 from vescale_plugins import RaggedShard
-
-MAX_GRAD_NORM = 1.0  # below the decoder's gradient norms, so every step clips
-PER_RANK = 2
-EXACT = dict(rtol=0.0, atol=0.0)
-
-
-@contextmanager
-def accelerate_env(**env: str) -> Iterator[None]:
-    """Accelerate's view of the harness's process group, and a clean Accelerate afterwards.
-
-    Accelerate decides its state from environment variables; the harness already initialised
-    the gloo group, so they only have to agree with it. Everything is restored on exit because
-    the harness reuses worker processes across tests.
-    """
-    saved = dict(os.environ)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1", **env,
-    )
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    try:
-        yield
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def decoder_plugin(**kwargs: Any) -> VeScaleFSDPPlugin:
-    """Units = the decoder's blocks (then the root), as ``shard_decoder`` makes them by hand."""
-    return VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"], **kwargs)
-
-
-def token_loader(micro_steps: int) -> DataLoader:
-    """The harness's batches: Accelerate hands rank r, at micro-step k, ``local_batch(k)``."""
-    world = dist.get_world_size()
-    tokens, targets = zip(*(batch(k, world, PER_RANK) for k in range(micro_steps)))
-    return DataLoader(TensorDataset(torch.cat(tokens), torch.cat(targets)), batch_size=PER_RANK)
-
-
-def decaying_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
-
-
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor (a collective: call on every rank)."""
-    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict[str, float]) -> None:
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"param {name}: {m}")
-
 
 def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> None:
     world = dist.get_world_size()

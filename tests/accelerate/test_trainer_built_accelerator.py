@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from accelerate_plugin import VeScaleFSDPPlugin
-from test_accelerate_parity import accelerate_env
+from tests.support.accelerate_harness import accelerate_env
 from vescale_plugins import RaggedShard
 
 transformers = pytest.importorskip("transformers")

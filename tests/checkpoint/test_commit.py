@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from distributed import _context
+from tests.support.distributed import _context
 from vescale_plugins import fully_shard
 from vescale_plugins.checkpoint import load_sharded, save_sharded
 from vescale_plugins.checkpoint.commit import (
@@ -136,6 +136,7 @@ def committed_old(tmp_path_factory) -> Path:
 UNCOMMITTED_FAULTS = [("before_first_file", 1), ("mid_file", 0), ("before_commit", 0)]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault, fault_rank", [("before_first_file", 1), ("mid_file", 0)])
 def test_killed_save_into_new_directory_never_loads(tmp_path, fault, fault_rank):
@@ -155,6 +156,7 @@ def test_killed_save_into_new_directory_never_loads(tmp_path, fault, fault_rank)
         assert (staging[0] / f"__{fault_rank}_0.distcp").stat().st_size > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault, fault_rank", UNCOMMITTED_FAULTS + [("mid_file", 1)])
 def test_killed_overwrite_keeps_previous_checkpoint_exactly(tmp_path, committed_old, fault, fault_rank):
@@ -170,6 +172,7 @@ def test_killed_overwrite_keeps_previous_checkpoint_exactly(tmp_path, committed_
             _load(directory)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_killed_between_renames_loads_the_committed_new_checkpoint_then_next_save_cleans_up(tmp_path, committed_old):
     path = tmp_path / committed_old.name
@@ -183,6 +186,7 @@ def test_killed_between_renames_loads_the_committed_new_checkpoint_then_next_sav
     _assert_state(_load(path), OLD_SEED)
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_killed_after_swap_loads_new_checkpoint(tmp_path, committed_old):
     path = tmp_path / committed_old.name
@@ -193,6 +197,7 @@ def test_killed_after_swap_loads_new_checkpoint(tmp_path, committed_old):
         _assert_state(_load(path), NEW_SEED)
 
 
+@pytest.mark.distributed  # committed_old saves on two processes
 def test_truncated_file_is_named(tmp_path, committed_old):
     path = tmp_path / "ckpt"
     shutil.copytree(committed_old, path)

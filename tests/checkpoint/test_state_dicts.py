@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from models import make_decoder, reference_step
-from test_fully_shard import PARAM_TOL, TOL, adamw, shard_decoder, sharded_step
+from tests.support.models import make_decoder, reference_step
+from tests.support.parity import PARAM_TOL, TOL, adamw, shard_decoder, sharded_step
 from vescale_plugins import RaggedShard, fully_shard
 
 ENGINES = {"vescale": fully_shard, "fsdp2": torch_fully_shard}

@@ -125,6 +125,7 @@ def test_point_to_point_only_for_gloo_on_cpu_with_peers(dist_run):
     assert dist_run(_native_elsewhere, 2) == [True, True]
 
 
+@pytest.mark.distributed
 def test_collectives_benchmark_cli_runs_and_reports_the_temporaries():
     import subprocess
     import sys

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
 from vescale_plugins.dbuffer.planning import plan_buffers
-from models import clone, make_decoder, reference_step
-from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.models import clone, make_decoder, reference_step
+from tests.support.parity import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins.dbuffer.streams import CommStreams
 from vescale_plugins.dbuffer.buffer import DBuffer
 

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.handles as handles_module
-from models import local_batch, loss_fn, make_decoder
-from test_fully_shard import adamw, shard_decoder
+from tests.support.models import local_batch, loss_fn, make_decoder
+from tests.support.parity import adamw, shard_decoder
 from vescale_plugins import fully_shard
 
 # FSDP2's copy-out and copy-in. (``aten::cat`` also appears in any step of this model: the

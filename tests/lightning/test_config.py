@@ -6,6 +6,8 @@ is launched: nothing here initialises a process group.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -18,7 +20,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from lightning_strategy.checkpoints import check_optimizer_state_keys
 from lightning_strategy.options import ShardingOptions, build_device_mesh
-from models import Block, make_decoder
+from tests.support.models import Block, make_decoder
 
 STRATEGIES = [VeScaleFSDPStrategy, VeScaleFSDPFabricStrategy]
 
@@ -117,3 +119,25 @@ def test_optimizer_state_keyed_by_index_is_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="keyed by parameter index .* start a fresh optimizer"):
         check_optimizer_state_keys(optimizer.state_dict())
     check_optimizer_state_keys({"state": {"embed.weight": {}}, "param_groups": []})
+
+
+@pytest.mark.parametrize("strategy_class", STRATEGIES)
+def test_every_lightning_rank_gets_the_same_torch_threads_as_under_ddp(monkeypatch, strategy_class):
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    # A rank > 0 under Lightning's launcher: its process was created for it, from outside.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    environment = LightningEnvironment()
+    assert environment.creates_processes_externally
+    strategy = strategy_class(cluster_environment=environment, parallel_devices=[torch.device("cpu")] * 2)
+    strategy._configure_launcher()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, _suggested_max_num_threads(2) + 1))
+        strategy.launcher.launch(lambda: None)
+        assert torch.get_num_threads() == _suggested_max_num_threads(2)
+        assert os.environ["OMP_NUM_THREADS"] == str(_suggested_max_num_threads(2))
+    finally:
+        torch.set_num_threads(threads)

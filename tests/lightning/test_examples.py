@@ -14,7 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import pytest
+
+pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 
 

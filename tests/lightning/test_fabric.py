@@ -16,9 +16,9 @@ from lightning.fabric import Fabric
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_strategy import VeScaleFSDPFabricStrategy
-from models import Block, loss_fn, make_decoder
-from test_fully_shard import PARAM_TOL, TOL, adamw
-from test_lightning_parity import EXACT, LAYERS, Tokens, assert_same_params, full_params, launched_by_harness, make_fabric
+from tests.support.lightning_harness import LAYERS, Tokens, launched_by_harness, make_fabric
+from tests.support.models import Block, loss_fn, make_decoder
+from tests.support.parity import EXACT, PARAM_TOL, TOL, adamw, assert_same_params, full_params
 from vescale_plugins.checkpoint import MODEL_KEY
 
 GLOBAL_BATCH, SAVE_AT, TOTAL_STEPS = 6, 2, 4

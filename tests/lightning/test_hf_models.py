@@ -19,11 +19,11 @@ import pytest
 import torch
 
 # The launches run inside the first test's fixture setup; on a busy 2-core machine they take minutes.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
-from launched import launch  # noqa: E402
+from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
+from tests.support.launched import launch  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 540
 VESCALE_RUNS = [f"{m}:vescale_fsdp:{v}" for m in MODELS for v in ("plain", "hf_ac")] + [
@@ -37,7 +37,7 @@ DDP_RUNS = [f"{m}:ddp:plain" for m in MODELS]
 def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("hf_lightning")
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launch([*torchrun, "tests/hf_lightning_run.py", "--out", str(out), "--runs", ",".join(DDP_RUNS + VESCALE_RUNS)], timeout_s=LAUNCH_TIMEOUT_S)
+    launch([*torchrun, "tests/support/hf_lightning_run.py", "--out", str(out), "--runs", ",".join(DDP_RUNS + VESCALE_RUNS)], timeout_s=LAUNCH_TIMEOUT_S)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

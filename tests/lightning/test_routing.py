@@ -19,8 +19,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_strategy import VeScaleFSDPStrategy
-from test_lightning_parity import ACCUMULATE, CLIP, MICRO_BATCHES, dataset, launched_by_harness, loader, make_trainer
-from models import VOCAB
+from tests.support.lightning_harness import ACCUMULATE, CLIP, MICRO_BATCHES, dataset, launched_by_harness, loader, make_trainer
+from tests.support.models import VOCAB
 
 pytestmark = pytest.mark.timeout(600)  # several Trainer fits on a busy 2-core machine
 HIDDEN, EXPERTS = 24, 8

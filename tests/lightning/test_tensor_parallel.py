@@ -16,28 +16,24 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader, Dataset
 
 from lightning.pytorch import LightningModule
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
-from test_fsdp_tensor_parallel import (
+from tests.support.lightning_harness import launched_by_harness, make_fabric, make_trainer
+from tests.support.tp_transformer import (
     BATCH,
-    LOSS_TOL,
-    PARAM_TOL,
     SEQ,
     VOCAB,
     Transformer,
-    _adamw,
-    _assert_same,
-    _loss,
-    data_parallel,
+    assert_same,
+    assert_trained_like_fsdp2_and_unsharded,
+    default_adamw,
+    lm_loss,
     tensor_parallel,
 )
-from test_lightning_parity import launched_by_harness, make_fabric, make_trainer
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
@@ -74,12 +70,12 @@ class _LitTensorParallel(LightningModule):
 
     def training_step(self, batch, batch_idx):
         self.batches.append((batch[0].clone(), batch[1].clone()))
-        loss = _loss(self, *batch)
+        loss = lm_loss(self, *batch)
         self.losses.append(loss.detach().clone())
         return loss
 
     def configure_optimizers(self):
-        return _adamw(self)
+        return default_adamw(self)
 
 
 def _trainer_run(root: str, initial: Transformer):
@@ -98,11 +94,11 @@ def _fabric_run(root: str, initial: Transformer):
     )
     fabric = make_fabric(strategy=strategy)
     model = copy.deepcopy(initial)
-    model, optimizer = fabric.setup(model, _adamw(model))  # optimizer built before TP and sharding
+    model, optimizer = fabric.setup(model, default_adamw(model))  # optimizer built before TP and sharding
     batches, losses = [], []
     for tokens, targets in fabric.setup_dataloaders(DataLoader(_Tokens(), batch_size=BATCH, shuffle=True)):
         batches.append((tokens.clone(), targets.clone()))
-        loss = _loss(model, tokens, targets)
+        loss = lm_loss(model, tokens, targets)
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=CLIP)
         optimizer.step()
@@ -125,30 +121,8 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
     assert len(batches) == STEPS
 
     # Every rank's batches: a tensor-parallel group shares them, the data-parallel groups split the data.
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, batches)
-    groups = mesh.mesh.reshape(-1, TP).tolist()  # groups[d] = the ranks of data-parallel rank d's TP group
-    for d, group in enumerate(groups):
-        for rank in group:
-            assert all(torch.equal(a[0], b[0]) for a, b in zip(everyone[rank], everyone[group[0]])), (d, rank)
-    assert not torch.equal(everyone[groups[0][0]][0][0], everyone[groups[1][0]][0][0])
-
-    fsdp2 = data_parallel(tensor_parallel(copy.deepcopy(initial), mesh["tensor_parallel"]), torch_fully_shard, mesh[dp_names])
-    reference = copy.deepcopy(initial)
-    optimizers = [_adamw(fsdp2), _adamw(reference)]
-    for step, (tokens, targets) in enumerate(batches):
-        fsdp2_loss = _loss(fsdp2, tokens, targets)
-        fsdp2_loss.backward()
-        torch.testing.assert_close(losses[step], fsdp2_loss.detach(), **LOSS_TOL)
-        dp_batches = [everyone[group[0]][step] for group in groups]
-        (sum(_loss(reference, *b) for b in dp_batches) / len(dp_batches)).backward()
-        for model in (fsdp2, reference):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    _assert_same(ours, fsdp2, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    tp_groups = mesh.mesh.reshape(-1, TP).tolist()
+    assert_trained_like_fsdp2_and_unsharded(ours, initial, batches, losses, tp_groups, mesh["tensor_parallel"], mesh[dp_names], CLIP)
 
 
 @pytest.mark.parametrize("front_end", ["trainer", "fabric"])
@@ -164,13 +138,13 @@ def _fabric_tp(initial: Transformer, state_dict_type: str = "sharded"):
     )
     fabric = make_fabric(strategy=strategy)
     model = fabric.setup_module(copy.deepcopy(initial))
-    return fabric, model, fabric.setup_optimizers(_adamw(model))
+    return fabric, model, fabric.setup_optimizers(default_adamw(model))
 
 
 def _tp_step(fabric, model, optimizer, step: int) -> torch.Tensor:
     dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
     tokens, targets = _Tokens()[(step * DP + dp_rank) * BATCH : (step * DP + dp_rank + 1) * BATCH]
-    loss = _loss(model, tokens, targets)
+    loss = lm_loss(model, tokens, targets)
     fabric.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
@@ -192,10 +166,10 @@ def _checkpoints_round_trip(root: str) -> None:
         fabric2, restored, restored_optimizer = _fabric_tp(_perturbed(initial))
         state = {"model": restored, "optimizer": restored_optimizer, "step": 0}
         assert fabric2.load(f"{root}/sharded", state) == {} and state["step"] == 1
-        _assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
+        assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
         for step in (1, 2):  # the optimizer state came back too: the same updates, bit for bit
             torch.testing.assert_close(_tp_step(fabric2, restored, restored_optimizer, step), _tp_step(fabric, model, optimizer, step), rtol=0, atol=0)
-        _assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
+        assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
     full = torch.load(f"{root}/full.ckpt", weights_only=False)
     assert set(full) == {"model", "optimizer"}
     plain = _perturbed(initial)

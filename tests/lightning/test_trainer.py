@@ -20,19 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_strategy import VeScaleFSDPStrategy
-from models import loss_fn, make_decoder
-from test_fully_shard import PARAM_TOL, TOL
-from test_lightning_parity import (
-    EXACT,
-    LitDecoder,
-    Tokens,
-    assert_same_params,
-    dataset,
-    full_params,
-    launched_by_harness,
-    loader,
-    make_trainer,
-)
+from tests.support.lightning_harness import LitDecoder, Tokens, dataset, launched_by_harness, loader, make_trainer
+from tests.support.models import loss_fn, make_decoder
+from tests.support.parity import EXACT, PARAM_TOL, TOL, assert_same_params, full_params
 from vescale_plugins import fully_shard
 from vescale_plugins.checkpoint import MODEL_KEY
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from models import LAYERS, local_batch, loss_fn, make_decoder
-from test_fully_shard import adamw, shard_decoder
+from tests.support.models import LAYERS, local_batch, loss_fn, make_decoder
+from tests.support.parity import adamw, shard_decoder
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.observe import record as run_record
 from vescale_plugins.observe.record import record_run

@@ -15,38 +15,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from tests.support.uneven_params import ADAM8BIT_STATE_KEYS, SHAPES, UnevenParams, coefficients
 from vescale_plugins import fully_shard
 from vescale_plugins.optim import AdamW8bit, tile_rows
 from vescale_plugins.optim.flat import contiguous_runs
 
-# Uneven on purpose: rows and columns that 32 does not divide, a 3-D tensor, 1-D tensors
-# shorter and longer than one 1024-element block, a scalar, and a weight with one tile row
-# (fewer tile rows than ranks).
-SHAPES = {"a": (1031, 40), "b": (40, 70), "c": (70,), "d": (2500,), "e": (20, 16), "f": (), "g": (3, 5, 40), "h": (97, 33)}
-STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
-
-
-class _Params(nn.Module):
-    """Every parameter gets gradient ``coeff + 0.02 * p`` (depends on p, so steps differ)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(seed)
-        for name, shape in SHAPES.items():
-            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=gen)))
-
-    def forward(self, coeffs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sum((p * coeffs[n]).sum() + 0.01 * p.square().sum() for n, p in self.named_parameters())
-
-
-def _coeffs(step: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return {name: torch.randn(shape, generator=gen) * 10.0**-step for name, shape in SHAPES.items()}
-
-
 def _train(model, opt, steps, sharded: bool):
     for step in steps:
-        coeffs = _coeffs(step)
+        coeffs = coefficients(step)
         if sharded and dist.get_rank() != 0:
             # Only rank 0 contributes, and the divide factor is 1: the reduced gradient is
             # exactly the unsharded one (a sum of W equal values, divided by W, may round).
@@ -63,7 +39,7 @@ def _train(model, opt, steps, sharded: bool):
 
 
 def _sharded_model(seed: int = 0) -> nn.Module:
-    model = fully_shard(_Params(seed), block_size_fn=tile_rows(32))
+    model = fully_shard(UnevenParams(seed), block_size_fn=tile_rows(32))
     model.set_gradient_divide_factor(1.0)
     return model
 
@@ -73,7 +49,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sharded_equals_unsharded(steps: int):
-    reference = _Params()
+    reference = UnevenParams()
     ref_opt = AdamW8bit(reference.parameters(), lr=1e-2, weight_decay=0.1)
     _train(reference, ref_opt, range(steps), sharded=False)
     model = _sharded_model()
@@ -82,7 +58,7 @@ def _sharded_equals_unsharded(steps: int):
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         full = p.full_tensor()
         assert torch.equal(full, ref.detach()), (name, (full - ref).abs().max())
-        for key in STATE_KEYS:
+        for key in ADAM8BIT_STATE_KEYS:
             ours, theirs = _full(opt.state[p][key]), ref_opt.state[ref][key]
             assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (name, key)
             assert torch.equal(ours, theirs), (name, key)
@@ -104,7 +80,7 @@ def _save(path):
     opt = AdamW8bit(model.parameters(), lr=1e-2)
     _train(model, opt, range(2), sharded=True)
     dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    return {n: {k: _full(opt.state[p][k]) for k in STATE_KEYS} for n, p in model.named_parameters()}
+    return {n: {k: _full(opt.state[p][k]) for k in ADAM8BIT_STATE_KEYS} for n, p in model.named_parameters()}
 
 
 def _load(path, save_again_to=None):
@@ -115,7 +91,7 @@ def _load(path, save_again_to=None):
     set_optimizer_state_dict(model, opt, state["optim"])
     if save_again_to is not None:
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=save_again_to)
-    loaded = {n: {k: _full(opt.state[p][k]) for k in STATE_KEYS} for n, p in model.named_parameters()}
+    loaded = {n: {k: _full(opt.state[p][k]) for k in ADAM8BIT_STATE_KEYS} for n, p in model.named_parameters()}
     for p in model.parameters():
         assert opt.state[p]["exp_avg_codes"].dtype == torch.uint8
     # The loaded state steps (it was packed back into flat buffers).
@@ -124,12 +100,12 @@ def _load(path, save_again_to=None):
 
 
 def _load_single_process(path):
-    model = _Params(seed=5)
+    model = UnevenParams(seed=5)
     opt = AdamW8bit(model.parameters(), lr=1e-2)
     state = {"optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path, no_dist=True)
     set_optimizer_state_dict(model, opt, state["optim"])
-    return {n: {k: opt.state[p][k].clone() for k in STATE_KEYS} for n, p in model.named_parameters()}
+    return {n: {k: opt.state[p][k].clone() for k in ADAM8BIT_STATE_KEYS} for n, p in model.named_parameters()}
 
 
 def test_checkpoint_reshards_bit_exactly_two_three_one(dist_run, tmp_path):
@@ -138,14 +114,14 @@ def test_checkpoint_reshards_bit_exactly_two_three_one(dist_run, tmp_path):
     at_three = dist_run(_load, 3, first, second, timeout=120)
     at_one = _load_single_process(second)
     for name in SHAPES:
-        for key in STATE_KEYS:
+        for key in ADAM8BIT_STATE_KEYS:
             assert torch.equal(at_three[0][name][key], saved[name][key]), (name, key)
             assert torch.equal(at_one[name][key], saved[name][key]), (name, key)
             assert saved[name][key].dtype == (torch.uint8 if key.endswith("codes") else torch.float32)
 
 
 def _full_state_dict_is_the_unsharded_state():
-    reference = _Params()
+    reference = UnevenParams()
     ref_opt = AdamW8bit(reference.parameters(), lr=1e-2)
     _train(reference, ref_opt, range(2), sharded=False)
     model = _sharded_model()
@@ -153,7 +129,7 @@ def _full_state_dict_is_the_unsharded_state():
     _train(model, opt, range(2), sharded=True)
     full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     for name, ref in zip(SHAPES, reference.parameters()):
-        for key in STATE_KEYS:
+        for key in ADAM8BIT_STATE_KEYS:
             assert torch.equal(full["state"][name][key], ref_opt.state[ref][key]), (name, key)
 
 
@@ -162,7 +138,7 @@ def test_full_state_dict(dist_run):
 
 
 def _misaligned_is_refused():
-    model = fully_shard(_Params())  # one-row blocks: tiles cut by rank boundaries
+    model = fully_shard(UnevenParams())  # one-row blocks: tiles cut by rank boundaries
     with pytest.raises(ValueError, match=r"AdamW8bit: 'a' \(shape \(1031, 40\).*block_size_fn=vescale_plugins.optim.tile_rows\(32\)"):
         AdamW8bit(model.named_parameters())
 

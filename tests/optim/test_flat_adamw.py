@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from test_adam8bit_sharded import SHAPES, _coeffs, _Params
+from tests.support.uneven_params import UnevenParams, coefficients
 from vescale_plugins import fully_shard
 from vescale_plugins.optim import AdamW, clip_grad_norm_
 from vescale_plugins.optim.flat import contiguous_runs
 
 
 def _backward(model, step, only_rank0=False):
-    coeffs = _coeffs(step)
+    coeffs = coefficients(step)
     if only_rank0 and dist.get_rank() != 0:
         model({n: torch.zeros_like(c) for n, c in coeffs.items()}).mul(0.0).backward()
     else:
@@ -22,7 +22,7 @@ def _backward(model, step, only_rank0=False):
 
 
 def test_plain_params_match_torch_fused_adamw_bitwise_and_foreach_closely():
-    ours_model, fused_model, foreach_model = _Params(), _Params(), _Params()
+    ours_model, fused_model, foreach_model = UnevenParams(), UnevenParams(), UnevenParams()
     ours = AdamW(ours_model.parameters(), lr=1e-2, weight_decay=0.1)
     fused = torch.optim.AdamW(fused_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     foreach = torch.optim.AdamW(foreach_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
@@ -41,7 +41,7 @@ def test_plain_params_match_torch_fused_adamw_bitwise_and_foreach_closely():
 
 
 def test_state_dict_interchanges_with_torch_adamw():
-    model, reference = _Params(), _Params()
+    model, reference = UnevenParams(), UnevenParams()
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
     _backward(reference, 0)
     torch_opt.step()
@@ -57,9 +57,9 @@ def test_state_dict_interchanges_with_torch_adamw():
 
 
 def _sharded_matches_unsharded():
-    reference = _Params()
+    reference = UnevenParams()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    model = fully_shard(_Params())
+    model = fully_shard(UnevenParams())
     model.set_gradient_divide_factor(1.0)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(3):
@@ -80,9 +80,9 @@ def _sharded_matches_unsharded():
         ref_opt.zero_grad()
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.full_tensor(), r.detach()), name
-    inf_model = fully_shard(_Params())
+    inf_model = fully_shard(UnevenParams())
     _backward(inf_model, 0)
-    ref_inf = _Params()
+    ref_inf = UnevenParams()
     _backward(ref_inf, 0)
     torch.testing.assert_close(
         clip_grad_norm_(inf_model.parameters(), 1.0, norm_type=float("inf")),

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from vescale_plugins import RaggedShard, fully_shard
+from vescale_plugins import RaggedShard
 from vescale_plugins.optim import Muon, muon_param_groups, split_muon_params
 
 STEPS = 5
@@ -263,7 +263,7 @@ def test_roots_balance_newton_schulz_flops_on_a_catalogue_model():
     from vescale_plugins.tools.model_catalog import CATALOG
     from vescale_plugins.optim import assign_roots, newton_schulz_flops
 
-    spec = importlib.util.spec_from_file_location("muon_balance_report", Path(__file__).parents[1] / "scripts" / "muon_balance_report.py")
+    spec = importlib.util.spec_from_file_location("muon_balance_report", Path(__file__).parents[2] / "scripts" / "muon_balance_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     costs = [newton_schulz_flops(s) for s in report.muon_matrix_shapes(CATALOG["Llama-3-70B"])]
@@ -288,8 +288,8 @@ def test_newton_schulz_flops_count_the_three_matmuls_per_step():
 
 
 def _count_one_step_of_a_fully_sharded_decoder():
-    from models import local_batch, loss_fn, make_decoder
-    from test_fully_shard import shard_decoder
+    from tests.support.models import local_batch, loss_fn, make_decoder
+    from tests.support.parity import shard_decoder
 
     model = shard_decoder(make_decoder())
     opt = Muon(muon_param_groups(model, adamw_lr=1e-2), lr=0.02)

@@ -17,6 +17,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.planner_checks import brute_force_fits, start_is_valid
 from vescale_plugins.planner import plan_layout, shard_size_lower_bound
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.placement import earliest_start, group_classes, place_exact
@@ -30,29 +31,6 @@ def small_problems(draw, max_tensors: int = 5, max_blocks: int = 8):
     blocks = [draw(st.integers(1, 9)) for _ in range(count)]
     numels = [block * draw(st.integers(1, max_blocks)) for block in blocks]
     return numels, blocks, draw(st.integers(1, 9)), draw(st.sampled_from([1, 1, 2, 3, 4]))
-
-
-def start_is_valid(start: int, numel: int, block: int, shard: int, alignment: int) -> bool:
-    """The definition: aligned, and every rank boundary inside the tensor is a block edge."""
-    boundaries = range((start // shard + 1) * shard, start + numel, shard)
-    return start % alignment == 0 and all((b - start) % block == 0 for b in boundaries)
-
-
-def brute_force_fits(numels, blocks, world, alignment, shard) -> bool:
-    """Some order and some start positions (not only the earliest) fit the buffer."""
-    limit = world * shard
-
-    def place(order, cursor):
-        if not order:
-            return True
-        index, rest = order[0], order[1:]
-        for start in range(cursor, limit - numels[index] + 1):
-            if start_is_valid(start, numels[index], blocks[index], shard, alignment):
-                if place(rest, start + numels[index]):
-                    return True
-        return False
-
-    return any(place(order, 0) for order in itertools.permutations(range(len(numels))))
 
 
 @settings(EXHAUSTIVE, max_examples=150)

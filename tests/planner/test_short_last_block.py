@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vescale_plugins.planner import plan_layout, plan_unit, shard_size_lower_bound
+from tests.support.planner_checks import brute_force_min_shard, plan_above_the_bound, start_is_valid
+from vescale_plugins.planner import plan_layout, plan_unit
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.placement import earliest_start
 
@@ -21,11 +22,6 @@ PROPERTY = settings(
     derandomize=True, database=None, deadline=None, max_examples=150,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-def start_is_valid(start: int, numel: int, block: int, shard: int, alignment: int) -> bool:
-    boundaries = range((start // shard + 1) * shard, start + numel, shard)
-    return start % alignment == 0 and all((b - start) % block == 0 for b in boundaries)
 
 
 def assert_no_block_straddles_a_rank(layout, numels, blocks) -> None:
@@ -60,10 +56,8 @@ def ragged_problems(draw, max_tensors: int = 8):
 @PROPERTY
 @given(ragged_problems())
 def test_no_block_straddles_a_rank_when_blocks_do_not_divide(problem):
-    numels, blocks, world, alignment = problem
-    layout = plan_layout(numels, blocks, world, alignment=alignment)
-    assert_no_block_straddles_a_rank(layout, numels, blocks)
-    assert layout.shard_size >= shard_size_lower_bound(numels, blocks, world, alignment=alignment)
+    numels, blocks, _, _ = problem
+    assert_no_block_straddles_a_rank(plan_above_the_bound(problem), numels, blocks)
 
 
 @settings(PROPERTY, max_examples=60)
@@ -86,29 +80,6 @@ def test_1031_rows_in_32_row_tiles(world):
     assert_no_block_straddles_a_rank(layout, [rows * cols, 384, 384 * 1031], [32 * cols, 384, 32 * 1031])
     row_starts = [start // cols for start, length in layout.shard_ranges(0) if length]
     assert all(r % 32 == 0 for r in row_starts[1:] or [0])
-
-
-def brute_force_min_shard(numels, blocks, world, alignment) -> int:
-    import itertools
-
-    def fits(shard):
-        limit = world * shard
-
-        def place(order, cursor):
-            if not order:
-                return True
-            index, rest = order[0], order[1:]
-            for start in range(cursor, limit - numels[index] + 1):
-                if start_is_valid(start, numels[index], blocks[index], shard, alignment) and place(rest, start + numels[index]):
-                    return True
-            return False
-
-        return any(place(order, 0) for order in itertools.permutations(range(len(numels))))
-
-    shard = alignment
-    while not fits(shard):
-        shard += alignment
-    return shard
 
 
 @settings(PROPERTY, max_examples=60)

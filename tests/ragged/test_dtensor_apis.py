@@ -12,11 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
 
-import vescale_plugins.dbuffer.buffer as dbuffer_module
+from tests.support.comm_counts import comm_counts
 from vescale_plugins import RaggedShard
-from vescale_plugins.dbuffer.collectives import uses_point_to_point
 
 WORLD_SIZES = [1, 2, 3, 4]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,40 +47,6 @@ def _mesh(world):
 def _full(shape, dtype, salt=0):
     g = torch.Generator().manual_seed(hash((shape, salt)) % 2**31)
     return torch.randn(shape, generator=g).to(dtype)
-
-
-_COLLECTIVE_NAMES = {"allgather": "all_gather", "alltoall": "all_to_all", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce", "broadcast": "broadcast"}
-
-
-def _comm_counts(fn):
-    """Run ``fn`` and count the collectives it issued, by kind (c10d op names normalised).
-
-    DBuffer's collectives on gloo are point-to-point messages (``inplace_collectives``), which
-    ``CommDebugMode`` does not see: they are counted as the collective they implement.
-    """
-    counts = {}
-    originals = dbuffer_module.all_gather_into, dbuffer_module.reduce_scatter_into
-
-    def counted(kind, collective):
-        def run(output, tensor, group, async_op=False):
-            if uses_point_to_point(group, output.device):
-                counts[kind] = counts.get(kind, 0) + 1
-            return collective(output, tensor, group, async_op=async_op)
-
-        return run
-
-    dbuffer_module.all_gather_into = counted("all_gather", originals[0])
-    dbuffer_module.reduce_scatter_into = counted("reduce_scatter", originals[1])
-    try:
-        with CommDebugMode() as mode:
-            out = fn()
-    finally:
-        dbuffer_module.all_gather_into, dbuffer_module.reduce_scatter_into = originals
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).split(".")[-1].replace("_", "") if "reduce_scatter" not in str(op) else "reduce_scatter"
-        kind = next((v for k, v in _COLLECTIVE_NAMES.items() if k.replace("_", "") in name), name)
-        counts[kind] = counts.get(kind, 0) + n
-    return out, counts
 
 
 # ----------------------------------------------------------------------------------
@@ -126,16 +90,16 @@ def _redistribute_each_way():
             src, dst = RaggedShard(dims, units), RaggedShard(dims, OTHER_UNITS[world])
             d = distribute_tensor(full, mesh, [src])
 
-            replicated, counts = _comm_counts(lambda: d.redistribute(mesh, [Replicate()]))
+            replicated, counts = comm_counts(lambda: d.redistribute(mesh, [Replicate()]))
             assert torch.equal(replicated.to_local(), full)
             if world > 1:
                 assert set(counts) <= {"all_gather", "broadcast"} and sum(counts.values()) == 1, counts
 
-            back, counts = _comm_counts(lambda: replicated.redistribute(mesh, [src]))
+            back, counts = comm_counts(lambda: replicated.redistribute(mesh, [src]))
             assert back.placements == (src,) and torch.equal(back.to_local(), src.split_full(full, rank))
             assert counts == {}, counts
 
-            moved, counts = _comm_counts(lambda: d.redistribute(mesh, [dst]))
+            moved, counts = comm_counts(lambda: d.redistribute(mesh, [dst]))
             assert torch.equal(moved.to_local(), dst.split_full(full, rank))
             if world > 1:
                 assert counts == {"all_to_all": 1}, counts
@@ -148,7 +112,7 @@ def _redistribute_each_way():
 
             contribution = full * (rank + 1)
             partial = DTensor.from_local(contribution, mesh, [Partial()], shape=full.shape, stride=full.stride())
-            reduced, counts = _comm_counts(lambda: partial.redistribute(mesh, [src]))
+            reduced, counts = comm_counts(lambda: partial.redistribute(mesh, [src]))
             total = full.float() * (world * (world + 1) / 2)
             torch.testing.assert_close(reduced.to_local().float(), src.split_full(total.to(dtype), rank).float(), rtol=1e-2, atol=1e-2)
             if world > 1:

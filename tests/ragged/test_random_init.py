@@ -10,11 +10,10 @@ span many pieces.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import vescale_plugins.ragged.dtensor.random_init as bridge
-from models import make_decoder
-from test_fully_shard import assert_matches, shard_decoder
+from tests.support.models import make_decoder
+from tests.support.parity import assert_matches, shard_decoder
 
 aten = torch.ops.aten
 DRAWS = [(aten.uniform_.default, (-0.3, 0.7)), (aten.normal_.default, (0.1, 2.0))]

@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -24,9 +23,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-import models
-from models import clone, make_decoder, reference_step
-from test_fully_shard import PARAM_TOL, TOL, adamw, sharded_step, step_and_zero
+from tests.support import models
+from tests.support.models import clone, make_decoder, reference_step
+from tests.support.parity import PARAM_TOL, TOL, adamw, sharded_step, step_and_zero
 from vescale_plugins import fully_shard
 
 STEPS = 3

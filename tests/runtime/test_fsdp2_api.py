@@ -338,6 +338,7 @@ _IMPORT_ORDER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed
 def test_dtensor_patches_do_not_depend_on_import_order():
     import socket
 

@@ -1,4 +1,7 @@
-"""FSDP2 behaviours users rely on that once trained silently wrong with veScale-FSDP.
+"""FSDP2's behaviour at the edges users rely on: tied weights across units, the gradient divide
+factor's scope, accumulation in the reduce dtype, a grouped head called per chunk, parameters
+replaced after ``fully_shard``, post-accumulate-grad hooks, 0-dim, non-contiguous and
+zero-size parameters, and ``reset_iter_state()`` after an exception.
 
 Each case is checked against FSDP2 itself in the same body (and against an unsharded model
 where FSDP2 has no behaviour of its own to match).
@@ -14,10 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-import models
-from models import clone, local_batch, loss_fn, make_decoder, reference_step
-from test_fully_shard import PARAM_TOL, TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
-from test_ragged_shard import _comm_counts
+from tests.support import models
+from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
+from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 from vescale_plugins import fully_shard
 
 
@@ -295,6 +297,69 @@ def _odd_parameters():
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero_dim_and_non_contiguous_parameters_train_exactly(dist_run, world):
     dist_run(_odd_parameters, world)
+
+
+# ----------------------------------------------------------------------------------
+# zero-size parameters, which FSDP2 accepts: they shard to nothing and train alongside the rest
+# ----------------------------------------------------------------------------------
+
+
+class _WithEmpty(nn.Module):
+    """A model with zero-size parameters (an empty prefix table, a zero-width adapter)."""
+
+    def __init__(self, use_empty: bool) -> None:
+        super().__init__()
+        self.use_empty = use_empty
+        self.first = nn.Linear(6, 5)
+        self.empty_rows = nn.Parameter(torch.empty(0, 5))
+        self.empty_cols = nn.Parameter(torch.empty(5, 0))
+        self.second = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.use_empty:  # gradients of zero elements (FSDP2's backward refuses these)
+            h = h + self.empty_rows.sum() + (h @ self.empty_cols).sum()
+        return self.second(h)
+
+
+def _zero_size_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _train_with_empty(shard, use_empty, steps=2):
+    torch.manual_seed(0)
+    model = _WithEmpty(use_empty)
+    if shard is None:  # the unsharded reference: the mean of every rank's loss
+        losses = lambda step: torch.stack([model(_zero_size_batch(step, r)).square().mean() for r in range(dist.get_world_size())]).mean()
+    else:
+        shard(model.first)
+        shard(model)
+        losses = lambda step: model(_zero_size_batch(step, dist.get_rank())).square().mean()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in range(steps):
+        losses(step).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in model.named_parameters()}
+
+
+def _assert_same_trained(ours, theirs):
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+    assert ours["empty_rows"].shape == (0, 5) and ours["empty_cols"].shape == (5, 0)
+
+
+def _zero_size_parameters_match_fsdp2_and_unsharded():
+    _assert_same_trained(_train_with_empty(fully_shard, use_empty=False), _train_with_empty(torch_fully_shard, use_empty=False))
+    _assert_same_trained(_train_with_empty(fully_shard, use_empty=True), _train_with_empty(None, use_empty=True))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_size_parameters_train_like_fsdp2(dist_run, world):
+    dist_run(_zero_size_parameters_match_fsdp2_and_unsharded, world)
 
 
 # ----------------------------------------------------------------------------------

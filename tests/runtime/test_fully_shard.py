@@ -11,77 +11,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from models import batch, clone, local_batch, loss_fn, make_decoder, reference_step
-from test_ragged_shard import _comm_counts
-from vescale_plugins import RaggedShard, fully_shard
+from tests.support.comm_counts import comm_counts
+from tests.support.models import TwoBlocks, batch, clone, local_batch, loss_fn, make_decoder, reference_step
+from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, assert_sharded_views, shard_decoder, sharded_step, step_and_zero
+from vescale_plugins import fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
-TOL = dict(rtol=2e-5, atol=2e-6)
-# Adam divides by sqrt(v): a gradient element near zero turns its rounding difference into a
-# visible update difference, so parameters after steps get 0.1% of one lr=1e-2 update.
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-def shard_decoder(model, shard=fully_shard, **kwargs):
-    for layer in model.layers:
-        shard(layer, **kwargs)
-    shard(model, **kwargs)
-    return model
-
-
-def adamw(model):
-    # eps=1e-6 (BERT's): with 1e-8, an element whose gradient is pure cancellation noise
-    # (~1e-10) gets an lr-sized step of random sign, so parity would test rounding, not sharding.
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-
-
-def step_and_zero(*optimizers):
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad()
-
-
-def global_loss(loss):
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total / dist.get_world_size()
-
-
-def sharded_step(model, step):
-    tokens, targets = local_batch(step)
-    loss = loss_fn(model(tokens), targets)
-    loss.backward()
-    return global_loss(loss)
-
-
-def assert_matches(sharded, reference, what, tol=None):
-    tol = tol or (PARAM_TOL if what == "param" else TOL)
-    for (name, p), (ref_name, ref_p) in zip(sharded.named_parameters(), reference.named_parameters(), strict=True):
-        assert name == ref_name
-        got = p.full_tensor() if what == "param" else (None if p.grad is None else p.grad.full_tensor())
-        want = ref_p.detach() if what == "param" else ref_p.grad
-        if isinstance(want, DTensor):  # an FSDP2 model as the reference
-            want = want.full_tensor()
-        if want is None:
-            assert got is None, name
-            continue
-        torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{what} {name}: {m}")
-
-
-def assert_sharded_views(model):
-    """Every parameter and gradient is a RaggedShard DTensor viewing its unit's DBuffer."""
-    for module in model.modules():
-        unit = getattr(module, "_vescale_fsdp_unit", None)
-        if unit is None or module is not unit.modules[0]:
-            continue
-        for m in unit.fsdp_params:
-            dbuffer = m.dbuffer
-            assert isinstance(m.sharded, DTensor) and isinstance(m.sharded.placements[0], RaggedShard), m.fqn
-            assert m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr(), m.fqn
-            if m.sharded.grad is not None:
-                grad_storage = m.sharded.grad._local_tensor.untyped_storage().data_ptr()
-                assert grad_storage == dbuffer.sharded_grad.untyped_storage().data_ptr(), m.fqn
 
 
 # ----------------------------------------------------------------------------------
@@ -173,7 +109,7 @@ def _gradient_accumulation_without_communication(keep_unsharded):
         model.set_reshard_after_backward(micro == 1 or not keep_unsharded)
         tokens, targets = local_batch(micro)
         loss = loss_fn(model(tokens), targets) / 2
-        _, counts = _comm_counts(loss.backward)
+        _, counts = comm_counts(loss.backward)
         blocks_gathered = [layer._vescale_fsdp_unit.is_unsharded for layer in model.layers]
         if micro == 0:
             assert "reduce_scatter" not in counts, counts
@@ -480,7 +416,7 @@ def _gradients_from_other_ranks_only():
             rows = slice(r * per_rank, (r + 1) * per_rank)
             (loss_fn(reference(tokens[rows]), targets[rows]) / world).backward()
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        _, counts = _comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
+        _, counts = comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
         assert "all_reduce" not in counts and counts.get("reduce_scatter") == 2, counts
         for name, ref_param in reference.named_parameters():
             param = model.get_parameter(name)
@@ -496,3 +432,27 @@ def _gradients_from_other_ranks_only():
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradients_of_parameters_other_ranks_used(dist_run, world):
     dist_run(_gradients_from_other_ranks_only, world)
+
+
+def _fused_adamw_matches_unfused():
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = TwoBlocks()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused)
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append({name: p.full_tensor() for name, p in model.named_parameters()})
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(600)
+def test_fused_adamw_matches_unfused_on_sharded_parameters(dist_run):
+    dist_run(_fused_adamw_matches_unfused, 2, timeout=300)

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
-from models import local_batch, loss_fn, make_decoder
-from test_fully_shard import adamw, shard_decoder
+from tests.support.models import local_batch, loss_fn, make_decoder
+from tests.support.parity import adamw, shard_decoder
 
 
 def _gradients_alive_at_reduce_scatter(mixed_precision: bool, micro_batches: int):

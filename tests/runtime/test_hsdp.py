@@ -1,19 +1,18 @@
 """Hybrid sharding (HSDP) on a 2-D (replicate, shard) mesh trains what FSDP2's HSDP and an
 unsharded model train; checkpoints move between meshes."""
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
-from models import clone, local_batch, loss_fn, make_decoder, reference_step
-from test_fully_shard import PARAM_TOL, TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
-from test_ragged_shard import _comm_counts
-from vescale_plugins import RaggedShard, fully_shard
+from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
+from tests.support.parity import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.comm_counts import comm_counts
+from vescale_plugins import RaggedShard
 
 STEPS = 4
 
@@ -54,7 +53,7 @@ def _hsdp_collectives():
     model = shard_decoder(make_decoder(), mesh=mesh)
     tokens, targets = local_batch(0)
     loss = loss_fn(model(tokens), targets)
-    _, counts = _comm_counts(loss.backward)
+    _, counts = comm_counts(loss.backward)
     units = len(model.layers) + 1
     # one reduce-scatter per unit buffer in the shard group, one all-reduce per unit across replicas
     assert counts.get("reduce_scatter") == units and counts.get("all_reduce") == units, counts

@@ -1,15 +1,12 @@
 """``reshard_after_forward=k``: between forward and backward each unit stays sharded over
 groups of k ranks, and backward gathers within those k ranks only (FSDP2's semantics)."""
 
-import pytest
-import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
-from models import clone, local_batch, loss_fn, make_decoder, reference_step
-from test_fully_shard import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
-from vescale_plugins import fully_shard
+from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
+from tests.support.parity import adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
 
 
 FSDP2_TOL = dict(rtol=1e-4, atol=1e-4)

@@ -1,14 +1,20 @@
-"""Bad input to fully_shard: a clear error on every rank, before any collective, module intact."""
+"""Bad input to fully_shard: a clear error on every rank, before any collective, module intact.
+
+Mistakes that would otherwise fail late or inside torch (a unit sharded after its parent, a
+process group for a mesh, a mesh without this rank, a block size that differs across ranks)
+included.
+"""
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from models import local_batch, make_decoder
-from vescale_plugins import fully_shard
+from tests.support.models import local_batch, make_decoder
+from vescale_plugins import PlanMismatchError, fully_shard
 
 
 def _untouched(model, before):
@@ -85,3 +91,49 @@ def _every_bad_input():
 @pytest.mark.parametrize("world", [2, 3])
 def test_bad_input_fails_clearly_before_any_collective(dist_run, world):
     dist_run(_every_bad_input, world)
+
+
+def _child_after_parent():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"fully_shard\(Linear\): its parameter 'weight' is already sharded .* bottom-up"):
+        fully_shard(model[0])
+
+
+def _process_group_as_mesh():
+    with pytest.raises(TypeError, match=r"got a ProcessGroup; pass a DeviceMesh: .*DeviceMesh.from_group"):
+        fully_shard(nn.Linear(4, 4), mesh=dist.group.WORLD)
+
+
+def _mesh_without_this_rank():
+    mesh = DeviceMesh("cpu", [0])  # every rank builds it (a collective), only rank 0 is in it
+    model = nn.Linear(4, 4)
+    if dist.get_rank() == 0:
+        fully_shard(model, mesh=mesh)
+        return
+    with pytest.raises(ValueError, match=rf"global rank {dist.get_rank()}\) is not in the mesh \[0\]"):
+        fully_shard(model, mesh=mesh)
+    assert not isinstance(model.weight, DTensor)
+
+
+def _rank_dependent_block_size_fn():
+    rank = dist.get_rank()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    # 2 rows on rank 0, 4 on the others: each answer is valid on its own rank.
+    with pytest.raises(PlanMismatchError, match=r"parameter '0.weight': rank 0 has shape \(8, 4\), torch.float32, blocks of 2 rows; rank 1 has .* blocks of 4 rows; block_size_fn"):
+        fully_shard(model, block_size_fn=lambda name, p: (2 if rank == 0 else 4) if name == "0.weight" else None)
+    assert not isinstance(model[0].weight, DTensor)
+    # An answer that is invalid on one rank only: every rank raises that rank's error.
+    with pytest.raises(ValueError, match=r"block_size_fn\('0.weight'\) returned 0"):
+        fully_shard(model, block_size_fn=lambda name, p: (0 if rank == 1 else None) if name == "0.weight" else None)
+    # Nothing was left half-done: the same model still shards and runs.
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    model(torch.ones(1, 4)).sum().backward()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "body", [_child_after_parent, _process_group_as_mesh, _mesh_without_this_rank, _rank_dependent_block_size_fn]
+)
+def test_setup_error_on_every_rank_before_any_collective(dist_run, body):
+    dist_run(body, 2, timeout=60)

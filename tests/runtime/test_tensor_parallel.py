@@ -18,119 +18,26 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
+from tests.support.parity import PARAM_TOL, TOL
+from tests.support.tp_transformer import (
+    HIDDEN,
+    Transformer,
+    assert_same,
+    data_parallel,
+    default_adamw,
+    lm_loss,
+    tensor_parallel,
+    token_batch,
+)
 from vescale_plugins import fully_shard
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 5
-LOSS_TOL = dict(rtol=2e-5, atol=2e-6)
-PARAM_TOL = dict(rtol=1e-4, atol=1e-5)
-
-# -- a small transformer whose dims split evenly over TP=2 but not over FSDP ---------------
-
-DIM, HEADS, HIDDEN, VOCAB, SEQ, BATCH = 12, 2, 18, 16, 7, 3
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        # No key bias: its gradient is exactly zero (softmax is shift invariant), and Adam
-        # would turn rounding noise there into full-size, implementation-dependent updates.
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=name != "k") for name in "qkvo")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # -1 heads: under TP each rank holds HEADS / tp of them
-        q, k, v = (w(x).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn_norm, self.attn = nn.LayerNorm(DIM), Attention()
-        self.mlp_norm, self.w1, self.w2 = nn.RMSNorm(DIM), nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.w2(F.gelu(self.w1(self.mlp_norm(x))))
-
-
-class Transformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
-def _replicated_input(module, inputs, mesh):
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
-
-
-def _local_output(module, output, mesh):
-    return output.to_local()
-
-
-def tensor_parallel(model: Transformer, tp_mesh) -> Transformer:
-    """Colwise/Rowwise on every linear and the embedding (torchtitan's plan without sequence
-    parallelism); norms hold Replicate DTensors, so every parameter is a TP DTensor."""
-    parallelize_module(model, tp_mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Replicate()),
-    })
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel(),
-        })
-    for module in model.modules():
-        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-            distribute_module(module, tp_mesh, input_fn=_replicated_input, output_fn=_local_output)
-    return model
-
-
-def data_parallel(model: Transformer, shard, dp_mesh) -> Transformer:
-    for block in model.layers:
-        shard(block, mesh=dp_mesh)
-    shard(model, mesh=dp_mesh)
-    return model
-
-
-def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def _loss(model, tokens, targets):
-    return F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
-
-
-def _assert_same(a: nn.Module, b: nn.Module, what: str, tol: dict) -> None:
-    for (name, p), (other_name, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        assert name == other_name
-        x, y = (p, q) if what == "param" else (p.grad, q.grad)
-        torch.testing.assert_close(_full(x), _full(y), **tol, msg=lambda m: f"{what} {name}: {m}")
 
 
 def _mesh_2x2():
@@ -150,29 +57,29 @@ def _tp_fsdp_parity():
         assert param.device_mesh.mesh_dim_names == ("dp", "tp") and param.placements[1] == tp
         expected = StridedRaggedShard if tp == Shard(0) else RaggedShard
         assert type(param.placements[0]) is expected, param.placements
-    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    opts = [default_adamw(m) for m in (reference, ours, theirs)]
     for step in range(STEPS):
-        tokens, targets = _batch(step, dp_rank)
-        ours_loss, theirs_loss = _loss(ours, tokens, targets), _loss(theirs, tokens, targets)
+        tokens, targets = token_batch(step, dp_rank)
+        ours_loss, theirs_loss = lm_loss(ours, tokens, targets), lm_loss(theirs, tokens, targets)
         ours_loss.backward()
         theirs_loss.backward()
-        ref_loss = sum(_loss(reference, *_batch(step, d)) for d in range(dp_size)) / dp_size
+        ref_loss = sum(lm_loss(reference, *token_batch(step, d)) for d in range(dp_size)) / dp_size
         ref_loss.backward()
-        torch.testing.assert_close(ours_loss, theirs_loss, **LOSS_TOL)
+        torch.testing.assert_close(ours_loss, theirs_loss, **TOL)
         global_loss = ours_loss.detach().clone()
         dist.all_reduce(global_loss, group=mesh.get_group("dp"))
-        torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **LOSS_TOL)
+        torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **TOL)
         if step == 0:  # gradients arrive on the sharded parameters' composed layout
             assert block.w2.weight.grad.placements == block.w2.weight.placements
-            _assert_same(ours, theirs, "grad", LOSS_TOL)
-            _assert_same(ours, reference, "grad", LOSS_TOL)
+            assert_same(ours, theirs, "grad", TOL)
+            assert_same(ours, reference, "grad", TOL)
         for model in (ours, theirs, reference):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    _assert_same(ours, theirs, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, theirs, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_tp2_x_fsdp2_matches_fsdp2_and_unsharded(dist_run):
@@ -190,21 +97,21 @@ def _hsdp_x_tp_parity():
     wq = ours.layers[0].attn.wq.weight
     assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp") and wq.placements[0] == Replicate()
     assert type(wq.placements[1]) is StridedRaggedShard and wq.placements[2] == Shard(0)
-    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    opts = [default_adamw(m) for m in (reference, ours, theirs)]
     for step in range(3):
-        tokens, targets = _batch(step, dp_rank)
-        losses = [_loss(m, tokens, targets) for m in (ours, theirs)]
+        tokens, targets = token_batch(step, dp_rank)
+        losses = [lm_loss(m, tokens, targets) for m in (ours, theirs)]
         for loss in losses:
             loss.backward()
-        (sum(_loss(reference, *_batch(step, d)) for d in range(dp_size)) / dp_size).backward()
-        torch.testing.assert_close(losses[0], losses[1], **LOSS_TOL)
+        (sum(lm_loss(reference, *token_batch(step, d)) for d in range(dp_size)) / dp_size).backward()
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
         for model in (ours, theirs, reference):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    _assert_same(ours, theirs, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, theirs, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_hsdp_x_tp_matches_fsdp2_and_unsharded(dist_run):
@@ -217,9 +124,9 @@ def test_hsdp_x_tp_matches_fsdp2_and_unsharded(dist_run):
 def _train_and_save(path):
     mesh = _mesh_2x2()
     model = data_parallel(tensor_parallel(Transformer(), mesh["tp"]), fully_shard, mesh["dp"])
-    opt = _adamw(model)
+    opt = default_adamw(model)
     for step in range(2):
-        _loss(model, *_batch(step, mesh.get_local_rank(0))).backward()
+        lm_loss(model, *token_batch(step, mesh.get_local_rank(0))).backward()
         opt.step()
         opt.zero_grad()
     model_state, optim_state = get_state_dict(model, opt)
@@ -232,8 +139,8 @@ def _train_and_save(path):
 def _load_at_dp1_tp2(path):
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = data_parallel(tensor_parallel(Transformer(), mesh["tp"]), fully_shard, mesh["dp"])
-    opt = _adamw(model)
-    _loss(model, *_batch(0, 0)).backward()  # creates optimizer state to load into
+    opt = default_adamw(model)
+    lm_loss(model, *token_batch(0, 0)).backward()  # creates optimizer state to load into
     opt.step()
     opt.zero_grad()
     model_state, optim_state = get_state_dict(model, opt)
@@ -342,7 +249,7 @@ def _ep_fsdp_parity():
     ours, theirs = models
     assert type(ours.experts.w1.placements[0]) is StridedRaggedShard and ours.experts.w1.placements[1] == Shard(0)
     assert ours.experts.w1._local_tensor.shape[1:] == (EXPERT_HIDDEN, MOE_DIM)
-    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    opts = [default_adamw(m) for m in (reference, ours, theirs)]
     for step in range(STEPS):
         x, y = _moe_batch(step, dist.get_rank())
         losses = [F.mse_loss(m(x), y) for m in (ours, theirs)]
@@ -350,18 +257,18 @@ def _ep_fsdp_parity():
             loss.backward()
         ref_loss = sum(F.mse_loss(reference(*_moe_batch(step, r)[:1]), _moe_batch(step, r)[1]) for r in range(world)) / world
         ref_loss.backward()
-        torch.testing.assert_close(losses[0], losses[1], **LOSS_TOL)
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
         global_loss = losses[0].detach().clone()
         dist.all_reduce(global_loss)
-        torch.testing.assert_close(global_loss / world, ref_loss.detach(), **LOSS_TOL)
+        torch.testing.assert_close(global_loss / world, ref_loss.detach(), **TOL)
         if step == 0:
-            _assert_same(ours, theirs, "grad", LOSS_TOL)
-            _assert_same(ours, reference, "grad", LOSS_TOL)
+            assert_same(ours, theirs, "grad", TOL)
+            assert_same(ours, reference, "grad", TOL)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    _assert_same(ours, theirs, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, theirs, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_ep2_x_fsdp2_moe_matches_fsdp2_and_unsharded(dist_run):
@@ -417,7 +324,7 @@ def _dp_mesh_dims_parity():
     ours, theirs = models
     assert ours.w1.weight.device_mesh is mesh and ours.w1.weight.placements[1] == Shard(0)
     assert type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
-    opts = [_adamw(m) for m in (reference, ours, theirs)]
+    opts = [default_adamw(m) for m in (reference, ours, theirs)]
     for step in range(STEPS):
         batches = [_moe_batch(step, d) for d in range(dp_size)]
         x, y = batches[dp_rank]
@@ -427,12 +334,12 @@ def _dp_mesh_dims_parity():
             loss.backward()
         ref_loss = sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size
         ref_loss.backward()
-        torch.testing.assert_close(losses[0], losses[1], **LOSS_TOL)
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    _assert_same(ours, theirs, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, theirs, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
 
 def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
@@ -521,9 +428,9 @@ def _meta_init_like_torchtitan():
         for module in model.modules():  # construction order, as the eager model drew
             if module is not model and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-    _assert_same(model, eager, "param", dict(rtol=0, atol=0))
-    tokens, targets = _batch(0, mesh.get_local_rank(0))
-    torch.testing.assert_close(_loss(model, tokens, targets), _loss(eager, tokens, targets), **LOSS_TOL)
+    assert_same(model, eager, "param", dict(rtol=0, atol=0))
+    tokens, targets = token_batch(0, mesh.get_local_rank(0))
+    torch.testing.assert_close(lm_loss(model, tokens, targets), lm_loss(eager, tokens, targets), **TOL)
 
 
 def test_meta_init_of_a_tp_x_fsdp_model_draws_the_eager_values(dist_run):
@@ -540,8 +447,8 @@ def _accumulation_without_sync():
     for model in (ours, theirs):
         for micro in range(3):
             model.set_requires_gradient_sync(micro == 2)
-            (_loss(model, *_batch(micro, mesh.get_local_rank(0))) / 3).backward()
-    _assert_same(ours, theirs, "grad", LOSS_TOL)
+            (lm_loss(model, *token_batch(micro, mesh.get_local_rank(0))) / 3).backward()
+    assert_same(ours, theirs, "grad", TOL)
 
 
 def test_gradient_accumulation_without_sync_matches_fsdp2(dist_run):
@@ -562,13 +469,13 @@ def _mixed_precision():
             shard(block, mesh=mesh["dp"], mp_policy=policy)
         models.append(shard(model, mesh=mesh["dp"], mp_policy=policy))
     ours, theirs = models
-    tokens, targets = _batch(0, mesh.get_local_rank(0))
-    losses = [_loss(m, tokens, targets) for m in models]
+    tokens, targets = token_batch(0, mesh.get_local_rank(0))
+    losses = [lm_loss(m, tokens, targets) for m in models]
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[0], losses[1])
     assert ours.layers[0].w1.weight.dtype == torch.float32 and ours.layers[0].w1.weight.grad.dtype == torch.float32
-    _assert_same(ours, theirs, "grad", dict(rtol=1e-2, atol=1e-4))
+    assert_same(ours, theirs, "grad", dict(rtol=1e-2, atol=1e-4))
 
 
 def test_mixed_precision_matches_fsdp2(dist_run):
@@ -596,7 +503,7 @@ def _int_reshard_with_tp():
         return module
 
     ours = shard(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), fully_shard)
-    opts = [_adamw(m) for m in (reference, ours)]
+    opts = [default_adamw(m) for m in (reference, ours)]
     sizes, ranks, original = [], [], dbuffer_module.all_gather_into
 
     def counted(output, tensor, group, async_op=False):
@@ -605,18 +512,18 @@ def _int_reshard_with_tp():
         return original(output, tensor, group, async_op=async_op)
 
     for step in range(2):
-        tokens, targets = _batch(step, dp_rank)
-        loss = _loss(ours, tokens, targets)
+        tokens, targets = token_batch(step, dp_rank)
+        loss = lm_loss(ours, tokens, targets)
         dbuffer_module.all_gather_into = counted
         try:
             loss.backward()
         finally:
             dbuffer_module.all_gather_into = original
-        ref_loss = sum(_loss(reference, *_batch(step, d)) for d in range(dp_size)) / dp_size
+        ref_loss = sum(lm_loss(reference, *token_batch(step, d)) for d in range(dp_size)) / dp_size
         ref_loss.backward()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=mesh.get_group("dp"))
-        torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **LOSS_TOL)
+        torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **TOL)
         # every backward all-gather spans 2 dp ranks that hold the same TP shard
         assert sizes and set(sizes) == {2}, sizes
         me = dist.get_rank()
@@ -626,7 +533,7 @@ def _int_reshard_with_tp():
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
 
 @pytest.mark.timeout(420)
@@ -669,14 +576,14 @@ def _ep_x_tp_experts(path: str):
             dist.all_reduce(p.grad, group=mesh["ep"].get_group())
             dist.all_reduce(p.grad, group=mesh["efsdp"].get_group())
             p.grad.div_(mesh["efsdp"].size())
-        torch.testing.assert_close(losses[1], losses[0], **LOSS_TOL)
-        _assert_same(ours, theirs, "grad", PARAM_TOL)
-        _assert_same(ours, reference, "grad", PARAM_TOL)
+        torch.testing.assert_close(losses[1], losses[0], **TOL)
+        assert_same(ours, theirs, "grad", PARAM_TOL)
+        assert_same(ours, reference, "grad", PARAM_TOL)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    _assert_same(ours, theirs, "param", PARAM_TOL)
-    _assert_same(ours, reference, "param", PARAM_TOL)
+    assert_same(ours, theirs, "param", PARAM_TOL)
+    assert_same(ours, reference, "param", PARAM_TOL)
 
     # A DCP checkpoint of ours loads into a fresh copy exactly, and into FSDP2's layout too.
     dcp.save(ours.state_dict(), checkpoint_id=path)
@@ -686,7 +593,7 @@ def _ep_x_tp_experts(path: str):
         state = fresh.state_dict()
         dcp.load(state, checkpoint_id=path)
         fresh.load_state_dict(state)
-        _assert_same(fresh, ours, "param", {"rtol": 0, "atol": 0})
+        assert_same(fresh, ours, "param", {"rtol": 0, "atol": 0})
 
 
 def test_experts_on_an_ep_x_tp_mesh_match_fsdp2_and_unsharded(dist_run, tmp_path):

@@ -1,9 +1,9 @@
-"""Lightning's Trainer on tiny Hugging Face models, as ``test_hf_lightning.py`` launches it.
+"""Lightning's Trainer on tiny Hugging Face models, as ``tests/lightning/test_hf_models.py`` launches it.
 
-    torchrun --standalone --nproc-per-node 2 tests/hf_lightning_run.py --out DIR \\
+    torchrun --standalone --nproc-per-node 2 tests/support/hf_lightning_run.py --out DIR \\
         --runs llama:ddp:plain,llama:vescale_fsdp:plain,llama:vescale_fsdp:hf_ac,...
 
-A LightningModule wraps each model (``tests/hf_models.py``) as a user would: ``training_step``
+A LightningModule wraps each model (``tests/support/hf_models.py``) as a user would: ``training_step``
 returns the model's own loss; gradient accumulation 2, clipping, AdamW. Strategies: ``ddp``
 (Lightning's) and ``vescale_fsdp``. Variants: ``plain``; ``hf_ac``: the model's own
 checkpointed layers (``gradient_checkpointing_enable()``); ``policy_ac``: the strategy's

@@ -1,6 +1,6 @@
 """Tiny Hugging Face models (random init from a small config, nothing downloaded) and their data.
 
-Shared by the scripts the ``test_hf_*`` tests launch (``hf_trainer_run.py``,
+Shared by the scripts the Hugging Face tests launch (``hf_trainer_run.py``,
 ``hf_lightning_run.py``) and by the tests, which reload what those runs saved. Each model is
 one of the families the issue names: Llama (decoder), GPT-2 (tied embedding, Conv1D),
 Mixtral (mixture of experts: routing differs per rank) and BERT (encoder, masked LM). Dropout

@@ -1,11 +1,11 @@
-"""``transformers.Trainer`` on tiny Hugging Face models, as ``test_hf_trainer.py`` launches it.
+"""``transformers.Trainer`` on tiny Hugging Face models, as ``tests/accelerate/test_hf_trainer.py`` launches it.
 
     accelerate launch --config_file <FSDP2 yaml> --num_processes 2 -m accelerate_plugin.run \\
-        tests/hf_trainer_run.py --out DIR --runs llama:plain,llama:hf_ac,...
+        tests/support/hf_trainer_run.py --out DIR --runs llama:plain,llama:hf_ac,...
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
-        tests/hf_trainer_run.py --out DIR --runs llama:plain,...            (the DDP baseline)
+        tests/support/hf_trainer_run.py --out DIR --runs llama:plain,...            (the DDP baseline)
 
-Each run trains one model (``tests/hf_models.py``) with the user's ordinary Trainer setup:
+Each run trains one model (``tests/support/hf_models.py``) with the user's ordinary Trainer setup:
 gradient accumulation 2, clipping, AdamW. Variants: ``plain``; ``hf_ac``: the
 ``gradient_checkpointing=True`` training argument (transformers' own checkpointed layers);
 ``plugin_ac``: the FSDP config's ``fsdp_activation_checkpointing: true`` (Accelerate wraps the

@@ -1,4 +1,5 @@
-"""A small decoder whose dims divide nothing evenly: hidden 36, 3 heads, MLP 97, vocab 101."""
+"""Small models: a decoder whose dims divide nothing evenly (hidden 36, 3 heads, MLP 97, vocab
+101) with its data and reference step, and two linear blocks under a head."""
 
 import copy
 
@@ -8,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, HIDDEN, HEADS, MLP, LAYERS, SEQ = 101, 36, 3, 97, 3, 11
+PER_RANK = 2  # sequences per rank and step
 
 
 class Attention(nn.Module):
@@ -71,14 +73,14 @@ class Decoder(nn.Module):
             self.position_scale.copy_(torch.linspace(0.5, 1.5, SEQ).view(1, SEQ, 1))
 
 
-def batch(step: int, world: int, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, world: int, per_rank: int = PER_RANK) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of a step (identical on every rank): tokens and next-token targets."""
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, VOCAB, (world * per_rank, SEQ + 1), generator=g)
     return data[:, :-1], data[:, 1:]
 
 
-def local_batch(step: int, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def local_batch(step: int, per_rank: int = PER_RANK) -> tuple[torch.Tensor, torch.Tensor]:
     world, rank = dist.get_world_size(), dist.get_rank()
     tokens, targets = batch(step, world, per_rank)
     return tokens[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
@@ -88,7 +90,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def reference_step(model: nn.Module, step: int, world: int, per_rank: int = 2) -> torch.Tensor:
+def reference_step(model: nn.Module, step: int, world: int, per_rank: int = PER_RANK) -> torch.Tensor:
     """DDP's gradient on one process: each rank's backward, summed in rank order, averaged.
 
     Per-rank backward passes compute bit-for-bit what each sharded rank computes; only the
@@ -117,3 +119,17 @@ def make_decoder(seed: int = 0, layers: int = LAYERS) -> Decoder:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class TwoBlocks(nn.Module):
+    """Two 6-wide linear blocks (a ``ModuleList``) and a head: 3 units when each block is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)

@@ -15,6 +15,7 @@ from vescale_plugins.bench.llama import PRESETS, Llama
 from vescale_plugins.optim import AdamW, AdamW8bit
 
 
+@pytest.mark.distributed
 def test_cli_smoke(tmp_path, capsys):
     out = tmp_path / "result.json"
     adam8bit.main(["--optimizer", "adamw", "--model", "tiny", "--batch-size", "1", "--seq-len", "8", "--steps", "1", "--warmup", "1", "--quality-steps", "2", "--memory-repeats", "1", "--json", str(out)])

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.distributed
 def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     result_json, plot, record = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "record.json"
     command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "2", "--seq-len", "32",
@@ -39,6 +40,7 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     assert len(ranks) == 2 and ranks[0]["communication"]["summary"]["reduce_scatter"]["count"] > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("frontend", ["fabric", "accelerate"])
 def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     result_json = tmp_path / "bench.json"
@@ -58,6 +60,7 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
 
 
+@pytest.mark.distributed
 def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
     """``--hsdp 2`` at W=4: both engines on the same (replicate, shard) mesh, trained alike."""
     result_json = tmp_path / "bench.json"

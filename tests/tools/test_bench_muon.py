@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_muon_bench_cli_writes_figures_and_both_engines_train_the_same_weights(tmp_path):

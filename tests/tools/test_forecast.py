@@ -53,6 +53,7 @@ def test_alpha_beta_fit_recovers_the_constants():
         fit_alpha_beta([1, 2], [0.2, 0.1], n)
 
 
+@pytest.mark.distributed
 def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
     """A short sweep on 3 gloo processes (figures vary by machine: only their sanity is checked;
     the ring is fitted at the ranks measured, which become a node)."""

@@ -90,7 +90,7 @@ def test_forecast_equals_the_run_record(dist_run, world):
 
 
 def _calibration_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "forecast_calibration.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "forecast_calibration.py"
     spec = importlib.util.spec_from_file_location("forecast_calibration", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -103,7 +103,7 @@ def test_committed_step_time_calibration_replays_to_its_forecast():
     current model must give the same forecast, within 10 % of the measured ratio at both
     world sizes (re-run ``scripts/forecast_calibration.py --replay`` after changing it)."""
     script = _calibration_script()
-    path = Path(__file__).resolve().parents[1] / "docs" / "forecast_calibration.json"
+    path = Path(__file__).resolve().parents[2] / "docs" / "forecast_calibration.json"
     committed = json.loads(path.read_text())
     assert sorted(row["world_size"] for row in committed["world_sizes"]) == [2, 4]
     for row in committed["world_sizes"]:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     out = tmp_path / "gpu_check.json"
