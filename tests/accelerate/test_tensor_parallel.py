@@ -23,16 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_plugin import VeScaleFSDPPlugin
 from tests.support.accelerate_harness import accelerate_env
-from tests.support.tp_transformer import (
-    BATCH,
-    SEQ,
-    VOCAB,
-    Transformer,
-    assert_trained_like_fsdp2_and_unsharded,
-    default_adamw,
-    lm_loss,
-    tensor_parallel,
-)
+from tests.support.tp_transformer import BATCH, SEQ, VOCAB, Transformer, assert_trained_like_fsdp2_and_unsharded, default_adamw, lm_loss, tensor_parallel
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)

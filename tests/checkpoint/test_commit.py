@@ -133,6 +133,14 @@ def committed_old(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def old_copy(tmp_path, committed_old) -> Path:
+    """A copy of the committed old checkpoint, under the same name, for one test to save over."""
+    path = tmp_path / committed_old.name
+    shutil.copytree(committed_old, path)
+    return path
+
+
 UNCOMMITTED_FAULTS = [("before_first_file", 1), ("mid_file", 0), ("before_commit", 0)]
 
 
@@ -159,13 +167,11 @@ def test_killed_save_into_new_directory_never_loads(tmp_path, fault, fault_rank)
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault, fault_rank", UNCOMMITTED_FAULTS + [("mid_file", 1)])
-def test_killed_overwrite_keeps_previous_checkpoint_exactly(tmp_path, committed_old, fault, fault_rank):
-    path = tmp_path / committed_old.name
-    shutil.copytree(committed_old, path)
-    codes = _spawn_save(path, NEW_SEED, fault, fault_rank)
+def test_killed_overwrite_keeps_previous_checkpoint_exactly(old_copy, fault, fault_rank):
+    codes = _spawn_save(old_copy, NEW_SEED, fault, fault_rank)
     assert codes[fault_rank] == 17
-    _assert_state(_load(path), OLD_SEED)
-    staging = _leftovers(path, "tmp")
+    _assert_state(_load(old_copy), OLD_SEED)
+    staging = _leftovers(old_copy, "tmp")
     assert len(staging) == (1 if fault_rank == 0 else 0)
     for directory in staging:
         with pytest.raises(CheckpointNotCommittedError):
@@ -174,59 +180,55 @@ def test_killed_overwrite_keeps_previous_checkpoint_exactly(tmp_path, committed_
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_killed_between_renames_loads_the_committed_new_checkpoint_then_next_save_cleans_up(tmp_path, committed_old):
-    path = tmp_path / committed_old.name
-    shutil.copytree(committed_old, path)
-    assert _spawn_save(path, NEW_SEED, "between_renames", 0)[0] == 17
-    assert not path.exists() and len(_leftovers(path, "old")) == 1
+def test_killed_between_renames_loads_the_committed_new_checkpoint_then_next_save_cleans_up(old_copy):
+    assert _spawn_save(old_copy, NEW_SEED, "between_renames", 0)[0] == 17
+    assert not old_copy.exists() and len(_leftovers(old_copy, "old")) == 1
     with pytest.warns(UserWarning, match="interrupted while swapping"):
-        _assert_state(_load(path), NEW_SEED)
-    save_sharded(path, _model(OLD_SEED), extra={"step": torch.tensor(OLD_SEED)})
-    assert _leftovers(path, "tmp") == [] and _leftovers(path, "old") == []
-    _assert_state(_load(path), OLD_SEED)
+        _assert_state(_load(old_copy), NEW_SEED)
+    save_sharded(old_copy, _model(OLD_SEED), extra={"step": torch.tensor(OLD_SEED)})
+    assert _leftovers(old_copy, "tmp") == [] and _leftovers(old_copy, "old") == []
+    _assert_state(_load(old_copy), OLD_SEED)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_killed_after_swap_loads_new_checkpoint(tmp_path, committed_old):
-    path = tmp_path / committed_old.name
-    shutil.copytree(committed_old, path)
-    assert _spawn_save(path, NEW_SEED, "after_swap", 0)[0] == 17
+def test_killed_after_swap_loads_new_checkpoint(old_copy):
+    assert _spawn_save(old_copy, NEW_SEED, "after_swap", 0)[0] == 17
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*interrupted while swapping")
-        _assert_state(_load(path), NEW_SEED)
+        _assert_state(_load(old_copy), NEW_SEED)
 
 
 @pytest.mark.distributed  # committed_old saves on two processes
 def test_truncated_file_is_named(tmp_path, committed_old):
-    path = tmp_path / "ckpt"
-    shutil.copytree(committed_old, path)
-    shard = path / "__1_0.distcp"
+    old_copy = tmp_path / "ckpt"
+    shutil.copytree(committed_old, old_copy)
+    shard = old_copy / "__1_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
     with pytest.raises(CheckpointCorruptError, match=rf"__1_0\.distcp: {size // 2} bytes on disk, but {size} bytes were committed"):
-        _load(path)
+        _load(old_copy)
     shard.unlink()
     with pytest.raises(CheckpointCorruptError, match=r"__1_0\.distcp: missing"):
-        _load(path)
+        _load(old_copy)
 
 
 def test_foreign_directory_is_refused_until_marked_committed(tmp_path):
-    path = tmp_path / "foreign"
+    old_copy = tmp_path / "foreign"
     model = _model(OLD_SEED)
-    dcp.save({"model": model.state_dict(), "step": torch.tensor(OLD_SEED)}, checkpoint_id=str(path), no_dist=True)
+    dcp.save({"model": model.state_dict(), "step": torch.tensor(OLD_SEED)}, checkpoint_id=str(old_copy), no_dist=True)
     with pytest.raises(CheckpointNotCommittedError, match="mark_committed"):
-        _load(path)
-    mark_committed(path)
-    _assert_state(_load(path), OLD_SEED)
-    (path / COMMIT_MARKER).write_text("{not json")
+        _load(old_copy)
+    mark_committed(old_copy)
+    _assert_state(_load(old_copy), OLD_SEED)
+    (old_copy / COMMIT_MARKER).write_text("{not json")
     with pytest.raises(CheckpointCorruptError, match="commit marker is unreadable"):
-        _load(path)
+        _load(old_copy)
 
 
 def test_single_process_overwrite_replaces_a_full_checkpoint_file(tmp_path):
-    path = tmp_path / "ckpt"
-    path.write_bytes(b"a full checkpoint saved under the same name")
-    save_sharded(path, _model(NEW_SEED), extra={"step": torch.tensor(NEW_SEED)})
-    _assert_state(_load(path), NEW_SEED)
+    old_copy = tmp_path / "ckpt"
+    old_copy.write_bytes(b"a full checkpoint saved under the same name")
+    save_sharded(old_copy, _model(NEW_SEED), extra={"step": torch.tensor(NEW_SEED)})
+    _assert_state(_load(old_copy), NEW_SEED)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -14,8 +14,7 @@ import torch.distributed as dist
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
 from vescale_plugins.dbuffer.planning import plan_buffers
-from tests.support.models import clone, make_decoder, reference_step
-from tests.support.parity import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.parity import TOL, assert_matches, reference_and_ours, train_like_reference
 from vescale_plugins.dbuffer.streams import CommStreams
 from vescale_plugins.dbuffer.buffer import DBuffer
 
@@ -116,20 +115,18 @@ def test_stream_protocol_of_one_gather_and_one_reduce(dist_run):
 
 
 def _trains_like_the_unsharded_model_on_side_streams():
-    world = dist.get_world_size()
     api = FakeStreamAPI()
     streams = CommStreams(torch.device("cpu"), api)
     original = dbuffer_module.comm_streams_for
     dbuffer_module.comm_streams_for = lambda device: streams
     try:
-        reference = make_decoder()
-        model = shard_decoder(clone(reference))
-        opt, ref_opt = adamw(model), adamw(reference)
-        for step in range(3):
-            torch.testing.assert_close(sharded_step(model, step), reference_step(reference, step, world), **TOL)
+        reference, model = reference_and_ours()
+
+        def check_step(loss, reference_loss):
+            torch.testing.assert_close(loss, reference_loss, **TOL)
             assert_matches(model, reference, "grad")
-            step_and_zero(opt, ref_opt)
-        assert_matches(model, reference, "param")
+
+        train_like_reference(model, reference, 3, check_step)
     finally:
         dbuffer_module.comm_streams_for = original
     # Every collective's event was waited on by the compute stream, exactly once.

@@ -65,25 +65,23 @@ def _record_library_paths(recorder, monkeypatch_targets):
     originals = {name: getattr(obj, name) for obj, name in monkeypatch_targets if name != "wait"}
     originals.update({f"{obj.__name__}.wait": obj.wait for obj, name in monkeypatch_targets if name == "wait"})
 
-    def path(name, fn):
+    def setting(attribute, value, reset, fn):
+        """``fn`` with ``recorder.<attribute>`` set to ``value`` while it runs, ``reset`` after."""
+
         def wrapped(*args, **kwargs):
-            recorder.path = name
+            setattr(recorder, attribute, value)
             try:
                 return fn(*args, **kwargs)
             finally:
-                recorder.path = None
+                setattr(recorder, attribute, reset)
 
         return wrapped
+
+    def path(name, fn):
+        return setting("path", name, None, fn)
 
     def collective(fn):
-        def wrapped(*args, **kwargs):
-            recorder.in_collective = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                recorder.in_collective = False
-
-        return wrapped
+        return setting("in_collective", True, False, fn)
 
     DBuffer = dbuffer_module.DBuffer
     DBuffer.all_gather = path("all_gather", originals["all_gather"])

@@ -23,17 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning.pytorch import LightningModule
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from tests.support.lightning_harness import launched_by_harness, make_fabric, make_trainer
-from tests.support.tp_transformer import (
-    BATCH,
-    SEQ,
-    VOCAB,
-    Transformer,
-    assert_same,
-    assert_trained_like_fsdp2_and_unsharded,
-    default_adamw,
-    lm_loss,
-    tensor_parallel,
-)
+from tests.support.tp_transformer import BATCH, SEQ, VOCAB, Transformer, assert_same, assert_trained_like_fsdp2_and_unsharded, default_adamw, lm_loss, tensor_parallel
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)

@@ -24,24 +24,27 @@ UNITS = {1: (1,), 2: (0, 3), 3: (2, 0, 1), 4: (1, 3, 0, 2)}
 OTHER_UNITS = {1: (1,), 2: (2, 1), 3: (1, 1, 1), 4: (0, 1, 1, 1)}
 
 
-def _cases(world):
-    """(shape, dims, units): row-, element-, block-wise and partial-prefix shards of rank 1-3."""
-    units = UNITS[world]
+def _cases():
+    """(mesh, shape, placement, other): row-, element-, block-wise and partial-prefix shards of
+    rank 1-3 on a 1-D mesh of every rank, each as ``UNITS`` and as ``OTHER_UNITS`` cut it."""
+    world = dist.get_world_size()
+    mesh, units = _mesh(), UNITS[world]
     total = sum(units)
     rows = 4 * total  # every case below has a row count divisible by the unit total
-    return [
-        ((rows,), (0,), units),
-        ((rows, 5), (0,), units),
-        ((2, 3 * total), (0, 1), units),
-        ((rows, 2, 3), (0,), units),
-        ((2, total, 3), (0, 1), units),
-        ((rows, 3), (0,), tuple(u * 1 for u in units)),
-        ((rows // 2 * 2, 7), (0,), units),
-    ]
+    for shape, dims in [
+        ((rows,), (0,)),
+        ((rows, 5), (0,)),
+        ((2, 3 * total), (0, 1)),
+        ((rows, 2, 3), (0,)),
+        ((2, total, 3), (0, 1)),
+        ((rows, 3), (0,)),
+        ((rows // 2 * 2, 7), (0,)),
+    ]:
+        yield mesh, shape, RaggedShard(dims, units), RaggedShard(dims, OTHER_UNITS[world])
 
 
-def _mesh(world):
-    return init_device_mesh("cpu", (world,))
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _full(shape, dtype, salt=0):
@@ -55,12 +58,10 @@ def _full(shape, dtype, salt=0):
 
 
 def _construct_and_gather():
-    world = dist.get_world_size()
-    mesh, rank = _mesh(world), dist.get_rank()
-    for shape, dims, units in _cases(world):
+    rank = dist.get_rank()
+    for mesh, shape, placement, _ in _cases():
         for dtype in DTYPES:
             full = _full(shape, dtype)
-            placement = RaggedShard(dims, units)
             d = distribute_tensor(full, mesh, [placement])
             assert d.placements == (placement,) and d.shape == full.shape
             expected = placement.split_full(full, rank)
@@ -82,12 +83,10 @@ def test_distribute_from_local_to_local_full_tensor(dist_run, world):
 
 
 def _redistribute_each_way():
-    world = dist.get_world_size()
-    mesh, rank = _mesh(world), dist.get_rank()
-    for shape, dims, units in _cases(world):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for mesh, shape, src, dst in _cases():
         for dtype in DTYPES:
             full = _full(shape, dtype)
-            src, dst = RaggedShard(dims, units), RaggedShard(dims, OTHER_UNITS[world])
             d = distribute_tensor(full, mesh, [src])
 
             replicated, counts = comm_counts(lambda: d.redistribute(mesh, [Replicate()]))
@@ -134,11 +133,8 @@ def test_redistribute_uses_the_right_collective(dist_run, world):
 
 
 def _gradients_through_redistribute():
-    world = dist.get_world_size()
-    mesh = _mesh(world)
-    for shape, dims, units in _cases(world):
+    for mesh, shape, placement, other in _cases():
         full, weight = _full(shape, torch.float32), _full(shape, torch.float32, salt=1)
-        placement = RaggedShard(dims, units)
 
         x = distribute_tensor(full, mesh, [placement]).requires_grad_()
         (x.redistribute(mesh, [Replicate()]).to_local() * weight).sum().backward()
@@ -151,7 +147,6 @@ def _gradients_through_redistribute():
         assert torch.equal(r.grad.full_tensor(), weight)
 
         y = distribute_tensor(full, mesh, [placement]).requires_grad_()
-        other = RaggedShard(dims, OTHER_UNITS[world])
         (y.redistribute(mesh, [other]) * distribute_tensor(weight, mesh, [other])).sum().backward()
         assert y.grad.placements == (placement,) and torch.equal(y.grad.full_tensor(), weight)
 
@@ -171,13 +166,10 @@ def test_backward_of_redistribute(dist_run, world):
 
 
 def _elementwise_and_reductions():
-    world = dist.get_world_size()
-    mesh = _mesh(world)
-    for shape, dims, units in _cases(world):
+    for mesh, shape, p, other_placement in _cases():
         for dtype in DTYPES:
             tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
             fa, fb = _full(shape, dtype), _full(shape, dtype, salt=1)
-            p = RaggedShard(dims, units)
             a, b = distribute_tensor(fa, mesh, [p]), distribute_tensor(fb, mesh, [p])
             out_of_place = {
                 "a + b": (a + b, fa + fb),
@@ -192,7 +184,7 @@ def _elementwise_and_reductions():
                 assert got.placements == (p,), (name, got.placements)
                 assert torch.equal(got.full_tensor(), want), name
 
-            other = distribute_tensor(fb, mesh, [RaggedShard(dims, OTHER_UNITS[world])])
+            other = distribute_tensor(fb, mesh, [other_placement])
             mixed = a + other
             assert mixed.placements == (p,) and torch.equal(mixed.full_tensor(), fa + fb)
             replicated_b = distribute_tensor(fb, mesh, [Replicate()])
@@ -221,10 +213,9 @@ def test_elementwise_ops_keep_layout_and_reductions_are_global(dist_run, world):
 
 
 def _views_and_inplace_reshapes_are_refused():
-    world = dist.get_world_size()
-    mesh = _mesh(world)
-    full = _full((4 * sum(UNITS[world]), 3), torch.float32)
-    a = distribute_tensor(full, mesh, [RaggedShard((0,), UNITS[world])])
+    units = UNITS[dist.get_world_size()]
+    full = _full((4 * sum(units), 3), torch.float32)
+    a = distribute_tensor(full, _mesh(), [RaggedShard((0,), units)])
     for name, fn in {"view": lambda: a.view(-1), "transpose": lambda: a.t(), "in-place transpose": lambda: a.t_()}.items():
         try:
             fn()
@@ -244,12 +235,10 @@ def test_views_that_cannot_alias_a_ragged_shard_are_refused(dist_run, world):
 # ----------------------------------------------------------------------------------
 
 
-def _param_sets(world):
-    mesh = _mesh(world)
+def _param_sets():
     ragged, dense = [], []
-    for i, (shape, dims, units) in enumerate(_cases(world)):
+    for i, (mesh, shape, p, _) in enumerate(_cases()):
         full = _full(shape, torch.float32, salt=10 + i)
-        p = RaggedShard(dims, units)
         ragged.append(torch.nn.Parameter(distribute_tensor(full, mesh, [p])))
         dense.append(torch.nn.Parameter(full.clone()))
     return mesh, ragged, dense
@@ -263,7 +252,6 @@ def _set_grads(mesh, ragged, dense, step):
 
 
 def _optimizers_match_dense():
-    world = dist.get_world_size()
     factories = {
         "AdamW": lambda ps, fe: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=fe),
         "SGD-momentum": lambda ps, fe: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=fe),
@@ -272,7 +260,7 @@ def _optimizers_match_dense():
     }
     for name, factory in factories.items():
         for foreach in (True, False) if "fused" not in name else (None,):
-            mesh, ragged, dense = _param_sets(world)
+            mesh, ragged, dense = _param_sets()
             opt_r, opt_d = factory(ragged, foreach), factory(dense, foreach)
             for step in range(3):
                 _set_grads(mesh, ragged, dense, step)
@@ -294,10 +282,9 @@ def test_stock_optimizers_step_exactly_as_on_full_tensors(dist_run, world):
 
 
 def _clip_grad_norm_matches_dense():
-    world = dist.get_world_size()
     for norm_type in (2.0, math.inf):
         for foreach in (True, False):
-            mesh, ragged, dense = _param_sets(world)
+            mesh, ragged, dense = _param_sets()
             _set_grads(mesh, ragged, dense, 0)
             got = torch.nn.utils.clip_grad_norm_(ragged, max_norm=0.5, norm_type=norm_type, foreach=foreach)
             want = torch.nn.utils.clip_grad_norm_(dense, max_norm=0.5, norm_type=norm_type, foreach=foreach)
@@ -320,7 +307,7 @@ def test_clip_grad_norm_returns_the_global_norm_and_scales(dist_run, world):
 
 def _bad_input_raises_everywhere():
     world = dist.get_world_size()
-    mesh = _mesh(world)
+    mesh = _mesh()
     full = torch.randn(6, 4)
     cases = {
         "units per mesh rank": (RaggedShard((0,), (1,) * (world + 1)), f"{world + 1} local_units for a mesh dim of {world} ranks"),

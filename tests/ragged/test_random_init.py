@@ -13,7 +13,7 @@ import torch
 
 import vescale_plugins.ragged.dtensor.random_init as bridge
 from tests.support.models import make_decoder
-from tests.support.parity import assert_matches, shard_decoder
+from tests.support.parity import assert_matches, meta_init_sharded_decoder
 
 aten = torch.ops.aten
 DRAWS = [(aten.uniform_.default, (-0.3, 0.7)), (aten.normal_.default, (0.1, 2.0))]
@@ -39,10 +39,7 @@ def test_a_piecewise_draw_equals_the_slice_of_one_full_draw(monkeypatch, op, arg
 def _meta_init_without_full_copies(piece):
     default_piece, bridge._RANDOM_PIECE = bridge._RANDOM_PIECE, piece
     eager = make_decoder(seed=7)
-    with torch.device("meta"):
-        model = make_decoder()
-    shard_decoder(model)
-    model.to_empty(device="cpu")
+    model = meta_init_sharded_decoder()
     allocated = []
     original_empty = torch.empty
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.support import models
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, meta_init_sharded_decoder, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero, train_like_reference
 from vescale_plugins import fully_shard
 
 
@@ -76,9 +76,7 @@ def test_weight_tied_across_sibling_units_is_refused_or_grouped(dist_run):
 
 
 def _divide_factor_scope():
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference))
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    reference, ours, theirs = reference_ours_and_fsdp2s()
     theirs.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for model in (ours, theirs):
         model.set_gradient_divide_factor(1.0)  # the root only: sums there, means below
@@ -103,9 +101,7 @@ def test_gradient_divide_factor_is_scoped_to_its_unit_as_in_fsdp2(dist_run):
 
 def _accumulate_in_reduce_dtype():
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference), mp_policy=mp)
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mp_policy=mp)
+    reference, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp)
     micro_batches = 4
     for model in (ours, theirs):
         for micro in range(micro_batches):
@@ -185,12 +181,8 @@ def test_chunked_head_in_a_grouped_unit_matches_unsharded_and_fsdp2(dist_run, re
 
 
 def _replaced_after_meta_init(how):
-    world = dist.get_world_size()
     eager = make_decoder(seed=5)
-    with torch.device("meta"):
-        model = make_decoder()
-    shard_decoder(model)
-    model.to_empty(device="cpu")
+    model = meta_init_sharded_decoder()
     if how == "assign":
         # A sharded state dict of the same layout, loaded by assignment (DCP's pattern).
         source = shard_decoder(clone(eager))
@@ -203,14 +195,9 @@ def _replaced_after_meta_init(how):
                     setattr(module, pname, nn.Parameter(eager_module._parameters[pname].detach().clone()))
         model.head.weight = model.embed.weight
         model.position_scale.copy_(eager.position_scale)
-    opt, ref_opt = adamw(model), adamw(eager)
-    for step in range(2):
-        reference_step(eager, step, world)
-        sharded_step(model, step)
-        step_and_zero(opt, ref_opt)
+    train_like_reference(model, eager, 2)
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor) and p.device.type == "cpu", name
-    assert_matches(model, eager, "param")
 
 
 @pytest.mark.parametrize("how", ["assign", "setattr"])
@@ -237,9 +224,7 @@ def _optimizer_in_backward(model):
 
 def _post_accumulate_grad_hooks():
     world = dist.get_world_size()
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference))
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    reference, ours, theirs = reference_ours_and_fsdp2s()
     for model in (ours, theirs):
         _optimizer_in_backward(model)
     ref_opt = adamw(reference)
@@ -377,9 +362,7 @@ def _raise_in_backward(grad):
 
 def _recovery_after_exceptions():
     world = dist.get_world_size()
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference))
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard)
+    reference, ours, theirs = reference_ours_and_fsdp2s()
     opts = [adamw(m) for m in (reference, ours, theirs)]
     for step in range(4):
         if step in (1, 2):  # every rank fails at the same point, in forward then in backward

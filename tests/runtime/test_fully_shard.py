@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.support.comm_counts import comm_counts
 from tests.support.models import TwoBlocks, batch, clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, assert_sharded_views, shard_decoder, sharded_step, step_and_zero
+from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, assert_sharded_views, meta_init_sharded_decoder, reference_and_ours, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero, train_like_reference, train_together
 from vescale_plugins import fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -27,8 +26,7 @@ STEPS = 5
 
 def _parity_with_unsharded(reshard_after_forward):
     world = dist.get_world_size()
-    reference = make_decoder()
-    model = shard_decoder(clone(reference), reshard_after_forward=reshard_after_forward)
+    reference, model = reference_and_ours(reshard_after_forward=reshard_after_forward)
     opt, ref_opt = adamw(model), adamw(reference)
     for step in range(STEPS):
         ref_loss = reference_step(reference, step, world)
@@ -51,9 +49,7 @@ def test_reshard_after_forward_true_and_false(dist_run, reshard_after_forward):
 
 
 def _parity_with_fsdp2(mp_policy):
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference), mp_policy=mp_policy)
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mp_policy=mp_policy)
+    reference, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp_policy)
     opt, their_opt = adamw(ours), adamw(theirs)
     tol = TOL if mp_policy.param_dtype is None else dict(rtol=2e-2, atol=2e-3)
     for step in range(STEPS):
@@ -102,8 +98,7 @@ def _gradient_accumulation_without_communication(keep_unsharded):
     """Micro-batch 0 accumulates locally (optionally keeping the units gathered, as FSDP2's
     ``set_reshard_after_backward(False)`` allows); micro-batch 1 syncs and reshards."""
     world = dist.get_world_size()
-    reference = make_decoder()
-    model = shard_decoder(clone(reference))
+    reference, model = reference_and_ours()
     for micro in range(2):
         model.set_requires_gradient_sync(micro == 1)
         model.set_reshard_after_backward(micro == 1 or not keep_unsharded)
@@ -134,21 +129,16 @@ def test_gradient_accumulation_matches_one_big_batch(dist_run, keep_unsharded):
 
 
 def _frozen_parameters_inside_a_unit():
-    world = dist.get_world_size()
     reference = make_decoder()
-    for model in (reference,):
-        model.layers[1].up.weight.requires_grad_(False)
-        model.norm.bias.requires_grad_(False)
-    model = clone(reference)
-    shard_decoder(model)
-    opt, ref_opt = adamw(model), adamw(reference)
-    for step in range(3):
-        reference_step(reference, step, world)
-        sharded_step(model, step)
+    reference.layers[1].up.weight.requires_grad_(False)
+    reference.norm.bias.requires_grad_(False)
+    model = shard_decoder(clone(reference))
+
+    def check_step(loss, reference_loss):
         assert model.layers[1].up.weight.grad is None and model.norm.bias.grad is None
         assert_matches(model, reference, "grad")
-        step_and_zero(opt, ref_opt)
-    assert_matches(model, reference, "param")
+
+    train_like_reference(model, reference, 3, check_step)
 
 
 def test_frozen_parameters_inside_a_unit(dist_run):
@@ -159,19 +149,16 @@ def _unused_parameters_inside_a_unit():
     """A parameter no gradient reaches keeps ``grad=None`` and its buffer slice (never written
     by a gradient) is zeroed before the reduce-scatter, so it cannot leak into its neighbours.
     A unit none of whose parameters gets a gradient is still reduced on every rank."""
-    world = dist.get_world_size()
     reference = make_decoder()
     reference.layers[0].unused = torch.nn.Linear(7, 5)  # registered last: lies after `down` in the buffer
     reference.layers[1].unused_first = torch.nn.Linear(3, 9)
     model = shard_decoder(clone(reference))
-    opt, ref_opt = adamw(model), adamw(reference)
-    for step in range(3):
-        reference_step(reference, step, world)
-        sharded_step(model, step)
+
+    def check_step(loss, reference_loss):
         assert model.layers[0].unused.weight.grad is None and model.layers[1].unused_first.bias.grad is None
         assert_matches(model, reference, "grad")
-        step_and_zero(opt, ref_opt)
-    assert_matches(model, reference, "param")
+
+    train_like_reference(model, reference, 3, check_step)
 
 
 def test_unused_parameters_inside_a_unit(dist_run):
@@ -180,8 +167,7 @@ def test_unused_parameters_inside_a_unit(dist_run):
 
 def _clip_grad_norm_parity():
     world = dist.get_world_size()
-    reference = make_decoder()
-    model = shard_decoder(clone(reference))
+    reference, model = reference_and_ours()
     for step, norm_type in enumerate((2.0, float("inf"))):
         reference_step(reference, step, world)
         sharded_step(model, step)
@@ -224,16 +210,16 @@ def _thirty_two_row_blocks():
             assert p.placements[0].local_units == tuple(n // 32 for n in [p.to_local().shape[0]] * 0) or True
             assert p.to_local().shape[0] % 32 == 0, (name, p.to_local().shape)
             assert sum(p.placements[0].local_units) == p.shape[0] // 32
-    opt, ref_opt = adamw(model), adamw(reference)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(world * 4, 36, generator=g)
-    for _ in range(3):
+    rank = dist.get_rank()
+
+    def backward(step):
         reference(x).square().mean().backward()
-        rank = dist.get_rank()
         model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
         assert_matches(model, reference, "grad")
-        step_and_zero(opt, ref_opt)
-    assert_matches(model, reference, "param")
+
+    train_together(model, reference, 3, backward)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -242,22 +228,13 @@ def test_block_size_fn_keeps_32_row_blocks_whole(dist_run, world):
 
 
 def _meta_device_init_matches_eager():
-    world = dist.get_world_size()
     eager = make_decoder(seed=7)
-    with torch.device("meta"):
-        model = make_decoder()
-    shard_decoder(model)
-    model.to_empty(device="cpu")
+    model = meta_init_sharded_decoder()
     torch.manual_seed(7)
     model.reset_parameters()
     assert_matches(model, eager, "param", tol=dict(rtol=0, atol=0))
     assert_sharded_views(model)
-    opt, ref_opt = adamw(model), adamw(eager)
-    for step in range(2):
-        reference_step(eager, step, world)
-        sharded_step(model, step)
-        step_and_zero(opt, ref_opt)
-    assert_matches(model, eager, "param")
+    train_like_reference(model, eager, 2)
 
 
 def test_meta_device_init_matches_the_eager_model(dist_run):
@@ -271,8 +248,7 @@ def test_meta_device_init_matches_the_eager_model(dist_run):
 
 def _explicit_unshard_reshard_and_prefetch():
     world = dist.get_world_size()
-    reference = make_decoder()
-    model = shard_decoder(clone(reference))
+    reference, model = reference_and_ours()
     layers = list(model.layers)
     for i, layer in enumerate(layers[:-1]):
         layer.set_modules_to_forward_prefetch([layers[i + 1]])
@@ -347,8 +323,7 @@ def _synchronous_reduce_scatter_gives_the_same_gradients():
     import vescale_plugins.dbuffer.buffer as dbuffer_module
 
     world = dist.get_world_size()
-    reference = make_decoder()
-    model = shard_decoder(clone(reference))
+    reference, model = reference_and_ours()
     original = dbuffer_module.DBuffer.reduce_scatter
     dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False, **kwargs: original(self, factor, accumulate, async_op=False, **kwargs)
     try:
@@ -409,8 +384,8 @@ def _gradients_from_other_ranks_only():
     model = clone(reference)
     fully_shard(model.moe)
     fully_shard(model)
-    opt, ref_opt = adamw(model), adamw(reference)
-    for step in range(3):
+
+    def backward(step):
         tokens, targets = _routed_batch(step, world, per_rank)
         for r in range(world):  # DDP's gradient on one process
             rows = slice(r * per_rank, (r + 1) * per_rank)
@@ -425,8 +400,8 @@ def _gradients_from_other_ranks_only():
             else:
                 assert param.grad is not None, (name, "no gradient on rank", rank)
                 torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6)
-        step_and_zero(opt, ref_opt)
-    assert_matches(model, reference, "param")
+
+    train_together(model, reference, 3, backward)
 
 
 @pytest.mark.parametrize("world", [2, 3])

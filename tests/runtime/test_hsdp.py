@@ -6,11 +6,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate
 
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import TOL, adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.parity import TOL, adamw, assert_matches, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero
 from tests.support.comm_counts import comm_counts
 from vescale_plugins import RaggedShard
 
@@ -24,9 +23,7 @@ def _hsdp_mesh():
 def _hsdp_parity():
     world = dist.get_world_size()
     mesh = _hsdp_mesh()
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference), mesh=mesh)
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mesh=mesh)
+    reference, ours, theirs = reference_ours_and_fsdp2s(mesh=mesh)
     for p in ours.parameters():
         assert p.device_mesh is mesh and p.placements[0] == Replicate() and isinstance(p.placements[1], RaggedShard)
     opts = [adamw(m) for m in (reference, ours, theirs)]
@@ -67,9 +64,7 @@ def _requires_all_reduce_false():
     """Accumulating without the all-reduce, then all-reducing once: FSDP2's HSDP pattern."""
     world = dist.get_world_size()
     mesh = _hsdp_mesh()
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference), mesh=mesh)
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, mesh=mesh)
+    reference, ours, theirs = reference_ours_and_fsdp2s(mesh=mesh)
     for model in (ours, theirs):
         for micro in range(3):
             model.set_requires_all_reduce(micro == 2)

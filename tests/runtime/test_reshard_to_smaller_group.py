@@ -2,11 +2,10 @@
 groups of k ranks, and backward gathers within those k ranks only (FSDP2's semantics)."""
 
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
-from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import adamw, assert_matches, shard_decoder, sharded_step, step_and_zero
+from tests.support.models import local_batch, loss_fn, reference_step
+from tests.support.parity import adamw, assert_matches, reference_ours_and_fsdp2s, sharded_step, step_and_zero
 
 
 FSDP2_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -30,9 +29,7 @@ def _gather_group_sizes(fn):
 
 def _int_reshard(k):
     world = dist.get_world_size()
-    reference = make_decoder()
-    ours = shard_decoder(clone(reference), reshard_after_forward=k)
-    theirs = shard_decoder(clone(reference), shard=torch_fully_shard, reshard_after_forward=k)
+    reference, ours, theirs = reference_ours_and_fsdp2s(reshard_after_forward=k)
     opts = [adamw(m) for m in (reference, ours, theirs)]
     for step in range(3):
         ref_loss = reference_step(reference, step, world)

@@ -21,23 +21,51 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tests.support.parity import PARAM_TOL, TOL
-from tests.support.tp_transformer import (
-    HIDDEN,
-    Transformer,
-    assert_same,
-    data_parallel,
-    default_adamw,
-    lm_loss,
-    tensor_parallel,
-    token_batch,
-)
+from tests.support.parity import PARAM_TOL, TOL, step_and_zero
+from tests.support.tp_transformer import HIDDEN, Transformer, assert_same, data_parallel, default_adamw, lm_loss, tensor_parallel, token_batch
 from vescale_plugins import fully_shard
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 5
+
+
+def _assert_like_both(ours, theirs, reference, what, tol):
+    """Our ``what`` ("param" or "grad") is FSDP2's and the unsharded model's, to ``tol``."""
+    assert_same(ours, theirs, what, tol)
+    assert_same(ours, reference, what, tol)
+
+
+def _backward_both_equal(losses):
+    """Backward of our loss and FSDP2's, which are equal; returns them."""
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], **TOL)
+    return losses
+
+
+def _assert_global_loss(loss, reference_loss, group=None):
+    """The mean of every rank's ``loss`` over ``group`` is the unsharded model's loss."""
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    torch.testing.assert_close(total / dist.get_world_size(group), reference_loss.detach(), **TOL)
+
+
+def _train_like_both(ours, theirs, reference, steps, backward, clip=None, grads_at_step_0=False):
+    """``steps`` AdamW steps of the three models, ``backward(step)`` running each one's
+    backward, clipping at ``clip``: our gradients (after the first backward, if
+    ``grads_at_step_0``) and final parameters are FSDP2's and the unsharded model's."""
+    opts = [default_adamw(m) for m in (reference, ours, theirs)]
+    for step in range(steps):
+        backward(step)
+        if grads_at_step_0 and step == 0:
+            _assert_like_both(ours, theirs, reference, "grad", TOL)
+        if clip is not None:
+            for model in (ours, theirs, reference):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        step_and_zero(*opts)
+    _assert_like_both(ours, theirs, reference, "param", PARAM_TOL)
 
 
 def _mesh_2x2():
@@ -57,29 +85,17 @@ def _tp_fsdp_parity():
         assert param.device_mesh.mesh_dim_names == ("dp", "tp") and param.placements[1] == tp
         expected = StridedRaggedShard if tp == Shard(0) else RaggedShard
         assert type(param.placements[0]) is expected, param.placements
-    opts = [default_adamw(m) for m in (reference, ours, theirs)]
-    for step in range(STEPS):
+
+    def backward(step):
         tokens, targets = token_batch(step, dp_rank)
-        ours_loss, theirs_loss = lm_loss(ours, tokens, targets), lm_loss(theirs, tokens, targets)
-        ours_loss.backward()
-        theirs_loss.backward()
+        ours_loss, _ = _backward_both_equal([lm_loss(m, tokens, targets) for m in (ours, theirs)])
         ref_loss = sum(lm_loss(reference, *token_batch(step, d)) for d in range(dp_size)) / dp_size
         ref_loss.backward()
-        torch.testing.assert_close(ours_loss, theirs_loss, **TOL)
-        global_loss = ours_loss.detach().clone()
-        dist.all_reduce(global_loss, group=mesh.get_group("dp"))
-        torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **TOL)
+        _assert_global_loss(ours_loss, ref_loss, mesh.get_group("dp"))
         if step == 0:  # gradients arrive on the sharded parameters' composed layout
             assert block.w2.weight.grad.placements == block.w2.weight.placements
-            assert_same(ours, theirs, "grad", TOL)
-            assert_same(ours, reference, "grad", TOL)
-        for model in (ours, theirs, reference):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert_same(ours, theirs, "param", PARAM_TOL)
-    assert_same(ours, reference, "param", PARAM_TOL)
+
+    _train_like_both(ours, theirs, reference, STEPS, backward, clip=0.5, grads_at_step_0=True)
 
 
 def test_tp2_x_fsdp2_matches_fsdp2_and_unsharded(dist_run):
@@ -97,21 +113,13 @@ def _hsdp_x_tp_parity():
     wq = ours.layers[0].attn.wq.weight
     assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp") and wq.placements[0] == Replicate()
     assert type(wq.placements[1]) is StridedRaggedShard and wq.placements[2] == Shard(0)
-    opts = [default_adamw(m) for m in (reference, ours, theirs)]
-    for step in range(3):
+
+    def backward(step):
         tokens, targets = token_batch(step, dp_rank)
-        losses = [lm_loss(m, tokens, targets) for m in (ours, theirs)]
-        for loss in losses:
-            loss.backward()
+        _backward_both_equal([lm_loss(m, tokens, targets) for m in (ours, theirs)])
         (sum(lm_loss(reference, *token_batch(step, d)) for d in range(dp_size)) / dp_size).backward()
-        torch.testing.assert_close(losses[0], losses[1], **TOL)
-        for model in (ours, theirs, reference):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert_same(ours, theirs, "param", PARAM_TOL)
-    assert_same(ours, reference, "param", PARAM_TOL)
+
+    _train_like_both(ours, theirs, reference, 3, backward, clip=0.5)
 
 
 def test_hsdp_x_tp_matches_fsdp2_and_unsharded(dist_run):
@@ -249,26 +257,15 @@ def _ep_fsdp_parity():
     ours, theirs = models
     assert type(ours.experts.w1.placements[0]) is StridedRaggedShard and ours.experts.w1.placements[1] == Shard(0)
     assert ours.experts.w1._local_tensor.shape[1:] == (EXPERT_HIDDEN, MOE_DIM)
-    opts = [default_adamw(m) for m in (reference, ours, theirs)]
-    for step in range(STEPS):
+
+    def backward(step):
         x, y = _moe_batch(step, dist.get_rank())
-        losses = [F.mse_loss(m(x), y) for m in (ours, theirs)]
-        for loss in losses:
-            loss.backward()
+        ours_loss, _ = _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
         ref_loss = sum(F.mse_loss(reference(*_moe_batch(step, r)[:1]), _moe_batch(step, r)[1]) for r in range(world)) / world
         ref_loss.backward()
-        torch.testing.assert_close(losses[0], losses[1], **TOL)
-        global_loss = losses[0].detach().clone()
-        dist.all_reduce(global_loss)
-        torch.testing.assert_close(global_loss / world, ref_loss.detach(), **TOL)
-        if step == 0:
-            assert_same(ours, theirs, "grad", TOL)
-            assert_same(ours, reference, "grad", TOL)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert_same(ours, theirs, "param", PARAM_TOL)
-    assert_same(ours, reference, "param", PARAM_TOL)
+        _assert_global_loss(ours_loss, ref_loss)
+
+    _train_like_both(ours, theirs, reference, STEPS, backward, grads_at_step_0=True)
 
 
 def test_ep2_x_fsdp2_moe_matches_fsdp2_and_unsharded(dist_run):
@@ -324,22 +321,15 @@ def _dp_mesh_dims_parity():
     ours, theirs = models
     assert ours.w1.weight.device_mesh is mesh and ours.w1.weight.placements[1] == Shard(0)
     assert type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
-    opts = [default_adamw(m) for m in (reference, ours, theirs)]
-    for step in range(STEPS):
+
+    def backward(step):
         batches = [_moe_batch(step, d) for d in range(dp_size)]
         x, y = batches[dp_rank]
         x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
-        losses = [F.mse_loss(m(x), y) for m in (ours, theirs)]
-        for loss in losses:
-            loss.backward()
-        ref_loss = sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size
-        ref_loss.backward()
-        torch.testing.assert_close(losses[0], losses[1], **TOL)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert_same(ours, theirs, "param", PARAM_TOL)
-    assert_same(ours, reference, "param", PARAM_TOL)
+        _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
+        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
+
+    _train_like_both(ours, theirs, reference, STEPS, backward)
 
 
 def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
@@ -530,9 +520,7 @@ def _int_reshard_with_tp():
         assert all(me in group and all(r % 2 == me % 2 for r in group) for group in ranks), ranks
         sizes.clear()
         ranks.clear()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        step_and_zero(*opts)
     assert_same(ours, reference, "param", PARAM_TOL)
 
 
@@ -577,13 +565,9 @@ def _ep_x_tp_experts(path: str):
             dist.all_reduce(p.grad, group=mesh["efsdp"].get_group())
             p.grad.div_(mesh["efsdp"].size())
         torch.testing.assert_close(losses[1], losses[0], **TOL)
-        assert_same(ours, theirs, "grad", PARAM_TOL)
-        assert_same(ours, reference, "grad", PARAM_TOL)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    assert_same(ours, theirs, "param", PARAM_TOL)
-    assert_same(ours, reference, "param", PARAM_TOL)
+        _assert_like_both(ours, theirs, reference, "grad", PARAM_TOL)
+        step_and_zero(*optimizers)
+    _assert_like_both(ours, theirs, reference, "param", PARAM_TOL)
 
     # A DCP checkpoint of ours loads into a fresh copy exactly, and into FSDP2's layout too.
     dcp.save(ours.state_dict(), checkpoint_id=path)

@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.support.models import local_batch, loss_fn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
 from vescale_plugins import RaggedShard, fully_shard
 
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -24,6 +26,27 @@ def shard_decoder(model, shard=fully_shard, **kwargs):
     for layer in model.layers:
         shard(layer, **kwargs)
     shard(model, **kwargs)
+    return model
+
+
+def reference_and_ours(**kwargs):
+    """A fresh test decoder and a copy of it sharded by ``shard_decoder(**kwargs)``."""
+    reference = make_decoder()
+    return reference, shard_decoder(clone(reference), **kwargs)
+
+
+def reference_ours_and_fsdp2s(**kwargs):
+    """A fresh test decoder, a copy sharded by us and one by FSDP2, both with ``kwargs``."""
+    reference, ours = reference_and_ours(**kwargs)
+    return reference, ours, shard_decoder(clone(reference), shard=torch_fully_shard, **kwargs)
+
+
+def meta_init_sharded_decoder():
+    """The test decoder built on the meta device, sharded, then given (uninitialised) CPU storage."""
+    with torch.device("meta"):
+        model = make_decoder()
+    shard_decoder(model)
+    model.to_empty(device="cpu")
     return model
 
 
@@ -52,6 +75,30 @@ def sharded_step(model, step):
     loss = loss_fn(model(tokens), targets)
     loss.backward()
     return global_loss(loss)
+
+
+def train_together(model, reference, steps, backward):
+    """``steps`` AdamW steps of sharded ``model`` and unsharded ``reference``, ``backward(step)``
+    running both backwards (and any checks of the step); the parameters end equal."""
+    opt, ref_opt = adamw(model), adamw(reference)
+    for step in range(steps):
+        backward(step)
+        step_and_zero(opt, ref_opt)
+    assert_matches(model, reference, "param")
+
+
+def train_like_reference(model, reference, steps, check_step=None):
+    """``train_together`` on the test decoder's global batches, ``check_step(loss,
+    reference_loss)`` after each backward."""
+    world = dist.get_world_size()
+
+    def backward(step):
+        reference_loss = reference_step(reference, step, world)
+        loss = sharded_step(model, step)
+        if check_step is not None:
+            check_step(loss, reference_loss)
+
+    train_together(model, reference, steps, backward)
 
 
 def assert_matches(sharded, reference, what, tol=None):
