@@ -7,7 +7,7 @@ With CUDA: every check on NCCL, one rank per GPU. Without: the same checks on CP
 (the "cpu-fallback" mode, which the test suite runs), and the JSON says so. Checks:
 
 * ``parity_w1`` / ``parity_multi_rank``: the test suite's decoder (uneven shapes, tied
-  weights; tests/models.py) trained a few AdamW steps with veScale-FSDP against the unsharded
+  weights; tests/support/models.py) trained a few AdamW steps with veScale-FSDP against the unsharded
   model (losses and parameters) and against torch's FSDP2 (parameters), at W=1 and at W=all
   GPUs when there are several (W=2 on the fallback);
 * ``bf16_mixed``: bf16 parameters and all-gather, fp32 reduce, against FSDP2 with the same
@@ -44,10 +44,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"
+TESTS = ROOT / "tests" / "support"  # models.py, the test suite's decoder
 PARITY_STEPS = 3
 # Adam turns a gradient's rounding difference into an update difference where the gradient
-# is near zero (see tests/test_fully_shard.py); CUDA's atomics (embedding backward) add their
+# is near zero (see tests/support/parity.py); CUDA's atomics (embedding backward) add their
 # own order-dependence, so the GPU bound is looser. The JSON keeps the measured differences.
 PARAM_TOL = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}
 LOSS_TOL = {"cpu": dict(rtol=2e-5, atol=2e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}

@@ -8,7 +8,7 @@ Two detectors:
   every op *our code* dispatches there, and none may be a copy. Ops inside the collective
   call itself are its own work and are not counted: NCCL's, or on gloo the point-to-point
   version in ``inplace_collectives`` (the local write of this rank's own chunk, which any
-  all-gather makes, and the sums of the received chunks); ``tests/test_inplace_collectives.py``
+  all-gather makes, and the sums of the received chunks); ``tests/dbuffer/test_inplace_collectives.py``
   checks that it allocates no full-size staging, where gloo's own collectives do.
 """
 

@@ -259,7 +259,7 @@ def _raise_scalar_parameter(impl):
         A.fully_shard(model)
 
 
-@pytest.mark.vescale_differs("0-dim parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/test_dropin_semantics.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
+@pytest.mark.vescale_differs("0-dim parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
 def test_raise_scalar_parameter(dist_run, impl):
     dist_run(_raise_scalar_parameter, 2, impl, timeout=T)
 
@@ -271,7 +271,7 @@ def _raise_noncontiguous_parameter(impl):
         A.fully_shard(conv2d)
 
 
-@pytest.mark.vescale_differs("non-contiguous parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/test_dropin_semantics.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
+@pytest.mark.vescale_differs("non-contiguous parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
 def test_raise_noncontiguous_parameter(dist_run, impl):
     dist_run(_raise_noncontiguous_parameter, 2, impl, timeout=T)
 

@@ -891,7 +891,7 @@ def _shared_params_separate_fsdp_groups_error(impl):
 
 @pytest.mark.vescale_differs(
     "ours refuses a weight tied across sibling units earlier, at the second fully_shard call "
-    "(tests/test_dropin_semantics.py::test_weight_tied_across_sibling_units_is_refused_or_grouped); "
+    "(tests/runtime/test_fsdp2_edge_cases.py::test_weight_tied_across_sibling_units_is_refused_or_grouped); "
     "FSDP2 refuses at the first forward"
 )
 def test_shared_params_separate_fsdp_groups_error(dist_run, impl):
