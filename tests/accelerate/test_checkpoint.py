@@ -16,8 +16,8 @@ from accelerate import Accelerator
 from accelerate.utils import merge_fsdp_weights
 from safetensors.torch import load_file
 
-from tests.support.models import loss_fn, make_decoder
 from tests.support.accelerate_harness import MAX_GRAD_NORM, accelerate_env, decaying_lr, decoder_plugin, token_loader
+from tests.support.models import loss_fn, make_decoder
 from tests.support.parity import EXACT, adamw, assert_same_params, full_params
 from vescale_plugins.checkpoint import full_optimizer_state_dict
 

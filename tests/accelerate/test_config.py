@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import accelerate_plugin.hooks as hooks
 from accelerate_plugin import VeScaleFSDPPlugin, run
-from tests.support.models import local_batch, loss_fn, make_decoder
 from tests.support.accelerate_harness import accelerate_env, decoder_plugin
+from tests.support.models import local_batch, loss_fn, make_decoder
 from tests.support.parity import adamw
 from vescale_plugins import RaggedShard
 from vescale_plugins.wrap import is_sharded, shard_model

@@ -27,9 +27,9 @@ import torch.distributed as dist
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from tests.support.accelerate_harness import accelerate_env  # noqa: E402
 from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
 from tests.support.launched import launch  # noqa: E402
-from tests.support.accelerate_harness import accelerate_env  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 420  # each of two launches, within the module's 900 s
 FSDP2_CONFIG = """\

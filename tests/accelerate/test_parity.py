@@ -20,6 +20,7 @@ from tests.support.models import PER_RANK, clone, local_batch, loss_fn, make_dec
 from tests.support.parity import EXACT, TOL, adamw, assert_matches, assert_same_params, full_params, shard_decoder
 from vescale_plugins import RaggedShard
 
+
 def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> None:
     world = dist.get_world_size()
     optimizer_steps = 3

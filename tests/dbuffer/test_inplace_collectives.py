@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vescale_plugins.observe.allocations import AllocationTracker
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into, uses_point_to_point
+from vescale_plugins.observe.allocations import AllocationTracker
 from vescale_plugins.ragged.collectives import _all_gather_single, _reduce_scatter_single
 
 WORLD_SIZES = [2, 3, 4]

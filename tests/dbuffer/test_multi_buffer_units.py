@@ -9,9 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from vescale_plugins import fully_shard
+from vescale_plugins import BufferSplitCost, fully_shard
 from vescale_plugins.observe.record import record_run
-from vescale_plugins import BufferSplitCost
 
 STEPS = 4
 TOL = dict(rtol=2e-5, atol=2e-6)

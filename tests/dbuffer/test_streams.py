@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
-from vescale_plugins.dbuffer.planning import plan_buffers
 from tests.support.parity import TOL, assert_matches, reference_and_ours, train_like_reference
-from vescale_plugins.dbuffer.streams import CommStreams
 from vescale_plugins.dbuffer.buffer import DBuffer
+from vescale_plugins.dbuffer.planning import plan_buffers
+from vescale_plugins.dbuffer.streams import CommStreams
 
 
 class FakeStreamAPI:

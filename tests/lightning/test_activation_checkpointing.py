@@ -22,9 +22,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from lightning_strategy import VeScaleFSDPStrategy
+from tests.support.lightning_harness import ACCUMULATE, CLIP, LAYERS, MICRO_BATCHES, LitDecoder, dataset, launched_by_harness, loader, make_trainer
 from tests.support.models import Block, loss_fn
 from tests.support.parity import adamw
-from tests.support.lightning_harness import ACCUMULATE, CLIP, LAYERS, MICRO_BATCHES, LitDecoder, dataset, launched_by_harness, loader, make_trainer
 
 pytestmark = pytest.mark.timeout(600)  # several Trainer fits per test on a busy 2-core machine
 

@@ -36,7 +36,6 @@ from tests.support.models import PER_RANK, loss_fn, make_decoder
 from tests.support.parity import EXACT, adamw, assert_same_params, full_params
 from vescale_plugins.wrap import shard_model
 
-
 _MP_POLICIES = {
     "32-true": MixedPrecisionPolicy(),
     "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),

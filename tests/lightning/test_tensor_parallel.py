@@ -16,11 +16,11 @@ import copy
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.data import DataLoader, Dataset
 
-from lightning.pytorch import LightningModule
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from tests.support.lightning_harness import launched_by_harness, make_fabric, make_trainer
 from tests.support.tp_transformer import BATCH, SEQ, VOCAB, Transformer, assert_same, assert_trained_like_fsdp2_and_unsharded, default_adamw, lm_loss, tensor_parallel

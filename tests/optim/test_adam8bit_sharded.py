@@ -20,6 +20,7 @@ from vescale_plugins import fully_shard
 from vescale_plugins.optim import AdamW8bit, tile_rows
 from vescale_plugins.optim.flat import contiguous_runs
 
+
 def _train(model, opt, steps, sharded: bool):
     for step in steps:
         coeffs = coefficients(step)

@@ -260,8 +260,8 @@ def test_roots_balance_newton_schulz_flops_on_a_catalogue_model():
     import importlib.util
     from pathlib import Path
 
-    from vescale_plugins.tools.model_catalog import CATALOG
     from vescale_plugins.optim import assign_roots, newton_schulz_flops
+    from vescale_plugins.tools.model_catalog import CATALOG
 
     spec = importlib.util.spec_from_file_location("muon_balance_report", Path(__file__).parents[2] / "scripts" / "muon_balance_report.py")
     report = importlib.util.module_from_spec(spec)

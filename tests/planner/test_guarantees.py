@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vescale_plugins.tools.model_catalog import CATALOG, block_size, row_count, row_length
+from tests.support.planner_checks import assert_unit_plan_valid, assert_valid, plan_above_the_bound
 from vescale_plugins.planner import (
     CostModel,
     Layout,
@@ -24,12 +24,12 @@ from vescale_plugins.planner import (
     shard_size_lower_bound,
     unit_plan_options,
 )
-from tests.support.planner_checks import assert_unit_plan_valid, assert_valid, plan_above_the_bound
 from vescale_plugins.planner.baselines import (
     flat_padding_and_cut_blocks,
     fsdp2_padding,
     megatron_fsdp_padding,
 )
+from vescale_plugins.tools.model_catalog import CATALOG, block_size, row_count, row_length
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.planner_checks import assert_unit_plan_valid
-from vescale_plugins.tools.model_catalog import CATALOG, block_size
 from vescale_plugins.planner import padding_lower_bound, unit_plan_options
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.split_bounds import (
@@ -19,6 +18,7 @@ from vescale_plugins.planner.split_bounds import (
     unit_kinds,
 )
 from vescale_plugins.planner.split_spill import SMALL_COUNT, spill_partitions
+from vescale_plugins.tools.model_catalog import CATALOG, block_size
 
 SMALL = settings(derandomize=True, database=None, deadline=None, max_examples=60,
                  suppress_health_check=[HealthCheck.too_slow])

@@ -13,12 +13,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint

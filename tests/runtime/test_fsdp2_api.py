@@ -29,8 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import vescale_plugins
-from vescale_plugins import RaggedShard
-from vescale_plugins import VeScaleFSDPModule
+from vescale_plugins import RaggedShard, VeScaleFSDPModule
 
 T = 120
 IMPLS = {"torch": fsdp.fully_shard, "vescale": vescale_plugins.fully_shard}

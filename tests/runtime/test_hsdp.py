@@ -8,9 +8,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
+from tests.support.comm_counts import comm_counts
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
 from tests.support.parity import TOL, adamw, assert_matches, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero
-from tests.support.comm_counts import comm_counts
 from vescale_plugins import RaggedShard
 
 STEPS = 4

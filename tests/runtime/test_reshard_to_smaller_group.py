@@ -7,7 +7,6 @@ import vescale_plugins.dbuffer.buffer as dbuffer_module
 from tests.support.models import local_batch, loss_fn, reference_step
 from tests.support.parity import adamw, assert_matches, reference_ours_and_fsdp2s, sharded_step, step_and_zero
 
-
 FSDP2_TOL = dict(rtol=1e-4, atol=1e-4)
 
 

@@ -103,8 +103,7 @@ def _bad_answers() -> None:
         fully_shard(model, shard_placement_fn=lambda p: Shard(3) if p.ndim == 3 else None)
     with pytest.raises(ValueError, match=r"Invalid shard_placement_fn result for 'out.weight': Replicate\(\)"):
         fully_shard(model, shard_placement_fn=lambda p: Replicate() if p.ndim == 2 else None)
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 
     other = init_device_mesh("cpu", (1, dist.get_world_size()))
     result = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=1))

@@ -6,9 +6,8 @@ or an FSDP2 model; tolerances are the ones every parity test uses.
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
 from vescale_plugins import RaggedShard, fully_shard
