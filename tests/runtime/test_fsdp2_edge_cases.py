@@ -101,7 +101,7 @@ def test_gradient_divide_factor_is_scoped_to_its_unit_as_in_fsdp2(dist_run):
 
 def _accumulate_in_reduce_dtype():
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    reference, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp)
+    _, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp)
     micro_batches = 4
     for model in (ours, theirs):
         for micro in range(micro_batches):

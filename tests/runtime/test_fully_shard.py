@@ -49,7 +49,7 @@ def test_reshard_after_forward_true_and_false(dist_run, reshard_after_forward):
 
 
 def _parity_with_fsdp2(mp_policy):
-    reference, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp_policy)
+    _, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp_policy)
     opt, their_opt = adamw(ours), adamw(theirs)
     tol = TOL if mp_policy.param_dtype is None else dict(rtol=2e-2, atol=2e-3)
     for step in range(STEPS):
