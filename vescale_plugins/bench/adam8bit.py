@@ -25,7 +25,6 @@ table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any, Callable
@@ -42,6 +41,7 @@ from vescale_plugins.bench.engines import BenchSettings, _units, batches, build_
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.observe.allocations import AllocationTracker
 from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.tools.outputs import write_json
 
 __all__ = ["ENGINES", "add_arguments", "run", "state_bytes"]
 
@@ -347,6 +347,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"W={args.world_size} gloo ranks on CPU, model {args.model}, batch {args.batch_size} x {args.seq_len}")
     print(render(results, pairs))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"arguments": vars(args), "results": results}, f, indent=2)
+        write_json(args.json, {"arguments": vars(args), "results": results})
     return 0

@@ -16,8 +16,9 @@ import torch
 from vescale_plugins.bench.arguments import count, reshard_choice
 from vescale_plugins.bench.engines import ENGINES, FRONTENDS, BenchSettings
 from vescale_plugins.bench.llama import PRESETS, LlamaConfig
-from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_json, write_plot
+from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_plot
 from vescale_plugins.bench.runner import launch, settings_dict
+from vescale_plugins.tools.outputs import write_json, write_results
 
 __all__ = ["add_arguments", "add_run_arguments", "bench_settings", "report_comparison", "run"]
 
@@ -139,9 +140,5 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
         console.print(records[0]["summary"])
         console.print(f"wrote {args.record}")
     record = {"settings": settings_dict(settings), "environment": environment(world), "summary": summary, "ranks": results}
-    write_json(args.json, record)
-    console.print(f"wrote {args.json}")
-    if args.plot:
-        write_plot(args.plot, summary)
-        console.print(f"wrote {args.plot}")
+    write_results(console.print, record, args.json, args.plot, lambda path: write_plot(path, summary))
     return 0

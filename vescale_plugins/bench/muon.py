@@ -20,7 +20,6 @@ world size and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -42,6 +41,7 @@ from vescale_plugins.bench.engines import ENGINES, BenchSettings, _shard_plain, 
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.bench.report import environment, parity_line
 from vescale_plugins.tools.launch import launch_ranks, report_progress
+from vescale_plugins.tools.outputs import write_results
 
 __all__ = ["add_arguments", "run"]
 
@@ -231,7 +231,5 @@ def run(args: argparse.Namespace) -> int:
         console.print(render_table(summary, world))
         console.print(parity_line(summary))
         record["runs"][str(world)] = {"environment": environment(world), "summary": summary, "ranks": results}
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
-    console.print(f"wrote {args.json}")
+    write_results(console.print, record, args.json)
     return 0
