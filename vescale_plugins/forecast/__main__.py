@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(figures)
         console.print(f"wrote {args.calibrate}")
         return 0
-    from vescale_plugins.forecast.forecast import ForecastSettings, forecast
+    from vescale_plugins.forecast.forecast import forecast
+    from vescale_plugins.forecast.settings import ForecastSettings
     from vescale_plugins.forecast.model import resolve_model
     from vescale_plugins.forecast.report import render_tables, write_plot
     from vescale_plugins.tools.outputs import write_results

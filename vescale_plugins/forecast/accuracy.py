@@ -49,9 +49,10 @@ from vescale_plugins.bench.report import summarize
 from vescale_plugins.bench.runner import launch, settings_dict
 from vescale_plugins.forecast.calibrate import calibrate
 from vescale_plugins.forecast.compute import training_flops_per_token
-from vescale_plugins.forecast.forecast import ForecastSettings, forecast_world_size
+from vescale_plugins.forecast.forecast import forecast_world_size
 from vescale_plugins.forecast.hardware import load_hardware
 from vescale_plugins.forecast.model import spec_from_modules
+from vescale_plugins.forecast.settings import ForecastSettings
 from vescale_plugins.tools.launch import launch_ranks
 
 TOLERANCE = 0.10  # the bar: forecast ratio within 10 % of the measured one

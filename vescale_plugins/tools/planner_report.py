@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from vescale_plugins.planner import CostModel, clear_plan_cache, plan_layout, plan_unit, unit_plan_options
 from vescale_plugins.planner.baselines import flat_padding_and_cut_blocks, fsdp2_padding, megatron_fsdp_padding
@@ -41,17 +42,16 @@ def percent(part: int, whole: int) -> str:
 
 @dataclass
 class SingleBuffer:
-    """One (model, world size, granularity) cell, summed over the model's units."""
+    """One (model, world size, granularity) cell, summed over the model's units (elements)."""
 
     payload: int = 0
     padding: int = 0
     bound: int = 0
+    # What the others pad on the same units: "fsdp2", "flat" (element-wise), "megatron".
+    baselines: Counter[str] = field(default_factory=Counter)
+    cut_blocks: int = 0  # blocks element-wise sharding cuts across ranks
     worst_gap_pp: float = 0.0
     seconds: float = 0.0
-    fsdp2: int = 0
-    flat: int = 0
-    cut_blocks: int = 0
-    megatron: int = 0
 
 
 @dataclass
@@ -81,11 +81,11 @@ def single_buffer(model: ModelUnits, world_size: int, rows: int) -> SingleBuffer
         gap = 100 * (layout.padding_ratio - layout.padding_lower_bound_ratio)
         cell.worst_gap_pp = max(cell.worst_gap_pp, gap)
         shapes = [shape for _, shape in unit.params]
-        cell.fsdp2 += unit.count * fsdp2_padding(shapes, blocks, world_size)
         flat, cut = flat_padding_and_cut_blocks(numels, blocks, world_size)
-        cell.flat += unit.count * flat
+        cell.baselines["fsdp2"] += unit.count * fsdp2_padding(shapes, blocks, world_size)
+        cell.baselines["flat"] += unit.count * flat
+        cell.baselines["megatron"] += unit.count * megatron_fsdp_padding(numels, blocks, world_size)
         cell.cut_blocks += unit.count * cut
-        cell.megatron += unit.count * megatron_fsdp_padding(numels, blocks, world_size)
     return cell
 
 
@@ -133,9 +133,9 @@ def single_buffer_table(rows: int, cells: dict) -> list[str]:
             lines.append(
                 f"| {model.name} | {world_size} | {percent(c.padding, c.payload)} | "
                 f"{percent(c.bound, c.payload)} | {c.worst_gap_pp:.2f} | "
-                f"{1000 * c.seconds:.1f} | {percent(c.fsdp2, c.payload)} | "
-                f"{percent(c.flat, c.payload)} ({c.cut_blocks}) | "
-                f"{percent(c.megatron, c.payload)} |"
+                f"{1000 * c.seconds:.1f} | {percent(c.baselines['fsdp2'], c.payload)} | "
+                f"{percent(c.baselines['flat'], c.payload)} ({c.cut_blocks}) | "
+                f"{percent(c.baselines['megatron'], c.payload)} |"
             )
     return lines + [""]
 
