@@ -45,7 +45,7 @@ class Hardware:
             veScale-FSDP's for the same bytes. 1 on NCCL, where both call the same tensor
             collectives. On gloo they differ: FSDP2 calls gloo's, which stage through a full
             copy (and reduce-scatter by all-reduce), veScale-FSDP sends point-to-point in
-            place (``vescale_plugins/inplace_collectives.py``); ``--calibrate`` measures both.
+            place (``vescale_plugins/dbuffer/collectives.py``); ``--calibrate`` measures both.
     """
 
     name: str
