@@ -33,7 +33,8 @@ FRONTENDS = ("plain", "fabric", "accelerate")
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What one run compares (shared by both engines)."""
+    """What one run compares (shared by both engines): the model, and per rank and step
+    ``batch_size`` sequences of ``seq_len`` tokens (the Linear stack's are rows: ``seq_len`` 1)."""
 
     config: Union[LlamaConfig, LinearStackConfig]
     batch_size: int
