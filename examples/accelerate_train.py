@@ -21,50 +21,14 @@ import json
 import os
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 97, 48, 4, 3, 16
+from tiny_decoder import TinyDecoder
 
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then an MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn_norm = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
-        self.out = nn.Linear(HIDDEN, HIDDEN, bias=False)
-        self.mlp_norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, HEADS, HIDDEN // HEADS).transpose(1, 3).unbind(2)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(attn.transpose(1, 2).reshape(b, s, HIDDEN))
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
-
-
-class TinyDecoder(nn.Module):
-    """Embedding, ``LAYERS`` blocks (the FSDP units the config names), final norm, output head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+VOCAB, SEQ = 97, 16
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,7 +46,7 @@ def main() -> None:
     args = parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulation)
     set_seed(0)
-    model = TinyDecoder()
+    model = TinyDecoder(vocab=VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     samples = args.steps * args.accumulation * args.batch_size * accelerator.num_processes

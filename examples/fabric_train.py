@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import lightning_strategy  # noqa: F401  (registers strategy="vescale_fsdp")
-from lightning_train import TinyDecoder, counting_sequences
+from lightning_train import counting_sequences
+from tiny_decoder import TinyDecoder
 
 
 def parse_args() -> argparse.Namespace:

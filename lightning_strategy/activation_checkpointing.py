@@ -25,6 +25,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from .options import module_classes
+
 __all__ = ["ActivationCheckpointingPolicy", "LayerCheckpointing"]
 
 ActivationCheckpointingPolicy = Union[
@@ -46,17 +48,8 @@ class LayerCheckpointing:
             return None
         if isinstance(policy, ModuleWrapPolicy) or (callable(policy) and not isinstance(policy, type)):
             return cls(auto_wrap_policy=policy)
-        if isinstance(policy, (type, str)):
-            policy = (policy,)
-        if isinstance(policy, Iterable):
-            classes = tuple(policy)
-            bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
-            if bad or not classes:
-                raise TypeError(
-                    "activation_checkpointing_policy must name nn.Module classes (a set of types or class names), "
-                    f"got {bad or 'nothing'}"
-                )
-            return cls(classes=classes)
+        if isinstance(policy, (type, str, Iterable)):
+            return cls(classes=module_classes(policy, "activation_checkpointing_policy"))
         raise TypeError(
             "activation_checkpointing_policy must be None, a set of nn.Module classes or class names, a "
             f"ModuleWrapPolicy, or a predicate (module, recurse, nonwrapped_numel) -> bool; got {type(policy).__name__}"

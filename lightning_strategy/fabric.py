@@ -21,8 +21,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -52,23 +51,18 @@ from .model_setup import (
 )
 from .options import (
     DeviceMeshRequest,
-    ShardingOptions,
     StateDictType,
     WrapPolicy,
-    build_device_mesh,
-    check_device_mesh,
-    check_parallel_sizes,
-    check_state_dict_type,
     data_parallel_mesh,
-    data_parallel_sampler_kwargs,
 )
-from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
+from .activation_checkpointing import ActivationCheckpointingPolicy
+from .common import VeScaleFSDPCommon
 from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
 
 __all__ = ["VeScaleFSDPFabricStrategy"]
 
 
-class VeScaleFSDPFabricStrategy(ParallelStrategy):
+class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     """Fully sharded data parallel training with veScale-FSDP, for Fabric.
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
@@ -83,6 +77,9 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
     the data-parallel dims (it may apply ``vescale_plugins.fully_shard`` itself on
     ``device_mesh["data_parallel"]``: those units stand).
     """
+
+    _launcher_class = _SubprocessScriptLauncher
+    _mesh_exists = "launched (fabric.launch())"
 
     def __init__(
         self,
@@ -104,14 +101,11 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         tensor_parallel_size: int = 1,
         parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
     ) -> None:
-        # Validate first: a bad configuration fails in Fabric(...), before any process starts.
-        self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
-        self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
+        self._configure(
+            process_group_backend, timeout, auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn,
+            state_dict_type, device_mesh, activation_checkpointing_policy, find_unused_parameters,
+            data_parallel_size, tensor_parallel_size,
         )
-        check_state_dict_type(state_dict_type)
-        check_device_mesh(device_mesh)
-        check_parallel_sizes(data_parallel_size, tensor_parallel_size, device_mesh)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, got {parallelize_fn!r}")
         super().__init__(
@@ -121,13 +115,7 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
             precision=precision,
         )
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._state_dict_type = state_dict_type
-        self._device_mesh_request = device_mesh
-        self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
         self._parallelize_fn = parallelize_fn
-        self._device_mesh: Optional[DeviceMesh] = None
         self._backward_sync_control = _NoBackwardSync()
 
     # -- configuration -------------------------------------------------------------------
@@ -149,17 +137,6 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
         return self._sharding.mp_policy or self.precision.mp_policy
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists once the processes are launched (fabric.launch())")
-        return self._device_mesh
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -167,54 +144,12 @@ class VeScaleFSDPFabricStrategy(ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._device_mesh is not None:
-            return data_parallel_sampler_kwargs(self._device_mesh)
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            processes.STRATEGY_NAME, cls, description=processes.STRATEGY_DESCRIPTION, override=True
-        )
-
     # -- processes -----------------------------------------------------------------------
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # Also when processes are created externally (every rank but 0 under Lightning's own
-        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
-        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        processes.set_world_ranks(
-            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
-        )
-        assert self.cluster_environment is not None
-        self._process_group_backend = processes.init_process_group(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
-        )
-        self._device_mesh = build_device_mesh(
-            self._device_mesh_request, self.world_size, self.root_device, *self._parallel_sizes
-        )
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        processes.barrier(self.root_device)
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return processes.broadcast(obj, src)
+        self._set_up_processes()
 
     def all_reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"

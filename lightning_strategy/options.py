@@ -129,22 +129,24 @@ class ShardingOptions:
         return units
 
 
+def module_classes(policy: Union[type, str, Iterable[Any]], argument: str) -> tuple[Union[type[nn.Module], str], ...]:
+    """``policy``, one or several nn.Module classes or class names, as a tuple; a ``TypeError``
+    naming ``argument`` when it names anything else or nothing."""
+    classes = (policy,) if isinstance(policy, (type, str)) else tuple(policy)
+    bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
+    if bad or not classes:
+        raise TypeError(f"{argument} must name nn.Module classes (a set of types or class names), got {bad or 'nothing'}")
+    return classes
+
+
 def _normalise_wrap_policy(policy: Any) -> tuple[tuple[Any, ...] | None, UnitFn | None]:
     if policy is None:
         return None, None
     if isinstance(policy, ModuleWrapPolicy):
         # Lightning's FSDPStrategy turns a set of classes into this; accept it as it is.
         return tuple(policy._module_classes), None
-    if isinstance(policy, (type, str)):
-        policy = (policy,)
-    if isinstance(policy, Iterable):
-        classes = tuple(policy)
-        bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
-        if bad or not classes:
-            raise TypeError(
-                f"auto_wrap_policy must name nn.Module classes (types or class names), got {bad or 'nothing'}"
-            )
-        return classes, None
+    if isinstance(policy, (type, str, Iterable)):
+        return module_classes(policy, "auto_wrap_policy"), None
     if callable(policy):
         if _required_positional_arguments(policy) != 1:
             raise TypeError(

@@ -12,12 +12,11 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -26,10 +25,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
@@ -43,26 +40,21 @@ from vescale_plugins import BlockSizeFn
 from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
-from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
+from .activation_checkpointing import ActivationCheckpointingPolicy
+from .common import VeScaleFSDPCommon
 from .model_setup import gradient_sync_disabled, reshard_all, shard_for_training
 from .options import (
     DeviceMeshRequest,
-    ShardingOptions,
     StateDictType,
     WrapPolicy,
-    build_device_mesh,
-    check_device_mesh,
-    check_parallel_sizes,
-    check_state_dict_type,
     data_parallel_mesh,
-    data_parallel_sampler_kwargs,
 )
 from .precision import VeScaleFSDPPrecision, as_vescale_precision
 
 __all__ = ["VeScaleFSDPStrategy"]
 
 
-class VeScaleFSDPStrategy(ParallelStrategy):
+class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
     """Fully sharded data parallel training with veScale-FSDP (RaggedShard parameters, flat buffers).
 
     Args:
@@ -103,6 +95,8 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     """
 
     strategy_name = processes.STRATEGY_NAME
+    _launcher_class = _SubprocessScriptLauncher
+    _mesh_exists = "set up (Trainer.fit / validate / ...)"
 
     def __init__(
         self,
@@ -124,15 +118,12 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         tensor_parallel_size: int = 1,
     ) -> None:
-        # Validate first: a bad configuration fails in Trainer(...), before any process starts.
-        self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
-        self._checkpointed_model: Optional[torch.nn.Module] = None
-        self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
+        self._configure(
+            process_group_backend, timeout, auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn,
+            state_dict_type, device_mesh, activation_checkpointing_policy, find_unused_parameters,
+            data_parallel_size, tensor_parallel_size,
         )
-        check_state_dict_type(state_dict_type)
-        check_device_mesh(device_mesh)
-        check_parallel_sizes(data_parallel_size, tensor_parallel_size, device_mesh)
+        self._checkpointed_model: Optional[torch.nn.Module] = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -141,12 +132,6 @@ class VeScaleFSDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._state_dict_type = state_dict_type
-        self._device_mesh_request = device_mesh
-        self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
-        self._device_mesh: Optional[DeviceMesh] = None
 
     # -- configuration -------------------------------------------------------------------
 
@@ -171,34 +156,9 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         return self._state_dict_type
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists once the processes are set up (Trainer.fit / validate / ...)")
-        return self._device_mesh
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
     def is_distributed(self) -> bool:
         # Read by the Trainer for custom strategies: enables the DistributedSampler and sync_dist.
         return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._device_mesh is not None:
-            return data_parallel_sampler_kwargs(self._device_mesh)
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -209,45 +169,14 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer state itself
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            processes.STRATEGY_NAME, cls, description=processes.STRATEGY_DESCRIPTION, override=True
-        )
-
     # -- processes -----------------------------------------------------------------------
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # Also when processes are created externally (every rank but 0 under Lightning's own
-        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
-        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend = processes.init_process_group(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
-        )
-        self._device_mesh = build_device_mesh(
-            self._device_mesh_request, self.world_size, self.root_device, *self._parallel_sizes
-        )
+        self._set_up_processes()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
-
-    def set_world_ranks(self) -> None:
-        processes.set_world_ranks(
-            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
-        )
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        processes.barrier(self.root_device)
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return processes.broadcast(obj, src)
 
     def reduce(
         self,
@@ -313,28 +242,22 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     # wrappers) so the root's hooks gather its parameters and set up its backward.
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.train_step_context():
-            return self._through_root_forward("training_step", *args, **kwargs)
+        return self._through_root_forward("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.val_step_context():
-            return self._through_root_forward("validation_step", *args, **kwargs)
+        return self._through_root_forward("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.test_step_context():
-            return self._through_root_forward("test_step", *args, **kwargs)
+        return self._through_root_forward("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        with self.precision_plugin.predict_step_context():
-            return self._through_root_forward("predict_step", *args, **kwargs)
+        return self._through_root_forward("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
-    def _through_root_forward(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def _through_root_forward(self, method_name: str, step_context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method_name, *args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with step_context():
+            return self._forward_redirection(self.model, self.lightning_module, method_name, *args, **kwargs)
 
     # Without grad the root keeps its parameters gathered after forward; free them after evaluation.
 

@@ -28,8 +28,8 @@ def _launch(args: list[str]) -> str:
     return launch(["-m", "accelerate.commands.accelerate_cli", "launch", *args], timeout_s=TIMEOUT_S)
 
 
-def _example_module():
-    spec = importlib.util.spec_from_file_location("accelerate_train_example", REPO / "examples" / "accelerate_train.py")
+def _example_model_module():
+    spec = importlib.util.spec_from_file_location("tiny_decoder", REPO / "examples" / "tiny_decoder.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,5 +49,5 @@ def test_accelerate_launch_with_an_fsdp2_config_trains_with_vescale(tmp_path):
 
     state = tmp_path / "state"
     assert (state / "pytorch_model_fsdp_0" / ".metadata").exists() and (state / "optimizer_0" / ".metadata").exists()
-    plain = _example_module().TinyDecoder()
+    plain = _example_model_module().TinyDecoder(vocab=97)
     plain.load_state_dict(load_file(tmp_path / "model" / "model.safetensors"))

@@ -257,15 +257,10 @@ def test_bad_input_is_refused_on_every_rank_before_any_collective(dist_run):
 
 
 def test_roots_balance_newton_schulz_flops_on_a_catalogue_model():
-    import importlib.util
-    from pathlib import Path
-
     from vescale_plugins.optim import assign_roots, newton_schulz_flops
+    from vescale_plugins.tools import muon_balance_report as report
     from vescale_plugins.tools.model_catalog import CATALOG
 
-    spec = importlib.util.spec_from_file_location("muon_balance_report", Path(__file__).parents[2] / "scripts" / "muon_balance_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
     costs = [newton_schulz_flops(s) for s in report.muon_matrix_shapes(CATALOG["Llama-3-70B"])]
     assert len(costs) == 80 * 7
     for world in (8, 64):

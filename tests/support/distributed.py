@@ -1,31 +1,33 @@
 """Run a test body on W gloo processes, with a timeout that never lets a test hang.
 
-Workers are kept alive per world size and run many test bodies in one process group, so a
-test pays for a process group only when the previous body failed or timed out. The parent
-holds the rendezvous store on a port the kernel picks (port 0), so ports never collide.
-On a failure, the traceback of every failing rank is in the pytest message; on a timeout,
-every rank is killed and the pool is rebuilt for the next test.
+Workers are kept alive and run many test bodies in one process group, so a test pays for a
+process group only when the previous body failed or timed out, or asked for another world
+size: one pool is alive at a time (idle ranks of other sizes would only take CPU from the
+test that runs). Process groups a body creates (2-D meshes, subgroups) cannot be destroyed
+when it returns, as torch's DTensor caches keep the meshes built on them; each holds gloo
+threads that poll, so a pool holding more than ``MAX_EXTRA_GROUPS`` of them is replaced
+after the body. The rendezvous, the workers' bootstrap, the timeout and the failure report
+are the launcher's (``vescale_plugins.tools.launch``): on a failure, the traceback of every
+failing rank is in the pytest message; on a timeout, every rank is killed.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 import os
-import queue
-import threading
-import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
+from vescale_plugins.tools import launch
+
 DEFAULT_TIMEOUT_S = 120.0
-# After one rank fails, the others may be stuck in a collective with it: give them this
-# long to report, then kill the pool.
-FAILURE_GRACE_S = 3.0
 SEED = 1234
+# Process groups besides the default one a pool may hold before it is replaced (each rank of
+# a 2-D mesh is in 2; each group has a gloo thread that polls while the pool is idle).
+MAX_EXTRA_GROUPS = 8
 
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch.distributed", "vescale_plugins"])
@@ -35,43 +37,21 @@ class DistributedTestError(AssertionError):
     """A test body failed or timed out on one or more ranks."""
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # Under forkserver our parent is the fork server, so watch the test process itself.
-    while True:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        time.sleep(1.0)
+def _seeded_body(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """``fn``'s value, and the process groups this rank holds besides the default one."""
+    torch.manual_seed(SEED)
+    value = fn(*args, **kwargs)
+    return value, len(dist.distributed_c10d._world.pg_map) - 1
 
 
 def _worker(rank: int, world_size: int, port: int, parent_pid: int, tasks: Any, results: Any) -> None:
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    import torch
-
+    launch.exit_when_orphaned(parent_pid)
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_timedelta(60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_timedelta(DEFAULT_TIMEOUT_S))
-    while True:
-        task = tasks.get()
-        if task is None:
-            break
+    launch.join_process_group(rank, world_size, port, "gloo", DEFAULT_TIMEOUT_S)
+    while (task := tasks.get()) is not None:
         task_id, fn, args, kwargs = task
-        try:
-            torch.manual_seed(SEED)
-            value = fn(*args, **kwargs)
-            # Pickle here, not in the queue's feeder thread, so a bad result is a failure, not a hang.
-            _ForkingPickler.dumps(value)
-            results.put((task_id, rank, True, value))
-        except BaseException:
-            results.put((task_id, rank, False, traceback.format_exc()))
+        launch.run_and_report(results, task_id, rank, _seeded_body, fn, args, kwargs)
     dist.destroy_process_group()
-
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
 
 
 @dataclass
@@ -84,14 +64,14 @@ class _Pool:
 
 
 class DistributedRunner:
-    """Keeps one worker pool per world size; call it to run a body on every rank."""
+    """Keeps one worker pool; call it to run a body on every rank."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, _Pool] = {}
+        self._pool: _Pool | None = None
         self._next_task = 0
 
     def _start(self, world_size: int) -> _Pool:
-        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+        store = launch.rendezvous_store(world_size)
         results = _context.Queue()
         tasks = [_context.Queue() for _ in range(world_size)]
         processes = [
@@ -107,23 +87,20 @@ class DistributedRunner:
             p.start()
         return _Pool(world_size, store, processes, tasks, results)
 
-    def _kill(self, world_size: int) -> None:
-        pool = self._pools.pop(world_size, None)
-        if pool is None:
-            return
-        for p in pool.processes:
-            if p.is_alive():
-                p.kill()
-        for p in pool.processes:
-            p.join(timeout=10)
+    def _kill(self) -> None:
+        if self._pool is not None:
+            launch.kill(self._pool.processes)
+            self._pool = None
 
     def close(self) -> None:
-        for world_size, pool in list(self._pools.items()):
-            for q in pool.tasks:
-                q.put(None)
-            for p in pool.processes:
-                p.join(timeout=5)
-            self._kill(world_size)
+        """Let the workers leave their process group and exit; kill those that do not."""
+        if self._pool is None:
+            return
+        for q in self._pool.tasks:
+            q.put(None)
+        for p in self._pool.processes:
+            p.join(timeout=5)
+        self._kill()
 
     def __call__(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return every rank's result.
@@ -132,38 +109,22 @@ class DistributedRunner:
         with each failing rank's traceback, or naming the ranks that did not finish in time.
         """
         __tracebackhide__ = True
-        pool = self._pools.get(world_size)
-        if pool is None or not all(p.is_alive() for p in pool.processes):
-            self._kill(world_size)
-            pool = self._pools[world_size] = self._start(world_size)
+        if self._pool is not None and not all(p.is_alive() for p in self._pool.processes):
+            self._kill()
+        if self._pool is not None and self._pool.world_size != world_size:
+            self.close()
+        if self._pool is None:
+            self._pool = self._start(world_size)
+        pool = self._pool
         self._next_task += 1
-        task_id = self._next_task
         for q in pool.tasks:
-            q.put((task_id, fn, args, kwargs))
-        outcomes: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(outcomes) < world_size:
-            remaining = deadline - time.monotonic()
-            dead = [r for r, p in enumerate(pool.processes) if not p.is_alive() and r not in outcomes]
-            if remaining <= 0 or dead:
-                break
-            try:
-                got_id, rank, ok, value = pool.results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if got_id == task_id:
-                outcomes[rank] = (ok, value)
-                if not ok:
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        missing = [r for r in range(world_size) if r not in outcomes]
-        errors = {r: v for r, (ok, v) in outcomes.items() if not ok}
-        if missing or errors:
-            self._kill(world_size)
-            parts = [f"{fn.__module__}.{fn.__qualname__} on {world_size} rank(s)"]
-            for rank, tb in sorted(errors.items()):
-                parts.append(f"--- rank {rank} failed ---\n{tb}")
-            if missing:
-                reason = "after another rank failed" if errors else f"within {timeout:.0f}s (timed out or died)"
-                parts.append(f"ranks {missing} did not finish {reason}; all ranks were killed")
-            raise DistributedTestError("\n".join(parts))
-        return [outcomes[r][1] for r in range(world_size)]
+            q.put((self._next_task, fn, args, kwargs))
+        label = f"{fn.__module__}.{fn.__qualname__} on {world_size} rank(s)"
+        try:
+            outcomes = launch.await_ranks(pool.results, pool.processes, self._next_task, timeout, label)
+        except launch.RankFailure as failure:
+            self._kill()
+            raise DistributedTestError(str(failure)) from None
+        if max(groups for _, groups in outcomes) > MAX_EXTRA_GROUPS:
+            self.close()
+        return [value for value, _ in outcomes]

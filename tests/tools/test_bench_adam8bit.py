@@ -1,4 +1,4 @@
-"""``python -m vescale_plugins.bench.adam8bit`` runs end to end (tiny), and the 8-bit state is
+"""``python -m vescale_plugins.bench adam8bit`` runs end to end (tiny), and the 8-bit state is
 about a quarter of fp32 AdamW's on the bench model (a byte count, not a timing)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from vescale_plugins.bench import adam8bit
+from vescale_plugins.bench.__main__ import main
 from vescale_plugins.bench.llama import PRESETS, Llama
 from vescale_plugins.optim import AdamW, AdamW8bit
 
@@ -18,7 +19,7 @@ from vescale_plugins.optim import AdamW, AdamW8bit
 @pytest.mark.distributed
 def test_cli_smoke(tmp_path, capsys):
     out = tmp_path / "result.json"
-    adam8bit.main(["--optimizer", "adamw", "--model", "tiny", "--batch-size", "1", "--seq-len", "8", "--steps", "1", "--warmup", "1", "--quality-steps", "2", "--memory-repeats", "1", "--json", str(out)])
+    main(["adam8bit", "--optimizer", "adamw", "--model", "tiny", "--batch-size", "1", "--seq-len", "8", "--steps", "1", "--warmup", "1", "--quality-steps", "2", "--memory-repeats", "1", "--json", str(out)])
     printed = capsys.readouterr().out
     assert "optimizer step, median (ms)" in printed and "quality" in printed
     results = json.loads(out.read_text())["results"]

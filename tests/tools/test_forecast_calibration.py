@@ -7,7 +7,6 @@ planner and FSDP2's rule, so any difference is a modelling bug). A small batch k
 test fast: none of these figures depends on the batch.
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,18 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from vescale_plugins.bench.engines import BenchSettings, _loss, build_engine, build_model, padding_and_traffic, sharded_state_bytes
+from vescale_plugins.bench.engines import BenchSettings, build_engine, build_model, padding_and_traffic, sharded_state_bytes
 from vescale_plugins.bench.llama import PRESETS
+from vescale_plugins.forecast import accuracy
 from vescale_plugins.forecast.memory import ADAMW_STEP_BYTES, forecast_memory, unit_figures, vescale_optimizer_bytes_per_rank
 from vescale_plugins.forecast.model import spec_from_modules
 from vescale_plugins.observe.record import record_run
 
 SETTINGS = BenchSettings(PRESETS["small"], batch_size=1, seq_len=16, mixed_precision=False, reshard_after_forward=None, block_rows=None, frontend="plain", seed=0)
-
-
-def _bench_units(model):
-    """The bench's units in forward order (engines._units; the root holds no parameters)."""
-    return [("embed_tokens", [model.embed_tokens])] + [(f"layers.{i}", [layer]) for i, layer in enumerate(model.layers)] + [("norm+lm_head", [model.norm, model.lm_head])]
 
 
 def _batch(step):
@@ -45,7 +40,7 @@ def _measure():
         vescale.step(*_batch(1))
         record.mark_step()
         tokens, targets = _batch(2)
-        _loss(vescale.model(tokens), targets).backward()
+        SETTINGS.config.loss(vescale.model(tokens), targets).backward()
         sharded = record.sharded_state_bytes()  # before zero_grad frees the sharded gradients
     d = record.to_dict()
     fsdp2 = build_engine("fsdp2", SETTINGS, mesh, torch.device("cpu"))
@@ -68,7 +63,8 @@ def _measure():
 def test_forecast_equals_the_run_record(dist_run, world):
     ranks = dist_run(_measure, world, timeout=540)
     model = build_model(SETTINGS, torch.device("meta"))
-    spec = spec_from_modules("bench-small", _bench_units(model), SETTINGS.config.to_dict())
+    # The bench's units in forward order (the root holds no parameters).
+    spec = spec_from_modules("bench-small", model.fsdp_units(), SETTINGS.config.to_dict())
     memory = forecast_memory(spec, world, "fp32", "adamw", (0, 0))
     vescale, fsdp2 = memory["vescale"], memory["fsdp2"]
     optimizer_per_rank = vescale_optimizer_bytes_per_rank(spec, world)
@@ -89,25 +85,16 @@ def test_forecast_equals_the_run_record(dist_run, world):
     assert 4 * vescale.padding_elements == sum(u["padding_elements"] for u in ranks[0]["units"]) // world * 4
 
 
-def _calibration_script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "forecast_calibration.py"
-    spec = importlib.util.spec_from_file_location("forecast_calibration", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_committed_step_time_calibration_replays_to_its_forecast():
     """docs/forecast_calibration.json holds the measurements (calibrations and bench runs at
     W=2 and 4) and the forecast made from them: replaying the measurements through the
     current model must give the same forecast, within 10 % of the measured ratio at both
-    world sizes (re-run ``scripts/forecast_calibration.py --replay`` after changing it)."""
-    script = _calibration_script()
+    world sizes (re-run ``python -m vescale_plugins.forecast.accuracy --replay`` after changing it)."""
     path = Path(__file__).resolve().parents[2] / "docs" / "forecast_calibration.json"
     committed = json.loads(path.read_text())
     assert sorted(row["world_size"] for row in committed["world_sizes"]) == [2, 4]
     for row in committed["world_sizes"]:
-        replayed = script.compare(row["measured"])
+        replayed = accuracy.compare(row["measured"])
         assert replayed["forecast_ratio"] == pytest.approx(row["forecast_ratio"], rel=1e-9)
         assert replayed["measured_ratio"] == pytest.approx(row["measured_ratio"], rel=1e-12)
         # The issue's bar, on the measurements kept: a model change must not lose it.

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's CPU fallback end to end: every check runs on gloo and lands in the JSON.
+"""``python -m vescale_plugins.tools.gpu_check``'s CPU fallback end to end: every check runs on gloo and lands in the JSON.
 
 The CUDA path itself needs a GPU; what runs here is the same driver, the same parity bodies
 (veScale-FSDP vs the unsharded model and vs FSDP2, fp32 and bf16-mixed), the stream counters
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     out = tmp_path / "gpu_check.json"
-    command = [sys.executable, "scripts/gpu_check.py", "--cpu", "--quick", "--json", str(out), "--budget", "800"]
+    command = [sys.executable, "-m", "vescale_plugins.tools.gpu_check", "--cpu", "--quick", "--json", str(out), "--budget", "800"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     report = json.loads(out.read_text())

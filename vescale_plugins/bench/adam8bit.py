@@ -1,6 +1,6 @@
-"""8-bit and flat fp32 AdamW side by side: veScale-FSDP + ours against FSDP2 + the peers.
+"""``adam8bit``: 8-bit and flat fp32 AdamW, veScale-FSDP + ours against FSDP2 + the peers.
 
-    python -m vescale_plugins.bench.adam8bit [--optimizer adamw8bit|adamw|adamw8bit-dtensor|both]
+    python -m vescale_plugins.bench adam8bit [--optimizer adamw8bit|adamw|adamw8bit-dtensor|both]
         [--world-size 2] [--model small] [--batch-size 4] [--seq-len 128] [--steps 10]
         [--quality-steps 200]
 
@@ -15,7 +15,7 @@ Pairs, each built on the same model, data and seed, stepped alternately (A B A B
 
 Per engine: optimizer-step time (median over ``--steps`` of the slowest rank's
 ``optimizer.step()``), peak live tensor bytes of a steady-state training step (allocator
-events, smallest of 3; ``bench.memory``), and optimizer state bytes per rank. With
+events, smallest of 3; ``vescale_plugins.observe.allocations``), and optimizer state bytes per rank. With
 ``--quality-steps N`` every optimizer also trains N steps on a learnable synthetic sequence
 task (a fixed random token permutation followed 90% of the time) from the same seed and
 data; the final loss is the mean of the last 10 steps (``--steps 0``: quality only). Prints a
@@ -25,26 +25,25 @@ table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
 from vescale_plugins.optim import AdamW, AdamW8bit, tile_rows
-from vescale_plugins.bench.engines import BenchSettings, _loss, _units, batches, build_model
+from vescale_plugins.bench.arguments import count
+from vescale_plugins.bench.engines import BenchSettings, _units, batches, build_model
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.observe.allocations import AllocationTracker
+from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.tools.outputs import write_json
 
-__all__ = ["ENGINES", "main", "state_bytes"]
+__all__ = ["ENGINES", "add_arguments", "run", "state_bytes"]
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 QUALITY_LR = 3e-3
@@ -134,7 +133,7 @@ def _build(name: str, settings: BenchSettings, mesh: Any, lr: float = LR) -> tup
 
 
 def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    loss = _loss(model(tokens), targets)
+    loss = model.config.loss(model(tokens), targets)
     loss.backward()
     return loss.detach()
 
@@ -267,31 +266,20 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
     return result
 
 
-def _worker(rank: int, world: int, port: int, settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(settings.seed)
-        result = run_rank(settings, pairs, warmup, steps, quality_steps, memory_repeats)
-        everyone: list[dict] = [{}] * world
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            # Memory and state bytes: the largest rank's; times are already the slowest rank's.
-            merged = {name: dict(figures) for name, figures in result.items()}
-            for name, figures in merged.items():
-                for key in ("peak_bytes", "state_bytes", "parameter_elements"):
-                    if key in figures:
-                        figures[key] = max(r[name][key] for r in everyone if key in r.get(name, {}))
-            queue.put(merged)
-    finally:
-        dist.destroy_process_group()
+def _seeded_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int) -> dict[str, Any]:
+    torch.manual_seed(settings.seed)
+    return run_rank(settings, pairs, warmup, steps, quality_steps, memory_repeats)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _merge(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's figures, with memory and state bytes the largest rank's (times are already the
+    slowest rank's)."""
+    merged = {name: dict(figures) for name, figures in ranks[0].items()}
+    for name, figures in merged.items():
+        for key in ("peak_bytes", "state_bytes", "parameter_elements"):
+            if key in figures:
+                figures[key] = max(r[name][key] for r in ranks if key in r.get(name, {}))
+    return merged
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -336,33 +324,28 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench.adam8bit", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=[*PAIRS, "both"], default="both", help="both: adamw8bit and adamw")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=count(1), default=2)
     parser.add_argument("--model", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per engine")
-    parser.add_argument("--quality-steps", type=int, default=0, help="also train this many steps per optimizer and compare final losses")
-    parser.add_argument("--memory-repeats", type=int, default=3, help="peak-memory measurements per engine (the smallest is kept)")
+    parser.add_argument("--batch-size", type=count(1), default=4)
+    parser.add_argument("--seq-len", type=count(1), default=128)
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--steps", type=count(0), default=10, help="timed optimizer steps per engine")
+    parser.add_argument("--quality-steps", type=count(0), default=0, help="also train this many steps per optimizer and compare final losses")
+    parser.add_argument("--memory-repeats", type=count(1), default=3, help="peak-memory measurements per engine (the smallest is kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is stopped")
     parser.add_argument("--json", default="", help="write every figure here")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(PRESETS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
     pairs = ["adamw8bit", "adamw"] if args.optimizer == "both" else [args.optimizer]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    mp.start_processes(_worker, args=(args.world_size, _free_port(), settings, pairs, args.warmup, args.steps, args.quality_steps, args.memory_repeats, queue), nprocs=args.world_size, start_method="spawn")
-    results = queue.get(timeout=60)
+    ranks = launch_ranks(_seeded_rank, args.world_size, settings, pairs, args.warmup, args.steps, args.quality_steps, args.memory_repeats, timeout_s=args.timeout, backend="gloo", threads=1)
+    results = _merge(ranks)
     print(f"W={args.world_size} gloo ranks on CPU, model {args.model}, batch {args.batch_size} x {args.seq_len}")
     print(render(results, pairs))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"arguments": vars(args), "results": results}, f, indent=2)
-    return results
-
-
-if __name__ == "__main__":
-    main()
+        write_json(args.json, {"arguments": vars(args), "results": results})
+    return 0

@@ -1,7 +1,10 @@
 """The two engines under test, built the same way on the same model, data and seed.
 
 ``fsdp2`` is ``torch.distributed.fsdp.fully_shard``; ``vescale`` is ours, driven by a front
-end: plain ``fully_shard`` calls, Lightning Fabric, or Accelerate. Sizes are bytes per rank.
+end: plain ``fully_shard`` calls, Lightning Fabric, or Accelerate. The model is a config's:
+the Llama-style decoder (``llama``) or the Linear stack (``linear_stack``), each of which
+builds its model, its batches and its loss, and names its units (``fsdp_units``). Sizes are
+bytes per rank.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -22,7 +24,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from vescale_plugins import fully_shard
 from vescale_plugins.runtime.state import groups_under
 from vescale_plugins.planner import clear_plan_cache
-from vescale_plugins.bench.llama import Llama, LlamaConfig
+from vescale_plugins.bench.linear_stack import LinearStackConfig
+from vescale_plugins.bench.llama import LlamaConfig
 
 ENGINES = ("fsdp2", "vescale")
 FRONTENDS = ("plain", "fabric", "accelerate")
@@ -30,9 +33,10 @@ FRONTENDS = ("plain", "fabric", "accelerate")
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What one run compares (shared by both engines)."""
+    """What one run compares (shared by both engines): the model, and per rank and step
+    ``batch_size`` sequences of ``seq_len`` tokens (the Linear stack's are rows: ``seq_len`` 1)."""
 
-    config: LlamaConfig
+    config: Union[LlamaConfig, LinearStackConfig]
     batch_size: int
     seq_len: int
     mixed_precision: bool
@@ -65,21 +69,17 @@ class Engine:
     units: list[UnitChoice] | None = None
 
 
-def build_model(settings: BenchSettings, device: torch.device) -> Llama:
+def build_model(settings: BenchSettings, device: torch.device) -> nn.Module:
     torch.manual_seed(settings.seed)
-    return Llama(settings.config).to(device)
+    return settings.config.build().to(device)
 
 
 def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]:
-    """The units to shard, the root last: ``groups`` of module names if given, else
-    torchtitan's: the embedding, each block, the final norm with the head, the root.
-
-    The embedding and the head are used at opposite ends of the step, so one unit holding
-    both would keep the embedding's gradients (and parameters) alive through all of backward.
-    """
+    """The units to shard, the root last: ``groups`` of module names if given, else the
+    model's own (``fsdp_units``), then the root."""
     if groups is not None:
         return [[model.get_submodule(name) for name in group] if len(group) > 1 else model.get_submodule(group[0]) for group in groups]
-    return [model.embed_tokens, *model.layers, [model.norm, model.lm_head], model]
+    return [modules if len(modules) > 1 else modules[0] for _, modules in model.fsdp_units()] + [model]
 
 
 # One unit as a front end chose it: its module names (as in the user's model) and the
@@ -99,7 +99,7 @@ def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
     return [names for names, _ in vescale_units(model)]
 
 
-def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], choices: list[UnitChoice] | None = None) -> None:
+def _shard_plain(model: nn.Module, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], choices: list[UnitChoice] | None = None) -> None:
     kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward)
     if shard is fully_shard and settings.block_rows:
         rows = settings.block_rows
@@ -112,14 +112,18 @@ def _shard_plain(model: Llama, settings: BenchSettings, mesh: DeviceMesh, shard:
         shard(_units(model, [names])[0], **{**kwargs, "reshard_after_forward": reshard_after_forward})
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def _training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: BenchSettings,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``step(inputs, targets) -> loss``: forward, the loss, ``backward`` (a front end's own,
+    or autograd's), the optimizer step and ``zero_grad``."""
 
-
-def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model(tokens), targets)
-        loss.backward()
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = settings.config.loss(model(inputs), targets)
+        backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -142,13 +146,13 @@ def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: t
     if name == "fsdp2":
         _shard_plain(model, settings, mesh, torch_fully_shard, units)
         optimizer = _optimizer(model)
-        return Engine(name, model, optimizer, _plain_step(model, optimizer), units=units)
+        return Engine(name, model, optimizer, _training_step(model, optimizer, settings), units=units)
     clear_plan_cache()
     start = time.perf_counter()
     if settings.frontend == "plain":
         _shard_plain(model, settings, mesh, fully_shard)
         optimizer = _optimizer(model)
-        engine = Engine(name, model, optimizer, _plain_step(model, optimizer))
+        engine = Engine(name, model, optimizer, _training_step(model, optimizer, settings))
     elif settings.frontend == "fabric":
         engine = _fabric_engine(model, settings)
     else:
@@ -157,7 +161,7 @@ def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: t
     return engine
 
 
-def _fabric_engine(model: Llama, settings: BenchSettings) -> Engine:
+def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     from lightning.fabric import Fabric
 
     from lightning_strategy import VeScaleFSDPFabricStrategy
@@ -167,18 +171,10 @@ def _fabric_engine(model: Llama, settings: BenchSettings) -> Engine:
     fabric.launch()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(_optimizer(model))
-
-    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model(tokens), targets)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return Engine("vescale", model, optimizer, step)
+    return Engine("vescale", model, optimizer, _training_step(model, optimizer, settings, fabric.backward))
 
 
-def _accelerate_engine(model: Llama, settings: BenchSettings) -> Engine:
+def _accelerate_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     from accelerate import Accelerator
 
     from accelerate_plugin import VeScaleFSDPPlugin
@@ -192,22 +188,13 @@ def _accelerate_engine(model: Llama, settings: BenchSettings) -> Engine:
     )
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True)
     model, optimizer = accelerator.prepare(model, _optimizer(model))
-
-    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model(tokens), targets)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return Engine("vescale", model, optimizer, step)
+    return Engine("vescale", model, optimizer, _training_step(model, optimizer, settings, accelerator.backward))
 
 
 def batches(settings: BenchSettings, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``count`` (tokens, targets) batches for this rank, the same for both engines."""
-    g = torch.Generator().manual_seed(settings.seed * 1000 + rank)
-    data = torch.randint(0, settings.config.vocab_size, (count, settings.batch_size, settings.seq_len + 1), generator=g)
-    return [(d[:, :-1], d[:, 1:]) for d in data]
+    """``count`` (inputs, targets) batches for this rank, the same for both engines."""
+    generator = torch.Generator().manual_seed(settings.seed * 1000 + rank)
+    return settings.config.batches(generator, count, settings.batch_size, settings.seq_len)
 
 
 # -- static figures of a sharded model (bytes per rank) -----------------------------------
@@ -265,7 +252,7 @@ def _in_child_unit(unit: nn.Module, param_name: str) -> bool:
     return False
 
 
-# FSDP2's copy-in / copy-out ops; veScale-FSDP has none of them (tests/test_zero_copy.py).
+# FSDP2's copy-in / copy-out ops; veScale-FSDP has none of them (tests/dbuffer/test_zero_copy.py).
 _REORDERING_COPIES = ("aten::split_with_sizes_copy", "aten::_chunk_cat", "aten::cat")
 
 

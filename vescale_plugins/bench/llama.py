@@ -3,6 +3,8 @@
 Written here so ``make bench`` needs nothing but torch; shapes follow Llama's config names.
 The defaults are sized for a 2-core CPU and deliberately uneven (vocabulary and MLP width do
 not divide by common world sizes), which is where FSDP2's per-parameter padding shows.
+A config builds its model, its batches (random tokens) and its loss (next-token cross
+entropy), as every model the benchmark compares on does (see ``linear_stack``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,22 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def build(self) -> "Llama":
+        return Llama(self)
+
+    def batches(self, generator: torch.Generator, count: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``count`` (tokens, next tokens) pairs of ``batch_size`` x ``seq_len`` random tokens."""
+        data = torch.randint(0, self.vocab_size, (count, batch_size, seq_len + 1), generator=generator)
+        return [(d[:, :-1], d[:, 1:]) for d in data]
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
 
 PRESETS = {
+    # Small enough for a smoke test of the Muon benchmark (Newton-Schulz in bf16 is slow on CPUs).
+    "micro": LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=67, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "tiny": LlamaConfig(vocab_size=1009, hidden_size=96, intermediate_size=257, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "small": LlamaConfig(),
     "medium": LlamaConfig(vocab_size=16007, hidden_size=768, intermediate_size=2053, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4),
@@ -134,6 +150,12 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def fsdp_units(self) -> list[tuple[str, list[nn.Module]]]:
+        """The units both engines shard, named, in forward order (the root, holding no
+        parameters of its own, comes after them): torchtitan's, the embedding, each layer, the
+        final norm with the head. The embedding and the head are used at opposite ends of the
+        step, so one unit holding both would keep the embedding's gradients (and parameters)
+        alive through all of backward."""
+        layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(self.layers)]
+        return [("embed_tokens", [self.embed_tokens]), *layers, ("norm+lm_head", [self.norm, self.lm_head])]
 

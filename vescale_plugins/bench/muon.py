@@ -1,4 +1,4 @@
-"""``python -m vescale_plugins.bench.muon``: distributed Muon against FSDP2's full_tensor workaround.
+"""``muon``: distributed Muon against FSDP2's full_tensor() workaround.
 
 Both engines train the same Llama-style model from the same seed on the same batches, with
 one Muon optimizer each (hidden matrices under Muon, the rest under AdamW,
@@ -20,13 +20,10 @@ world size and writes JSON.
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import math
 import statistics
-import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,14 +36,16 @@ from vescale_plugins.optim import Muon, muon_param_groups
 from vescale_plugins.optim.muon import adjust_lr
 from vescale_plugins.optim.newton_schulz import newton_schulz_for
 from vescale_plugins.optim.root_assignment import newton_schulz_flops
-from vescale_plugins.bench.engines import ENGINES, BenchSettings, _loss, _shard_plain, batches, build_model, parameter_names
-from vescale_plugins.tools.launch import launch_ranks
-from vescale_plugins.bench.llama import PRESETS, LlamaConfig
-from vescale_plugins.bench.report import environment
+from vescale_plugins.bench.arguments import count
+from vescale_plugins.bench.engines import ENGINES, BenchSettings, _shard_plain, batches, build_model, parameter_names
+from vescale_plugins.bench.llama import PRESETS
+from vescale_plugins.bench.report import environment, parity_line
+from vescale_plugins.tools.launch import launch_ranks, report_progress
+from vescale_plugins.tools.outputs import write_results
+
+__all__ = ["add_arguments", "run"]
 
 MUON_LR, ADAMW_LR = 0.02, 1e-3
-# The bench's presets, and one small enough for a smoke test.
-MODELS = {**PRESETS, "micro": LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=67, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}
 
 
 class FullTensorMuon(Muon):
@@ -110,7 +109,8 @@ def _build(name: str, settings: BenchSettings, mesh: Any, device: torch.device) 
     return model, optimizer
 
 
-def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
+def run_rank(settings: BenchSettings, warmup: int, steps: int) -> dict[str, Any]:
+    """Both engines' steps on this rank (progress reported per step); returns plain data."""
     device = torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device.type, (world,))
@@ -121,7 +121,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
         model, optimizer = engines[name]
         dist.barrier()
         start = time.perf_counter()
-        loss = _loss(model(tokens), targets)
+        loss = settings.config.loss(model(tokens), targets)
         loss.backward()
         dist.barrier()
         before_step = time.perf_counter()
@@ -134,7 +134,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     for tokens, targets in data[:warmup]:
         for name in ENGINES:
             one_step(name, tokens, targets)
-            progress("warmup")
+            report_progress("warmup")
     seconds: dict[str, dict[str, list[float]]] = {name: {"step": [], "optimizer": []} for name in ENGINES}
     losses: dict[str, float] = {}
     for i, (tokens, targets) in enumerate(data[warmup:]):
@@ -142,21 +142,12 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             whole, optimizer_s, losses[name] = one_step(name, tokens, targets)
             seconds[name]["step"].append(whole)
             seconds[name]["optimizer"].append(optimizer_s)
-            progress(name)
+            report_progress(name)
     params = {name: parameter_names(engines[name][0]) for name in ENGINES}
     max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
     figures = {name: _traffic_and_flops(name, engines[name][1], world, rank) for name in ENGINES}
     return {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "figures": figures,
             "muon_matrices": len(_muon_shapes(engines["vescale"][1]))}
-
-
-def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Run every rank (gloo, CPU); return their results or raise with a failing rank's traceback."""
-    return launch_ranks(functools.partial(_run_rank, settings, warmup, steps), world, timeout_s, on_progress, backend="gloo")
-
-
-def _run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    return run_rank(settings, warmup, steps, progress)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -211,44 +202,34 @@ def render_table(summary: dict[str, Any], world: int) -> Any:
     return table
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.bench.muon", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS), help="a preset (default tiny: Newton–Schulz runs in bfloat16, which is slow on CPUs without bf16 units)")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per engine (interleaved)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="a preset (default tiny: Newton–Schulz runs in bfloat16, which is slow on CPUs without bf16 units)")
+    parser.add_argument("--world-sizes", type=count(1), nargs="+", default=[2, 4])
+    parser.add_argument("--batch-size", type=count(1), default=4)
+    parser.add_argument("--seq-len", type=count(1), default=128)
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--steps", type=count(1), default=10, help="timed steps per engine (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before every rank is stopped")
     parser.add_argument("--json", default="bench_muon.json")
-    return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    args = parse_args(argv)
     console = Console(width=max(Console().width, 110))  # the table's labels on one line
-    settings = BenchSettings(MODELS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
+    settings = BenchSettings(PRESETS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
     record: dict[str, Any] = {"settings": {**vars(args), "config": settings.config.to_dict()}, "runs": {}}
     for world in args.world_sizes:
         console.print(f"{args.model} on {world} gloo ranks: {args.warmup} warm-up + {args.steps} timed steps per engine")
         try:
-            results = launch(settings, world, args.warmup, args.steps, args.timeout, lambda _: None)
-        except (RuntimeError, TimeoutError) as error:
+            results = launch_ranks(run_rank, world, settings, args.warmup, args.steps, timeout_s=args.timeout, backend="gloo")
+        except RuntimeError as error:
             console.print(f"[red]benchmark failed at W={world}, no ratios reported:[/red] {error}")
             return 1
         summary = summarize(results)
         console.print(render_table(summary, world))
-        p = summary["parity"]
-        console.print(f"parity: final loss FSDP2 {p['loss']['fsdp2']:.6f} vs veScale {p['loss']['vescale']:.6f}; max |param diff| {p['max_param_diff']:.2e}")
+        console.print(parity_line(summary))
         record["runs"][str(world)] = {"environment": environment(world), "summary": summary, "ranks": results}
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=2)
-    console.print(f"wrote {args.json}")
+    write_results(console.print, record, args.json)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ complete, and no winner called when the spread of the two engines' step times ov
 
 from __future__ import annotations
 
-import json
+import os
 import platform
 import statistics
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vescale_plugins.bench.engines import ENGINES
+from vescale_plugins.tools.outputs import pyplot
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -71,7 +72,7 @@ def environment(world: int) -> dict[str, Any]:
         "backend": "nccl" if cuda else "gloo",
         "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
         "world_size": world,
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
     }
 
 
@@ -116,18 +117,9 @@ def parity_line(summary: dict[str, Any]) -> str:
     return f"parity: final loss FSDP2 {p['loss']['fsdp2']:.6f} vs veScale {p['loss']['vescale']:.6f}; max |param diff| {p['max_param_diff']:.2e}"
 
 
-def write_json(path: str, record: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(record, f, indent=2)
-
-
 def write_plot(path: str, summary: dict[str, Any]) -> None:
     """Step times per step (both engines) and peak memory, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     e = summary["engines"]
     fig, (steps_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for name, label in (("fsdp2", "FSDP2"), ("vescale", "veScale-FSDP")):

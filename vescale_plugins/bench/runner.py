@@ -8,7 +8,6 @@ building and a steady-state step. Progress events stream to the parent for the b
 
 from __future__ import annotations
 
-import functools
 import resource
 import time
 from dataclasses import asdict
@@ -18,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.bench.engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
-from vescale_plugins.tools.launch import launch_ranks
 from vescale_plugins.observe.allocations import AllocationTracker
+from vescale_plugins.tools.launch import launch_ranks, report_progress
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    """The launcher's GPU for this rank under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -85,8 +84,8 @@ def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, 
     return {"record": record.to_dict(), "summary": record.summary()}
 
 
-def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callable[[str], None], record_steps: int = 0) -> dict[str, Any]:
-    """Everything one rank measures; returns plain data."""
+def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int = 0) -> dict[str, Any]:
+    """Everything one rank measures; returns plain data. Reports each step as progress."""
     device = _device()
     mesh = settings.mesh(device.type, dist.get_world_size())
     data = batches(settings, dist.get_rank(), warmup + steps)
@@ -104,7 +103,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
             engine.step(tokens.to(device), targets.to(device))
-            progress("warmup")
+            report_progress("warmup")
     seconds: dict[str, list[float]] = {name: [] for name in ENGINES}
     # Minor page faults of this process during each step: first touches of memory the C
     # allocator mapped afresh (memory handed back to the OS and taken again).
@@ -121,7 +120,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
             seconds[name].append(time.perf_counter() - start)
             page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
             losses[name] = loss.item()
-            progress(name)
+            report_progress(name)
     params = {name: parameter_names(engines[name].model) for name in ENGINES}
     max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
     result: dict[str, Any] = {"seconds": seconds, "page_faults": page_faults, "loss": losses, "max_param_diff": max_diff, "engines": {}, "units": vescale_unit_groups(vescale.model)}
@@ -138,17 +137,13 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, progress: Callabl
     del engines, params
     for name in ENGINES:
         result["engines"][name].update(_measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None))
-        progress("memory")
+        report_progress("memory")
     return result
 
 
 def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None], record_steps: int = 0) -> list[dict[str, Any]]:
-    """Run every rank; return their results, or raise with the first failing rank's traceback."""
-    return launch_ranks(functools.partial(_run_rank, settings, warmup, steps, record_steps), world, timeout_s, on_progress)
-
-
-def _run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int, progress: Callable[[str], None]) -> dict[str, Any]:
-    return run_rank(settings, warmup, steps, progress, record_steps)
+    """Run every rank; return their results, or raise ``RankFailure`` with a failing rank's traceback."""
+    return launch_ranks(run_rank, world, settings, warmup, steps, record_steps, timeout_s=timeout_s, on_progress=on_progress)
 
 
 def settings_dict(settings: BenchSettings) -> dict[str, Any]:

@@ -11,7 +11,7 @@ temporary beside the buffers DBuffer already holds.
 On gloo the same two collectives are built here from point-to-point messages between views
 of the caller's buffers: every message lands where it belongs, and the traffic per rank is a
 ring's, ``(W - 1) / W`` of the buffer. Measured on a 2-core CPU with 4 MiB shards
-(``python -m vescale_plugins.bench.collectives --world-size W``), gloo's all-gather /
+(``python -m vescale_plugins.bench collectives --world-size W``), gloo's all-gather /
 reduce-scatter against these: W=2 7.8 / 9.9 ms against 4.7 / 5.4 ms; W=3 12.2 / 21.2 against
 9.9 / 10.1 ms; and temporaries of a full buffer each against none (reduce-scatter at W > 2:
 ``W - 2`` shards).

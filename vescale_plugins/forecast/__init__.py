@@ -7,9 +7,10 @@ collectives (:mod:`.comm_model`) and FLOPs at a stated MFU (:mod:`.compute`,
 :mod:`.step_time`). Every hardware figure is a field of :class:`Hardware`.
 """
 
-from vescale_plugins.forecast.forecast import ForecastSettings, forecast, forecast_world_size
+from vescale_plugins.forecast.forecast import forecast, forecast_world_size
 from vescale_plugins.forecast.hardware import GPUS, Hardware, load_hardware
 from vescale_plugins.forecast.model import ModelSpec, resolve_model, spec_from_modules
+from vescale_plugins.forecast.settings import ForecastSettings
 
 __all__ = [
     "GPUS", "ForecastSettings", "Hardware", "ModelSpec", "forecast", "forecast_world_size",

@@ -70,9 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(figures)
         console.print(f"wrote {args.calibrate}")
         return 0
-    from vescale_plugins.forecast.forecast import ForecastSettings, forecast
+    from vescale_plugins.forecast.forecast import forecast
+    from vescale_plugins.forecast.settings import ForecastSettings
     from vescale_plugins.forecast.model import resolve_model
-    from vescale_plugins.forecast.report import render_tables, write_json, write_plot
+    from vescale_plugins.forecast.report import render_tables, write_plot
+    from vescale_plugins.tools.outputs import write_results
 
     try:
         spec = resolve_model(args.model)
@@ -91,11 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for table in render_tables(result):
         console.print(table)
     console.print(f"{spec.name}: {result['parameters'] / 1e9:.1f}B parameters; forecast in {result['seconds']:.2f} s")
-    write_json(args.json, result)
-    console.print(f"wrote {args.json}")
-    if args.plot:
-        write_plot(args.plot, result)
-        console.print(f"wrote {args.plot}")
+    write_results(console.print, result, args.json, args.plot, lambda path: write_plot(path, result))
     return 0
 
 

@@ -21,33 +21,21 @@ Collectives on this CPU run on the same cores as compute, so the file says
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import statistics
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.tools.timing import median_seconds
 
 __all__ = ["calibrate", "fit_alpha_beta"]
 
 DEFAULT_RANKS = 2
 SIZES_BYTES = [2**k for k in range(16, 25, 2)]  # 64 KiB .. 16 MiB
 REPEATS = 7
-
-
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], ranks: int) -> tuple[float, float]:
@@ -74,27 +62,15 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     for total in sizes_bytes:
         shard = torch.ones(total // 4 // n)  # sizes are rounded down to whole shards
         full = torch.ones(shard.numel() * n)
-        timings["fsdp2_all_gather"].append(_median_s(lambda: dist.all_gather_into_tensor(full, shard), repeats))
-        timings["fsdp2_reduce_scatter"].append(_median_s(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
-        timings["vescale_all_gather"].append(_median_s(lambda: all_gather_into(full, shard, group), repeats))
-        timings["vescale_reduce_scatter"].append(_median_s(lambda: reduce_scatter_into(shard, full, group), repeats))
+        timings["fsdp2_all_gather"].append(median_seconds(lambda: dist.all_gather_into_tensor(full, shard), repeats))
+        timings["fsdp2_reduce_scatter"].append(median_seconds(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
+        timings["vescale_all_gather"].append(median_seconds(lambda: all_gather_into(full, shard, group), repeats))
+        timings["vescale_reduce_scatter"].append(median_seconds(lambda: reduce_scatter_into(shard, full, group), repeats))
     a, b = torch.randn(512, 384), torch.randn(384, 1031)
-    matmul_s = _median_s(lambda: [a @ b for _ in range(8)], repeats)
+    matmul_s = median_seconds(lambda: [a @ b for _ in range(8)], repeats)
     source, target = torch.ones(16 * 2**20), torch.empty(16 * 2**20)
-    copy_s = _median_s(lambda: target.copy_(source), repeats)
+    copy_s = median_seconds(lambda: target.copy_(source), repeats)
     return {"timings": timings, "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s, "copy_bandwidth": 2 * source.numel() * 4 / copy_s}
-
-
-def _worker(rank: int, ranks: int, port: int, sizes_bytes: list[int], repeats: int, results: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    store = dist.TCPStore("127.0.0.1", port, ranks, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=datetime.timedelta(seconds=300))
-    try:
-        figures = _measure_rank(sizes_bytes, repeats)
-        if rank == 0:
-            results.put(figures)
-    finally:
-        dist.destroy_process_group()
 
 
 def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0, ranks: int = DEFAULT_RANKS) -> dict[str, Any]:
@@ -103,19 +79,7 @@ def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = RE
     sizes; ``repeats``: timings per figure (the median is kept); ``ranks``: processes."""
     if ranks < 2:
         raise ValueError(f"--calibrate-ranks {ranks}: collectives need at least 2 ranks")
-    context = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, ranks + 1, is_master=True, wait_for_workers=False)
-    results = context.Queue()
-    processes = [context.Process(target=_worker, args=(r, ranks, store.port, list(sizes_bytes), repeats, results), daemon=True) for r in range(ranks)]
-    for p in processes:
-        p.start()
-    try:
-        measured = results.get(timeout=timeout_s)
-    finally:
-        for p in processes:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    measured = launch_ranks(_measure_rank, ranks, list(sizes_bytes), repeats, timeout_s=timeout_s, backend="gloo")[0]
     t = measured["timings"]
     # Bytes as measured: each size rounded down to ``ranks`` whole fp32 shards.
     sizes_bytes = [b // 4 // ranks * ranks * 4 for b in sizes_bytes]

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from vescale_plugins.forecast.compute import activation_bytes, training_flops_per_token
 from vescale_plugins.forecast.hardware import Hardware
 from vescale_plugins.forecast.memory import PRECISIONS, forecast_memory
 from vescale_plugins.forecast.model import ModelSpec
+from vescale_plugins.forecast.settings import ForecastSettings
 from vescale_plugins.forecast.step_time import forecast_step_time
 
-__all__ = ["ForecastSettings", "forecast", "forecast_world_size"]
+__all__ = ["forecast", "forecast_world_size"]
 
 ENGINES = ("vescale", "fsdp2")
-
-
-@dataclass(frozen=True)
-class ForecastSettings:
-    """What is trained and how. ``tokens_per_gpu`` per step (``seq_len``-token sequences);
-    ``replicas``: HSDP's replicate degree R (the shard group is ``world / R``); ``mfu``: the
-    fraction of the peak matmul rate the model's own FLOPs reach."""
-
-    precision: str = "bf16-mixed"
-    optimizer: str = "adamw"
-    tokens_per_gpu: int = 8192
-    seq_len: int = 4096
-    replicas: int = 1
-    block_rows: int | None = None
-    mfu: float = 0.4
-    activation_checkpointing: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def forecast_world_size(spec: ModelSpec, hardware: Hardware, world_size: int, settings: ForecastSettings) -> dict[str, Any]:
@@ -45,10 +26,7 @@ def forecast_world_size(spec: ModelSpec, hardware: Hardware, world_size: int, se
         raise ValueError(f"--precision {settings.precision!r}: use one of {sorted(PRECISIONS)}")
     activations = activation_bytes(spec, settings.tokens_per_gpu, compute_b)
     memory = forecast_memory(spec, group, settings.precision, settings.optimizer, activations, settings.block_rows)
-    steps = forecast_step_time(
-        spec, hardware, group, settings.replicas, settings.precision, settings.tokens_per_gpu,
-        settings.seq_len, settings.mfu, settings.activation_checkpointing, memory, settings.block_rows,
-    )
+    steps = forecast_step_time(spec, hardware, group, settings, memory)
     usable = hardware.memory_bytes - hardware.reserved_bytes
     engines = {}
     for engine in ENGINES:

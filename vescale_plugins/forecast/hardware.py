@@ -45,7 +45,7 @@ class Hardware:
             veScale-FSDP's for the same bytes. 1 on NCCL, where both call the same tensor
             collectives. On gloo they differ: FSDP2 calls gloo's, which stage through a full
             copy (and reduce-scatter by all-reduce), veScale-FSDP sends point-to-point in
-            place (``vescale_plugins/inplace_collectives.py``); ``--calibrate`` measures both.
+            place (``vescale_plugins/dbuffer/collectives.py``); ``--calibrate`` measures both.
     """
 
     name: str
@@ -75,26 +75,22 @@ _INTER_LATENCY_S = 6e-6
 _RESERVED = 4 * GiB
 _BUS_EFFICIENCY = 0.8
 
+# NVIDIA H100 SXM5 80GB datasheet: 989 TFLOPS dense BF16, 67 TFLOPS FP32, 3.35 TB/s HBM3,
+# NVLink 4 900 GB/s (450 GB/s each way); DGX H100: 8 x 400 Gb/s ConnectX-7, one per GPU.
+# nvidia-smi reports 81559 MiB.
+_H100 = Hardware(
+    "H100 SXM 80GB", 81559 * 2**20, _RESERVED, 989e12, 67e12, 3.35e12, 0.8, 8,
+    _INTRA_LATENCY_S, _BUS_EFFICIENCY * 450e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 50e9,
+)
+
 GPUS: dict[str, Hardware] = {
-    # NVIDIA H100 SXM5 80GB datasheet: 989 TFLOPS dense BF16, 67 TFLOPS FP32, 3.35 TB/s HBM3,
-    # NVLink 4 900 GB/s (450 GB/s each way); DGX H100: 8 x 400 Gb/s ConnectX-7, one per GPU.
-    # nvidia-smi reports 81559 MiB.
-    "h100": Hardware(
-        "H100 SXM 80GB", 81559 * 2**20, _RESERVED, 989e12, 67e12, 3.35e12, 0.8, 8,
-        _INTRA_LATENCY_S, _BUS_EFFICIENCY * 450e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 50e9,
-    ),
+    "h100": _H100,
     # NVIDIA H200 SXM datasheet: H100's compute, 141 GB HBM3e at 4.8 TB/s, same NVLink 4 and
     # NICs (DGX H200). nvidia-smi reports 143771 MiB.
-    "h200": Hardware(
-        "H200 SXM 141GB", 143771 * 2**20, _RESERVED, 989e12, 67e12, 4.8e12, 0.8, 8,
-        _INTRA_LATENCY_S, _BUS_EFFICIENCY * 450e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 50e9,
-    ),
+    "h200": dataclasses.replace(_H100, name="H200 SXM 141GB", memory_bytes=143771 * 2**20, memory_bandwidth=4.8e12),
     # NVIDIA H800 SXM (export variant of H100): same compute and HBM, NVLink cut to
     # 400 GB/s (200 GB/s each way); 8 x 400 Gb/s NICs as in the veScale-FSDP paper's clusters.
-    "h800": Hardware(
-        "H800 SXM 80GB", 81559 * 2**20, _RESERVED, 989e12, 67e12, 3.35e12, 0.8, 8,
-        _INTRA_LATENCY_S, _BUS_EFFICIENCY * 200e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 50e9,
-    ),
+    "h800": dataclasses.replace(_H100, name="H800 SXM 80GB", intra_node_bandwidth=_BUS_EFFICIENCY * 200e9),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS dense BF16, 19.5 TFLOPS FP32, 2.04 TB/s
     # HBM2e, NVLink 3 600 GB/s (300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR NICs.
     # nvidia-smi reports 81920 MiB.

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-__all__ = ["MEMORY_PARTS", "render_tables", "write_json", "write_plot"]
+from vescale_plugins.tools.outputs import pyplot
+
+__all__ = ["MEMORY_PARTS", "render_tables", "write_plot"]
 
 # (key in MemoryBreakdown.to_dict(), row label)
 MEMORY_PARTS = (
@@ -61,19 +62,10 @@ def render_tables(result: dict[str, Any]) -> list[Any]:
     return tables
 
 
-def write_json(path: str, result: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-
-
 def write_plot(path: str, result: dict[str, Any]) -> None:
     """Memory by part (stacked bars, both engines side by side) and tokens/s per GPU against
     world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ac = result["settings"]["activation_checkpointing"]
     parts = [p for p in MEMORY_PARTS if p[0] != ("activations" if ac else "activations_checkpointed")]
     sizes = [e["world_size"] for e in result["world_sizes"]]

@@ -30,6 +30,7 @@ from vescale_plugins.forecast.hardware import Hardware
 from vescale_plugins.forecast.layouts import plan_unit_layouts
 from vescale_plugins.forecast.memory import PRECISIONS, MemoryBreakdown
 from vescale_plugins.forecast.model import ModelSpec
+from vescale_plugins.forecast.settings import ForecastSettings
 
 __all__ = ["StepTime", "forecast_step_time"]
 
@@ -70,33 +71,23 @@ def _exposed(forward: list[float], backward: list[float], gathers: list[float], 
     return exposed
 
 
-def forecast_step_time(
-    spec: ModelSpec,
-    hardware: Hardware,
-    group_size: int,
-    replicas: int,
-    precision: str,
-    tokens: int,
-    seq_len: int,
-    mfu: float,
-    activation_checkpointing: bool,
-    memory: dict[str, MemoryBreakdown],
-    block_rows: int | None = None,
-) -> dict[str, StepTime]:
-    """Both engines' step time per rank: ``tokens`` per rank per step, units sharded over
-    ``group_size`` ranks and replicated ``replicas`` times (HSDP)."""
-    sharded_b, compute_b, reduce_b = PRECISIONS[precision]
+def forecast_step_time(spec: ModelSpec, hardware: Hardware, group_size: int, settings: ForecastSettings, memory: dict[str, MemoryBreakdown]) -> dict[str, StepTime]:
+    """Both engines' step time per rank: ``settings.tokens_per_gpu`` per rank per step, units
+    sharded over ``group_size`` ranks and replicated ``settings.replicas`` times (HSDP);
+    ``memory``: both engines' (``forecast_memory``), whose state the optimizer reads."""
+    replicas, tokens, block_rows = settings.replicas, settings.tokens_per_gpu, settings.block_rows
+    sharded_b, compute_b, reduce_b = PRECISIONS[settings.precision]
     peak = hardware.peak_flops_bf16 if compute_b == 2 else hardware.peak_flops_fp32
-    rate = peak * mfu
+    rate = peak * settings.mfu
     copy_rate = hardware.memory_bandwidth * hardware.copy_efficiency
     shard_link = link_for_group(hardware, group_size)
     replica_link = link_for_group(hardware, group_size * replicas)
     order = spec.forward_order()
     forward, backward = [], []
     for unit in order:
-        flops = unit_flops_per_token(unit, spec.config, seq_len) * tokens
+        flops = unit_flops_per_token(unit, spec.config, settings.seq_len) * tokens
         forward.append(flops / 3 / rate)
-        recompute = activation_checkpointing and is_block(unit)
+        recompute = settings.activation_checkpointing and is_block(unit)
         backward.append(flops * (2 / 3 + (1 / 3 if recompute else 0)) / rate)
     results = {}
     for engine in ("vescale", "fsdp2"):

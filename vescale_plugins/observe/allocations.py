@@ -44,7 +44,7 @@ last reference to a tensor. Two cases, measured with gloo:
 
 A free that stays unreported can only make the count too high, and which frees go missing
 changes from run to run, so a caller that needs an exact figure repeats the measurement and
-keeps the smallest (as ``step_compare`` does). The first rule could close a temporary a
+keeps the smallest (as the benchmark does). The first rule could close a temporary a
 little early if the issuing thread allocated again before the collective completed (an
 asynchronous collective); with gloo those frees are not the ones that go missing.
 """

@@ -1,2 +1,4 @@
-"""What the benchmark, the forecast, the reports and the tests share: the multi-process
-launcher and the model catalogue."""
+"""What the benchmark, the forecast and the tests share, and the reports and checks that stand
+alone: the multi-process launcher (``launch``), the parity decoder (``parity_model``), the
+model catalogue, JSON and plot output, barrier-started timing; the planner, padding-table and
+Muon-balance reports and the GPU check, each ``python -m vescale_plugins.tools.<name>``."""

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
-    "CATALOG", "CONFIGS", "ModelUnits", "Unit", "block_size", "model_from_config", "row_count",
-    "row_length",
+    "CATALOG", "CONFIGS", "ModelUnits", "Unit", "block_size", "model_from_config", "planner_inputs",
+    "row_count", "row_length",
 ]
 
 Shape = tuple[int, ...]
@@ -112,6 +112,13 @@ def block_size(shape: Shape, rows_per_block: int) -> int:
     128 rows gets 64-row blocks), so blocks always tile the tensor.
     """
     return math.gcd(rows_per_block, row_count(shape)) * row_length(shape)
+
+
+def planner_inputs(unit: Unit, rows_per_block: int) -> tuple[list[int], list[int]]:
+    """What the planner takes for one copy of ``unit``: its tensors' elements and their block
+    sizes (elements) at ``rows_per_block``-row blocks, in the unit's order."""
+    shapes = [shape for _, shape in unit.params]
+    return [math.prod(shape) for shape in shapes], [block_size(shape, rows_per_block) for shape in shapes]
 
 
 def _norm(name: str, size: int) -> Param:

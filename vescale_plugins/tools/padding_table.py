@@ -1,6 +1,7 @@
 """Padding per rank on the catalogue models, one buffer per unit against split units.
 
-``python -m vescale_plugins.tools.padding_table [--json docs/padding_table.json]`` prints
+``python -m vescale_plugins.tools.padding_table [--json docs/padding_table.json]`` (or
+``vescale-padding-table``) prints
 a markdown table and writes the same figures as JSON. For every catalogue model, world size
 ``W`` in ``WORLD_SIZES`` and block granularity in ``ROWS_PER_BLOCK``, summed over the
 model's units (embedding, each transformer block, final norm + head):
@@ -19,12 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Sequence
 
-from vescale_plugins.tools.model_catalog import CATALOG, block_size
+from vescale_plugins.tools.model_catalog import CATALOG, planner_inputs
 from vescale_plugins.planner.cost import RingCost, choose_split
 from vescale_plugins.planner.search import plan_layout
 from vescale_plugins.planner.split import unit_plan_options
@@ -49,9 +49,7 @@ def padding_rows(models: Sequence[str] = tuple(CATALOG),
                 payload = before = after = least = 0
                 after_buffers = 0
                 for unit in model.units:
-                    shapes = [shape for _, shape in unit.params]
-                    numels = [math.prod(shape) for shape in shapes]
-                    blocks = [block_size(shape, rows) for shape in shapes]
+                    numels, blocks = planner_inputs(unit, rows)
                     chosen = choose_split(numels, blocks, world, max_buffers=MAX_BUFFERS)
                     options = unit_plan_options(numels, blocks, world)
                     payload += unit.count * sum(numels)

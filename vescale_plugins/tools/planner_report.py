@@ -1,6 +1,7 @@
 """Padding, bounds and planning time of the layout planner on real model shapes.
 
-Run ``python scripts/planner_report.py`` (under ten seconds); it prints markdown to stdout:
+Run ``python -m vescale_plugins.tools.planner_report`` (or ``vescale-planner-report``; under
+ten seconds); it prints markdown to stdout:
 
 1. One table per block granularity (1, 16, 128 rows): for every catalogue model and world
    size, the single-buffer padding against the lower bound, the planning time, and what
@@ -16,30 +17,16 @@ Padding % is padding elements over payload elements, summed over every unit of t
 
 from __future__ import annotations
 
-import math
 import random
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections import Counter
+from dataclasses import dataclass, field
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vescale_plugins.tools.model_catalog import CATALOG, ModelUnits, Unit, block_size  # noqa: E402
-from vescale_plugins.planner import (  # noqa: E402
-    CostModel,
-    clear_plan_cache,
-    plan_layout,
-    plan_unit,
-    unit_plan_options,
-)
-from vescale_plugins.planner.baselines import (  # noqa: E402
-    flat_padding_and_cut_blocks,
-    fsdp2_padding,
-    megatron_fsdp_padding,
-)
-from vescale_plugins.planner.exact import exact_min_shard_size  # noqa: E402
-from vescale_plugins.planner.split_bounds import split_padding_lower_bound  # noqa: E402
+from vescale_plugins.planner import CostModel, clear_plan_cache, plan_layout, plan_unit, unit_plan_options
+from vescale_plugins.planner.baselines import flat_padding_and_cut_blocks, fsdp2_padding, megatron_fsdp_padding
+from vescale_plugins.planner.exact import exact_min_shard_size
+from vescale_plugins.planner.split_bounds import split_padding_lower_bound
+from vescale_plugins.tools.model_catalog import CATALOG, ModelUnits, planner_inputs
 
 WORLD_SIZES = (8, 64, 256, 1024, 8192)
 GRANULARITIES = (1, 16, 128)
@@ -49,30 +36,22 @@ RANDOM_INSTANCES = 1500
 BOUND_GAP_TARGET_PP = {1: 1.0, 16: 1.0, 128: 3.0}
 
 
-def unit_problem(unit: Unit, rows_per_block: int) -> tuple[list[int], list[int]]:
-    """Numels and block sizes (elements) of one unit at a block granularity (rows)."""
-    numels = [math.prod(shape) for _, shape in unit.params]
-    blocks = [block_size(shape, rows_per_block) for _, shape in unit.params]
-    return numels, blocks
-
-
 def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.2f}"
 
 
 @dataclass
 class SingleBuffer:
-    """One (model, world size, granularity) cell, summed over the model's units."""
+    """One (model, world size, granularity) cell, summed over the model's units (elements)."""
 
     payload: int = 0
     padding: int = 0
     bound: int = 0
+    # What the others pad on the same units: "fsdp2", "flat" (element-wise), "megatron".
+    baselines: Counter[str] = field(default_factory=Counter)
+    cut_blocks: int = 0  # blocks element-wise sharding cuts across ranks
     worst_gap_pp: float = 0.0
     seconds: float = 0.0
-    fsdp2: int = 0
-    flat: int = 0
-    cut_blocks: int = 0
-    megatron: int = 0
 
 
 @dataclass
@@ -91,7 +70,7 @@ def single_buffer(model: ModelUnits, world_size: int, rows: int) -> SingleBuffer
     cell = SingleBuffer()
     clear_plan_cache()
     for unit in model.units:
-        numels, blocks = unit_problem(unit, rows)
+        numels, blocks = planner_inputs(unit, rows)
         start = time.perf_counter()
         for _ in range(unit.count):
             layout = plan_layout(numels, blocks, world_size)
@@ -102,11 +81,11 @@ def single_buffer(model: ModelUnits, world_size: int, rows: int) -> SingleBuffer
         gap = 100 * (layout.padding_ratio - layout.padding_lower_bound_ratio)
         cell.worst_gap_pp = max(cell.worst_gap_pp, gap)
         shapes = [shape for _, shape in unit.params]
-        cell.fsdp2 += unit.count * fsdp2_padding(shapes, blocks, world_size)
         flat, cut = flat_padding_and_cut_blocks(numels, blocks, world_size)
-        cell.flat += unit.count * flat
+        cell.baselines["fsdp2"] += unit.count * fsdp2_padding(shapes, blocks, world_size)
+        cell.baselines["flat"] += unit.count * flat
+        cell.baselines["megatron"] += unit.count * megatron_fsdp_padding(numels, blocks, world_size)
         cell.cut_blocks += unit.count * cut
-        cell.megatron += unit.count * megatron_fsdp_padding(numels, blocks, world_size)
     return cell
 
 
@@ -115,7 +94,7 @@ def split(model: ModelUnits, world_size: int, rows: int) -> Split:
     clear_plan_cache()
     cell = Split(0, [0] * len(SPLIT_BUDGETS), 0, 0, 0.0)
     for unit in model.units:
-        numels, blocks = unit_problem(unit, rows)
+        numels, blocks = planner_inputs(unit, rows)
         start = time.perf_counter()
         options = unit_plan_options(numels, blocks, world_size)
         plan = plan_unit(numels, blocks, world_size)
@@ -133,7 +112,7 @@ def split_bound_percent(model: ModelUnits, world_size: int, rows: int) -> float:
     (``split_padding_lower_bound``, summed over the model's units)."""
     payload = bound = 0
     for unit in model.units:
-        numels, blocks = unit_problem(unit, rows)
+        numels, blocks = planner_inputs(unit, rows)
         payload += unit.count * sum(numels)
         bound += unit.count * split_padding_lower_bound(
             numels, blocks, world_size, max_buffers=SPLIT_BUDGETS[-1])
@@ -154,9 +133,9 @@ def single_buffer_table(rows: int, cells: dict) -> list[str]:
             lines.append(
                 f"| {model.name} | {world_size} | {percent(c.padding, c.payload)} | "
                 f"{percent(c.bound, c.payload)} | {c.worst_gap_pp:.2f} | "
-                f"{1000 * c.seconds:.1f} | {percent(c.fsdp2, c.payload)} | "
-                f"{percent(c.flat, c.payload)} ({c.cut_blocks}) | "
-                f"{percent(c.megatron, c.payload)} |"
+                f"{1000 * c.seconds:.1f} | {percent(c.baselines['fsdp2'], c.payload)} | "
+                f"{percent(c.baselines['flat'], c.payload)} ({c.cut_blocks}) | "
+                f"{percent(c.baselines['megatron'], c.payload)} |"
             )
     return lines + [""]
 
@@ -222,13 +201,13 @@ def timing_lines() -> list[str]:
     clear_plan_cache()
     start = time.perf_counter()
     for unit in model.units:
-        numels, blocks = unit_problem(unit, 1)
+        numels, blocks = planner_inputs(unit, 1)
         for _ in range(unit.count):
             plan_layout(numels, blocks, 1024)
     cached = time.perf_counter() - start
     start = time.perf_counter()
     for unit in model.units:
-        numels, blocks = unit_problem(unit, 1)
+        numels, blocks = planner_inputs(unit, 1)
         for _ in range(unit.count):
             clear_plan_cache()
             plan_layout(numels, blocks, 1024)
@@ -237,7 +216,7 @@ def timing_lines() -> list[str]:
     for rows in GRANULARITIES:
         for model_units in CATALOG.values():
             for unit in model_units.units:
-                numels, blocks = unit_problem(unit, rows)
+                numels, blocks = planner_inputs(unit, rows)
                 clear_plan_cache()
                 start = time.perf_counter()
                 plan_layout(numels, blocks, 8192)
@@ -316,7 +295,7 @@ def main() -> None:
         out += single_buffer_table(rows, singles)
     for rows in GRANULARITIES:
         out += split_table(rows, splits)
-    out.append(f"_Generated by `python scripts/planner_report.py` in "
+    out.append(f"_Generated by `python -m vescale_plugins.tools.planner_report` in "
                f"{time.perf_counter() - start:.1f} s._")
     print("\n".join(out))
 

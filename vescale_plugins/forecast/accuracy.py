@@ -1,12 +1,15 @@
 """The forecast's veScale/FSDP2 step-time ratio against the bench's measured one, at W=2 and 4.
 
-    python scripts/forecast_calibration.py [--world-sizes 2,4] [--runs 3] [--steps 16]
+    python -m vescale_plugins.forecast.accuracy [--world-sizes 2,4] [--runs 3] [--steps 16]
         [--out docs/forecast_calibration.json]
-    python scripts/forecast_calibration.py --replay docs/forecast_calibration.json [more.json]
+    python -m vescale_plugins.forecast.accuracy --replay docs/forecast_calibration.json [more.json]
+
+(or ``vescale-forecast-accuracy``).
 
 For each world size W (about 30 min each with --runs 2 on the shared 2-core machine at load 10-40):
 
-1. calibrate this machine on W gloo processes (``--calibrate --calibrate-ranks W``: the ring's
+1. calibrate this machine on W gloo processes (``vescale_plugins.forecast --calibrate FILE
+   --calibrate-ranks W``: the ring's
    latency and bandwidth fitted to an all-gather/reduce-scatter sweep, FSDP2's gloo
    collectives over veScale-FSDP's in-place ones, the copy rate per process) and measure the
    bench model's own compute rate: W unsharded processes at once (the cores shared as the
@@ -31,26 +34,29 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from vescale_plugins.bench.engines import BenchSettings, _loss, build_model  # noqa: E402
-from vescale_plugins.bench.llama import PRESETS, LlamaConfig  # noqa: E402
-from vescale_plugins.forecast import ForecastSettings, forecast_world_size, load_hardware, spec_from_modules  # noqa: E402
-from vescale_plugins.forecast.calibrate import calibrate  # noqa: E402
-from vescale_plugins.forecast.compute import training_flops_per_token  # noqa: E402
+from vescale_plugins.bench.compare import add_arguments as add_bench_arguments
+from vescale_plugins.bench.compare import bench_settings
+from vescale_plugins.bench.engines import BenchSettings, build_model
+from vescale_plugins.bench.llama import LlamaConfig
+from vescale_plugins.bench.report import summarize
+from vescale_plugins.bench.runner import launch, settings_dict
+from vescale_plugins.forecast.calibrate import calibrate
+from vescale_plugins.forecast.compute import training_flops_per_token
+from vescale_plugins.forecast.forecast import forecast_world_size
+from vescale_plugins.forecast.hardware import load_hardware
+from vescale_plugins.forecast.model import spec_from_modules
+from vescale_plugins.forecast.settings import ForecastSettings
+from vescale_plugins.tools.launch import launch_ranks
 
 TOLERANCE = 0.10  # the issue's bar: forecast ratio within 10 % of the measured one
+BENCH_TIMEOUT_S = 3600.0
 # Calibrated fields the forecast uses (means of the calibrations before and after the bench).
 CALIBRATED_FIELDS = ("intra_node_latency_s", "intra_node_bandwidth", "memory_bandwidth", "fsdp2_all_gather_factor", "fsdp2_reduce_scatter_factor")
 
@@ -58,8 +64,7 @@ CALIBRATED_FIELDS = ("intra_node_latency_s", "intra_node_bandwidth", "memory_ban
 def bench_spec(settings: BenchSettings):
     """The bench model's FSDP units in forward order, as its engines wrap them."""
     model = build_model(settings, torch.device("meta"))
-    units = [("embed_tokens", [model.embed_tokens])] + [(f"layers.{i}", [layer]) for i, layer in enumerate(model.layers)] + [("norm+lm_head", [model.norm, model.lm_head])]
-    return spec_from_modules("bench-small", units, settings.config.to_dict())
+    return spec_from_modules("bench-small", model.fsdp_units(), settings.config.to_dict())
 
 
 def settings_from_json(d: dict[str, Any]) -> BenchSettings:
@@ -67,32 +72,23 @@ def settings_from_json(d: dict[str, Any]) -> BenchSettings:
     return BenchSettings(**{**d, "config": LlamaConfig(**d["config"])})
 
 
-def _time_unsharded(settings: BenchSettings, threads: int, repeats: int, out: Any) -> None:
-    torch.set_num_threads(threads)
+def _time_unsharded(settings: BenchSettings, repeats: int) -> float:
+    """Median seconds of this process's unsharded forward + backward (after one untimed)."""
     model = build_model(settings, torch.device("cpu"))
     tokens = torch.randint(0, settings.config.vocab_size, (settings.batch_size, settings.seq_len + 1))
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        _loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        settings.config.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    out.put(statistics.median(times[1:]))
+    return statistics.median(times[1:])
 
 
 def unsharded_compute_s(settings: BenchSettings, world: int, repeats: int = 5) -> float:
     """Median seconds of one unsharded forward + backward of the bench model, on ``world``
-    processes at once with the bench's threads per rank."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    threads = max(1, (os.cpu_count() or 1) // world)
-    processes = [context.Process(target=_time_unsharded, args=(settings, threads, repeats, out)) for _ in range(world)]
-    for p in processes:
-        p.start()
-    seconds = [out.get(timeout=900) for _ in processes]
-    for p in processes:
-        p.join()
-    return statistics.median(seconds)
+    processes at once with the bench's threads per rank (they share nothing but the cores)."""
+    return statistics.median(launch_ranks(_time_unsharded, world, settings, repeats, timeout_s=900, backend="gloo"))
 
 
 def _calibration(world: int, settings: BenchSettings) -> dict[str, Any]:
@@ -103,22 +99,26 @@ def _calibration(world: int, settings: BenchSettings) -> dict[str, Any]:
     return {"hardware": figures, "unsharded_compute_s": unsharded_compute_s(settings, world), "load_average": [load, os.getloadavg()[0]]}
 
 
+def bench_arguments(world: int, steps: int) -> argparse.Namespace:
+    """The bench's defaults (``python -m vescale_plugins.bench``) at ``world`` ranks and ``steps`` steps."""
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(["--world-size", str(world), "--steps", str(steps)])
+
+
 def _bench_run(world: int, steps: int) -> dict[str, Any]:
-    """One ``python -m vescale_plugins.bench`` run; its settings and the figures compared."""
-    path = os.path.join(tempfile.mkdtemp(), "bench.json")
-    command = [sys.executable, "-m", "vescale_plugins.bench", "--world-size", str(world), "--steps", str(steps), "--timeout", "3600", "--json", path, "--plot", ""]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    """One run of the bench's comparison; its settings and the figures compared."""
+    args = bench_arguments(world, steps)
+    settings, _ = bench_settings(args)
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        record = json.load(f)
-    summary = record["summary"]
+    results = launch(settings, world, args.warmup, args.steps, BENCH_TIMEOUT_S, lambda _: None)
+    summary = summarize(results, tokens_per_step=world * settings.batch_size * settings.seq_len)
     return {
-        "command": " ".join(["python"] + command[1:-6]),
+        "command": f"python -m vescale_plugins.bench --world-size {world} --steps {steps}",
         "wall_s": time.perf_counter() - start,
         "load_average": [load, os.getloadavg()[0]],
-        "settings": record["settings"],
+        "settings": settings_dict(settings),
         "paired_ratio": summary["ratios"]["step_time_paired"],
         "ratio_of_medians": summary["ratios"]["step_time"],
         "step_s": {e: summary["engines"][e]["step_ms"]["median"] / 1e3 for e in ("vescale", "fsdp2")},
@@ -184,33 +184,34 @@ def _print(row: dict[str, Any]) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.forecast.accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--runs", type=int, default=3, help="bench runs per world size")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per engine per bench run")
     parser.add_argument("--out", default="docs/forecast_calibration.json")
     parser.add_argument("--replay", nargs="+", default=None, metavar="JSON", help="recompute the forecast from these files' measurements (written to --out); measure nothing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.replay:
         measurements = []
         for path in args.replay:
             with open(path) as f:
                 measurements += [w["measured"] for w in json.load(f)["world_sizes"]]
     else:
-        # The bench's defaults (python -m vescale_plugins.bench): the small preset, fp32.
-        settings = BenchSettings(PRESETS["small"], batch_size=4, seq_len=128, mixed_precision=False, reshard_after_forward=None, block_rows=None, frontend="plain", seed=0)
-        measurements = [measure(int(w), args.runs, args.steps, settings) for w in args.world_sizes.split(",")]
-    out = args.out
+        measurements = []
+        for world in (int(w) for w in args.world_sizes.split(",")):
+            settings, _ = bench_settings(bench_arguments(world, args.steps))
+            measurements.append(measure(world, args.runs, args.steps, settings))
     rows = []
     for measured in measurements:
         row = compare(measured)
         _print(row)
         rows.append(row | {"measured": measured})
-    with open(out, "w") as f:
+    with open(args.out, "w") as f:
         json.dump({"machine": f"{os.cpu_count()} CPUs, shared", "tolerance": TOLERANCE, "world_sizes": rows}, f, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

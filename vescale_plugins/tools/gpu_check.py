@@ -1,13 +1,13 @@
 """The CUDA/NCCL path end to end, in one run that fits a short device loan; writes one JSON.
 
-    PYTHONPATH=. python scripts/gpu_check.py [--json gpu_check.json] [--budget 450]
-    (or scripts/gpu_check.sh [OUT.json])
+    python -m vescale_plugins.tools.gpu_check [--json gpu_check.json] [--budget 450]
+    (or ``vescale-gpu-check``, or scripts/gpu_check.sh [OUT.json] with a hard stop)
 
 With CUDA: every check on NCCL, one rank per GPU. Without: the same checks on CPU/gloo, small
 (the "cpu-fallback" mode, which the test suite runs), and the JSON says so. Checks:
 
 * ``parity_w1`` / ``parity_multi_rank``: the test suite's decoder (uneven shapes, tied
-  weights; tests/support/models.py) trained a few AdamW steps with veScale-FSDP against the unsharded
+  weights; ``vescale_plugins.tools.parity_model``) trained a few AdamW steps with veScale-FSDP against the unsharded
   model (losses and parameters) and against torch's FSDP2 (parameters), at W=1 and at W=all
   GPUs when there are several (W=2 on the fallback);
 * ``bf16_mixed``: bf16 parameters and all-gather, fp32 reduce, against FSDP2 with the same
@@ -18,7 +18,8 @@ With CUDA: every check on NCCL, one rank per GPU. Without: the same checks on CP
   tiny on the fallback): step time, peak memory (CUDA: ``max_memory_allocated`` and
   ``max_memory_reserved``), page faults, parity;
 * ``triton_kernels``: ``pytest tests -k triton`` compiled for real on CUDA when Triton
-  kernels exist in ``vescale_plugins/kernels/``; skipped (with the reason) otherwise.
+  kernels exist in ``vescale_plugins/optim/kernels/`` and the checkout has its tests;
+  skipped (with the reason) otherwise.
 
 Exit status 0 when no check failed (skipped checks do not fail the run).
 """
@@ -30,21 +31,22 @@ import datetime
 import json
 import os
 import platform
-import queue
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests" / "support"  # models.py, the test suite's decoder
+import vescale_plugins
+from vescale_plugins.tools import parity_model
+from vescale_plugins.tools.launch import launch_ranks
+
+# The checkout this package is in (its tests/ are there when it is one).
+ROOT = Path(vescale_plugins.__file__).resolve().parents[1]
 PARITY_STEPS = 3
 # Adam turns a gradient's rounding difference into an update difference where the gradient
 # is near zero (see tests/support/parity.py); CUDA's atomics (embedding backward) add their
@@ -54,7 +56,7 @@ LOSS_TOL = {"cpu": dict(rtol=2e-5, atol=2e-6), "cuda": dict(rtol=1e-4, atol=1e-5
 BF16_TOL = dict(rtol=2e-2, atol=2e-3)
 
 
-# -- the per-rank body (runs in spawned processes) ---------------------------------------------
+# -- the per-rank body (runs on the launcher's ranks) ------------------------------------------
 
 
 def _max_abs_diff(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
@@ -108,16 +110,20 @@ class _StreamCounter:
             setattr(owner, name, original)
 
 
-def _parity_body(device: torch.device, mesh: Any) -> dict[str, Any]:
+def _parity_rank(kind: str) -> dict[str, Any]:
     """veScale-FSDP vs the unsharded model and vs FSDP2 (fp32), then bf16-mixed vs FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    import models
     from vescale_plugins import fully_shard
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    kind = device.type
+    if kind == "cuda":  # the launcher gave this rank its GPU
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(kind, (dist.get_world_size(),))
+    world = dist.get_world_size()
 
     def shard(model: torch.nn.Module, fn: Callable[..., Any], **kwargs: Any) -> torch.nn.Module:
         for layer in model.layers:
@@ -127,43 +133,24 @@ def _parity_body(device: torch.device, mesh: Any) -> dict[str, Any]:
     def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
 
-    def local(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, targets = models.batch(step, world)
-        rows = slice(rank * 2, (rank + 1) * 2)
-        return tokens[rows].to(device), targets[rows].to(device)
-
     def sharded_step(model: torch.nn.Module, step: int) -> torch.Tensor:
-        tokens, targets = local(step)
-        loss = models.loss_fn(model(tokens), targets)
+        tokens, targets = parity_model.local_batch(step)
+        loss = parity_model.loss_fn(model(tokens.to(device)), targets.to(device))
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
         return total / world
 
-    def reference_step(model: torch.nn.Module, step: int) -> torch.Tensor:
-        tokens, targets = models.batch(step, world)
-        losses, params = [], list(model.parameters())
-        grads: dict[int, torch.Tensor] = {}
-        for r in range(world):
-            rows = slice(r * 2, (r + 1) * 2)
-            loss = models.loss_fn(model(tokens[rows].to(device)), targets[rows].to(device))
-            for i, g in enumerate(torch.autograd.grad(loss, params)):
-                grads[i] = grads[i] + g if i in grads else g
-            losses.append(loss.detach())
-        for i, p in enumerate(params):
-            p.grad = grads[i] / world
-        return torch.stack(losses).sum() / world
-
     out: dict[str, Any] = {"world_size": world}
     started = time.perf_counter()
-    reference = models.make_decoder().to(device)
-    ours = shard(models.clone(reference), fully_shard)
-    theirs = shard(models.clone(reference), torch_fully_shard)
+    reference = parity_model.make_decoder().to(device)
+    ours = shard(parity_model.clone(reference), fully_shard)
+    theirs = shard(parity_model.clone(reference), torch_fully_shard)
     optimizers = [adamw(m) for m in (reference, ours, theirs)]
     loss_diffs = []
     with _StreamCounter() as streams:
         for step in range(PARITY_STEPS):
-            ref_loss = reference_step(reference, step)
+            ref_loss = parity_model.reference_step(reference, step, world)
             loss = sharded_step(ours, step)
             sharded_step(theirs, step)
             torch.testing.assert_close(loss, ref_loss, **LOSS_TOL[kind])
@@ -196,9 +183,9 @@ def _parity_body(device: torch.device, mesh: Any) -> dict[str, Any]:
 
     started = time.perf_counter()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    base = models.make_decoder().to(device)
-    ours = shard(models.clone(base), fully_shard, mp_policy=policy)
-    theirs = shard(models.clone(base), torch_fully_shard, mp_policy=policy)
+    base = parity_model.make_decoder().to(device)
+    ours = shard(parity_model.clone(base), fully_shard, mp_policy=policy)
+    theirs = shard(parity_model.clone(base), torch_fully_shard, mp_policy=policy)
     optimizers = [adamw(m) for m in (ours, theirs)]
     loss_diffs = []
     for step in range(PARITY_STEPS):
@@ -222,60 +209,10 @@ def _parity_body(device: torch.device, mesh: Any) -> dict[str, Any]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, kind: str, results: Any) -> None:
-    sys.path.insert(0, str(TESTS))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    if kind == "cuda":
-        torch.cuda.set_device(rank)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    device = torch.device(kind, rank) if kind == "cuda" else torch.device("cpu")
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
-        backend = "nccl" if kind == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120), device_id=device if kind == "cuda" else None)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(kind, (world,))
-        results.put((rank, True, _parity_body(device, mesh)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_parity(world: int, kind: str, timeout_s: float) -> dict[str, Any]:
-    """The parity body on ``world`` processes; rank 0's figures, or raise with a failure."""
-    context = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    results = context.Queue()
-    processes = [context.Process(target=_rank_main, args=(r, world, store.port, kind, results), daemon=True) for r in range(world)]
-    for p in processes:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(got) < world:
-            try:
-                rank, ok, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"parity on {world} ranks did not finish within {timeout_s:.0f} s")
-                if any(not p.is_alive() for i, p in enumerate(processes) if i not in got):
-                    raise RuntimeError(f"a parity rank died without reporting (exit codes {[p.exitcode for p in processes]})")
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = payload
-    finally:
-        for p in processes:
-            p.join(timeout=10 if len(got) == world else 0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    return got[0]
+    """The parity body on ``world`` ranks; rank 0's figures, or raise with a failure."""
+    backend = "nccl" if kind == "cuda" else "gloo"
+    return launch_ranks(_parity_rank, world, kind, timeout_s=timeout_s, backend=backend, threads=1)[0]
 
 
 # -- subprocess checks -----------------------------------------------------------------------
@@ -309,10 +246,12 @@ def run_bench(args: list[str], timeout_s: float) -> dict[str, Any]:
 
 def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
     """``pytest tests -k triton``, compiled for real on CUDA; a skip when there is nothing to run."""
-    kernels = ROOT / "vescale_plugins" / "kernels"
-    sources = sorted(p.name for p in kernels.glob("*.py") if p.name != "__init__.py") if kernels.is_dir() else []
+    kernels = ROOT / "vescale_plugins" / "optim" / "kernels"
+    sources = sorted(p.name for p in kernels.glob("*triton*.py"))
     if not sources:
-        return {"status": "skipped", "reason": "no Triton kernels in vescale_plugins/kernels/"}
+        return {"status": "skipped", "reason": "no Triton kernels in vescale_plugins/optim/kernels/"}
+    if not (ROOT / "tests").is_dir():
+        return {"status": "skipped", "reason": f"no tests/ beside the package in {ROOT}", "kernels": sources}
     try:
         import triton
     except ImportError:

@@ -1,0 +1,128 @@
+"""What the Trainer's strategy and Fabric's have in common: their configuration, checked when
+they are built, and the processes and device mesh they set up (a mixin placed before
+Lightning's ``ParallelStrategy``, whose abstract members it supplies)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from vescale_plugins import BlockSizeFn
+
+from . import processes
+from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
+from .options import (
+    DeviceMeshRequest,
+    ShardingOptions,
+    StateDictType,
+    WrapPolicy,
+    build_device_mesh,
+    check_device_mesh,
+    check_parallel_sizes,
+    check_state_dict_type,
+    data_parallel_sampler_kwargs,
+)
+
+__all__ = ["VeScaleFSDPCommon"]
+
+
+class VeScaleFSDPCommon:
+    # Each strategy's: its Lightning launcher class, and when its device mesh comes to exist.
+    _launcher_class: type
+    _mesh_exists: str
+    parallel_devices: Optional[list[torch.device]]
+
+    def _configure(
+        self,
+        process_group_backend: Optional[str],
+        timeout: Optional[timedelta],
+        auto_wrap_policy: WrapPolicy,
+        reshard_after_forward: Union[bool, int, None],
+        mp_policy: Optional[MixedPrecisionPolicy],
+        block_size_fn: Optional[BlockSizeFn],
+        state_dict_type: StateDictType,
+        device_mesh: DeviceMeshRequest,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy,
+        find_unused_parameters: bool,
+        data_parallel_size: Union[int, Literal["auto"]],
+        tensor_parallel_size: int,
+    ) -> None:
+        """Check and keep the strategy's arguments. Called first in ``__init__``: a bad
+        configuration fails in ``Trainer(...)`` / ``Fabric(...)``, before any process starts."""
+        self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
+        self._sharding = ShardingOptions.from_arguments(
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
+        )
+        check_state_dict_type(state_dict_type)
+        check_device_mesh(device_mesh)
+        check_parallel_sizes(data_parallel_size, tensor_parallel_size, device_mesh)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._state_dict_type = state_dict_type
+        self._device_mesh_request = device_mesh
+        self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
+        self._device_mesh: Optional[DeviceMesh] = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError(f"the device mesh exists once the processes are {self._mesh_exists}")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is not None:
+            return data_parallel_sampler_kwargs(self._device_mesh)
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            processes.STRATEGY_NAME, cls, description=processes.STRATEGY_DESCRIPTION, override=True
+        )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        # Also when processes are created externally (every rank but 0 under Lightning's own
+        # launcher, all of them under torchrun): the launcher sets each rank's torch threads
+        # (as DDP's does), else ranks > 0 oversubscribe the CPU with the default thread count.
+        self._launcher = self._launcher_class(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        processes.set_world_ranks(
+            self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self.num_nodes
+        )
+
+    def _set_up_processes(self) -> None:
+        """This rank's place in the world, the default process group (unless it exists) and the mesh."""
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = processes.init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
+        )
+        self._device_mesh = build_device_mesh(
+            self._device_mesh_request, self.world_size, self.root_device, *self._parallel_sizes
+        )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        processes.barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return processes.broadcast(obj, src)

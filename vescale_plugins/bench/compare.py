@@ -1,0 +1,144 @@
+"""The side-by-side comparison (the default subcommand, ``make bench``): its arguments, and
+the run and report every model shares (table, verdict, parity line, JSON, plot).
+
+Defaults finish in a few minutes on a 2-core CPU (gloo, 2 ranks) and use every GPU when
+CUDA is available (NCCL, one rank per GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+
+import torch
+
+from vescale_plugins.bench.arguments import count, reshard_choice
+from vescale_plugins.bench.engines import ENGINES, FRONTENDS, BenchSettings
+from vescale_plugins.bench.llama import PRESETS, LlamaConfig
+from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_plot
+from vescale_plugins.bench.runner import launch, settings_dict
+from vescale_plugins.tools.outputs import write_json, write_results
+
+__all__ = ["add_arguments", "add_run_arguments", "bench_settings", "report_comparison", "run"]
+
+
+def _model_name(name: str) -> str:
+    """A preset or a local config directory, checked offline (a typo must not wait on the network)."""
+    if name in PRESETS or os.path.isdir(name):
+        return name
+    if "/" not in name:  # not a Hugging Face hub id either
+        close = difflib.get_close_matches(name, PRESETS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is neither a preset ({', '.join(PRESETS)}){hint} nor a directory with a Hugging Face config.json"
+        )
+    return name
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every comparison takes, whatever the model: ranks, precision, sharding, steps, outputs."""
+    parser.add_argument("--world-size", type=count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
+    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32", help="bf16-mixed: bf16 params and all-gather, fp32 reduce")
+    parser.add_argument("--reshard-after-forward", type=reshard_choice, default=None, metavar="{true,false,default,K}", help="K: keep parameters sharded over groups of K ranks between forward and backward")
+    parser.add_argument("--block-rows", type=count(1), default=None, help="veScale: keep blocks of this many rows whole on one rank")
+    parser.add_argument("--batch-size", type=count(1), default=4)
+    parser.add_argument("--warmup", type=count(0), default=2, help="steps per engine before timing")
+    parser.add_argument("--steps", type=count(1), default=24, help="timed steps per engine (interleaved)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", default="", metavar="PATH", help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before every rank is stopped")
+    parser.add_argument("--json", default="bench_result.json", help="where to write every figure and the environment")
+    parser.add_argument("--plot", default="bench_result.png", help="where to write the plot ('' for none)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=_model_name, default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
+    parser.add_argument("--hsdp", type=count(1), default=1, metavar="R", help="HSDP: R replicas of world/R-rank shard groups (a 2-D mesh, plain front end)")
+    parser.add_argument("--frontend", choices=FRONTENDS, default="plain", help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)")
+    parser.add_argument("--seq-len", type=count(1), default=128)
+    add_run_arguments(parser)
+
+
+def _model_config(name: str) -> LlamaConfig:
+    if name in PRESETS:
+        return PRESETS[name]
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise SystemExit(f"--model {name!r} is not a preset ({', '.join(PRESETS)}) and transformers is not installed")
+    hf = AutoConfig.from_pretrained(name)
+    return LlamaConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=getattr(hf, "num_key_value_heads", hf.num_attention_heads),
+        max_position_embeddings=hf.max_position_embeddings,
+        rope_theta=getattr(hf, "rope_theta", 10000.0),
+        tie_word_embeddings=getattr(hf, "tie_word_embeddings", False),
+    )
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """``--world-size``, or every GPU under CUDA, else 2."""
+    return args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+
+
+def check_reshard_group(reshard: bool | int | None, shard_size: int) -> None:
+    """Refuse ``--reshard-after-forward K`` unless K divides the shard group's ``shard_size`` ranks."""
+    if not isinstance(reshard, bool) and reshard is not None and shard_size % reshard:
+        raise SystemExit(f"--reshard-after-forward {reshard} must divide the shard group's size ({shard_size})")
+
+
+def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
+    """The settings and world size ``add_arguments``' options ask for; ``SystemExit`` naming
+    an option that cannot hold with the others."""
+    world = world_size(args)
+    config = _model_config(args.model)
+    if world % args.hsdp:
+        raise SystemExit(f"--hsdp {args.hsdp} must divide the world size ({world})")
+    if args.hsdp > 1 and args.frontend != "plain":
+        raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
+    check_reshard_group(args.reshard_after_forward, world // args.hsdp)
+    if args.seq_len > config.max_position_embeddings:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    settings = BenchSettings(config, args.batch_size, args.seq_len, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, args.frontend, args.seed, args.hsdp)
+    return settings, world
+
+
+def run(args: argparse.Namespace) -> int:
+    """The Llama-style decoder (a preset or a Hugging Face config), both engines side by side."""
+    settings, world = bench_settings(args)
+    return report_comparison(settings, world, args, label=args.model)
+
+
+def report_comparison(settings: BenchSettings, world: int, args: argparse.Namespace, label: str) -> int:
+    """Run both engines on ``world`` ranks (``add_run_arguments``' steps, record, timeout),
+    print the table, the verdict and the parity line, write the JSON and the plot; 1 if a
+    rank failed (no ratios then)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console()
+    total = len(ENGINES) * (args.warmup + args.steps + 1)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{label} on {world} ranks", total=total)
+        try:
+            results = launch(settings, world, args.warmup, args.steps, args.timeout, lambda _: progress.advance(task), record_steps=2 if args.record else 0)
+        except RuntimeError as error:
+            console.print(f"[red]benchmark failed, no ratios reported:[/red] {error}")
+            return 1
+    summary = summarize(results, tokens_per_step=world * settings.batch_size * settings.seq_len)
+    console.print(render_table(summary))
+    console.print(f"verdict: {summary['verdict']}")
+    console.print(parity_line(summary))
+    if args.record:
+        records = [r.pop("record") for r in results]
+        write_json(args.record, {"ranks": [r["record"] for r in records]})
+        console.print(records[0]["summary"])
+        console.print(f"wrote {args.record}")
+    record = {"settings": settings_dict(settings), "environment": environment(world), "summary": summary, "ranks": results}
+    write_results(console.print, record, args.json, args.plot, lambda path: write_plot(path, summary))
+    return 0
