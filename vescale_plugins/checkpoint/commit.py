@@ -24,8 +24,9 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 

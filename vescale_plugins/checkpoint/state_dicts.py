@@ -41,7 +41,12 @@ __all__ = [
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
 
-def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+def save_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a DCP directory: the model's (and optimizer's) shards plus ``extra`` picklable state.
 
     Collective. Committed atomically: a previous checkpoint at ``path`` is replaced only once
@@ -51,7 +56,12 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
         write_sharded(staging, model, optimizer, extra)
 
 
-def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+def write_sharded(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """The DCP files of :func:`save_sharded`, written in place into ``directory`` (no commit)."""
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     if optimizer is not None:
@@ -60,7 +70,12 @@ def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: tor
     dcp.save(state, checkpoint_id=str(directory))
 
 
-def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load a DCP directory into ``model`` (and ``optimizer``), at any world size.
 
     ``extra`` gives the other entries to read (their current values are the templates);
@@ -100,7 +115,9 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
     """Load a full optimizer state dict (as saved by :func:`full_optimizer_state_dict`)."""
     set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
 

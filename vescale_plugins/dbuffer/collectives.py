@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,9 @@ def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
 class PointToPointWork:
     """The sends and receives of one collective; ``wait()`` completes them, then ``finish``."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None, keep_alive: tuple = ()) -> None:
+    def __init__(
+        self, works: list[dist.Work], finish: Callable[[], None] | None = None, keep_alive: tuple = ()
+    ) -> None:
         self._works, self._finish = works, finish
         self._keep_alive = keep_alive  # tensors a pending send still reads
 
@@ -107,7 +110,9 @@ def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     return rank, tuple((r, dist.get_global_rank(group, r)) for r in range(world) if r != rank)
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | PointToPointWork | None:
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | PointToPointWork | None:
     """``output[r * n:(r + 1) * n]`` = rank r's ``shard`` on every rank (``n = shard.numel()``)."""
     if not uses_point_to_point(group, output.device):
         return _all_gather_single(output, shard, group=group, async_op=async_op)
@@ -126,7 +131,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     return work
 
 
-def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | PointToPointWork | None:
+def reduce_scatter_into(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | PointToPointWork | None:
     """``output`` = the sum over ranks of their ``full[rank * n:(rank + 1) * n]`` (``n = output.numel()``).
 
     The first peer's chunk is received straight into ``output``; the others (W > 2) into one
@@ -142,7 +149,9 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
         staging = out.new_empty((len(peers) - 1, n))
         targets = [out, *staging.unbind(0)]
         works = [dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG) for r, dst in peers]
-        works += [dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG) for target, (_, src) in zip(targets, peers)]
+        works += [
+            dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG) for target, (_, src) in zip(targets, peers)
+        ]
 
     def add_the_rest() -> None:
         with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter_sum"):

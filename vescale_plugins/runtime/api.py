@@ -8,7 +8,8 @@ input leaves the module as it was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, overload
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,8 +56,14 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     unit = plan_unit_setup(
-        modules, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn,
-        offload_policy=offload_policy, ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims, block_size_fn=block_size_fn,
+        modules,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+        block_size_fn=block_size_fn,
     )
     group = FSDPParamGroup(modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost)
     record_sharded(modules, unit.params)

@@ -29,7 +29,7 @@ class UnitMesh:
     replicate_group: dist.ProcessGroup | None
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> "UnitMesh":
+    def of(cls, mesh: DeviceMesh) -> UnitMesh:
         shard_dim = mesh.ndim - 1
         return cls(
             mesh,

@@ -3,7 +3,8 @@ manages, and the class each managed module becomes (``FSDP<Name>``'s counterpart
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -11,7 +12,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from vescale_plugins.runtime.param_group import FSDPParamGroup
-from vescale_plugins.runtime.setup import check_reshard_after_forward, normalise_reshard_after_forward, refuse_with_parameter_meshes
+from vescale_plugins.runtime.setup import (
+    check_reshard_after_forward,
+    normalise_reshard_after_forward,
+    refuse_with_parameter_meshes,
+)
 from vescale_plugins.runtime.state import groups_under
 
 __all__ = ["UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
@@ -189,12 +194,12 @@ class VeScaleFSDPModule(FSDPModule):
                 refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward, None)
             unit.reshard_after_forward = normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
-    def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[VeScaleFSDPModule]) -> None:
         """Start these units' all-gathers when this unit's forward starts (default: the unit
         that ran after it in the previous forward; ``[]`` for none)."""
         self._vescale_fsdp_unit.forward_prefetch = [group_of(m) for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[VeScaleFSDPModule]) -> None:
         """Start these units' all-gathers during this unit's backward, once its first gradient
         has landed (default: the unit that ran before it in forward)."""
         self._vescale_fsdp_unit.backward_prefetch = [group_of(m) for m in modules]
@@ -261,7 +266,9 @@ _CLASS_CACHE: dict[type, type] = {}
 
 def fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
+        _CLASS_CACHE[cls] = type(
+            f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy}
+        )
     return _CLASS_CACHE[cls]
 
 

@@ -10,8 +10,9 @@ arrive on the unsharded face and leave as a view of the sharded gradient buffer.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,7 @@ class ShardedBuffer:
 
     dbuffer: DBuffer
     mesh: UnitMesh
-    params: list["FSDPParam"]
+    params: list[FSDPParam]
 
 
 class FSDPParam:
@@ -51,8 +52,13 @@ class FSDPParam:
     """
 
     def __init__(
-        self, fqn: str, owners: tuple[tuple[nn.Module, str], ...], buffer: ShardedBuffer, slot: int,
-        original: nn.Parameter, parallel: ParallelSpec | None,
+        self,
+        fqn: str,
+        owners: tuple[tuple[nn.Module, str], ...],
+        buffer: ShardedBuffer,
+        slot: int,
+        original: nn.Parameter,
+        parallel: ParallelSpec | None,
     ) -> None:
         self.fqn, self.owners, self.buffer, self.slot, self.parallel = fqn, owners, buffer, slot, parallel
         # Weakly: a module outside the unit still holding it (a tied weight) is a parameter
@@ -94,9 +100,17 @@ class FSDPParam:
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
         if self.parallel is not None:
             ragged = self.placements()[-1]
-            dtensor = make_dtensor(local, self.parallel.sharded_mesh, self.parallel.sharded_placements(ragged), self.parallel.shape, self.parallel.stride)
+            dtensor = make_dtensor(
+                local,
+                self.parallel.sharded_mesh,
+                self.parallel.sharded_placements(ragged),
+                self.parallel.shape,
+                self.parallel.stride,
+            )
         else:
-            dtensor = make_dtensor(local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape))
+            dtensor = make_dtensor(
+                local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape)
+            )
         sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         _BY_SHARDED[id(sharded)] = self
         return sharded
@@ -106,7 +120,10 @@ class FSDPParam:
         a DTensor's device is fixed)."""
         old = self.sharded
         local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=device)
-        self.sharded = nn.Parameter(make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+        self.sharded = nn.Parameter(
+            make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()),
+            requires_grad=old.requires_grad,
+        )
         _BY_SHARDED[id(self.sharded)] = self
         self.register(self.sharded)
 
@@ -131,7 +148,11 @@ class FSDPParam:
         parameter's mesh (a sharded state dict)."""
         if isinstance(value, DTensor):
             same = value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh
-            return value.to_local() if same else value.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+            return (
+                value.to_local()
+                if same
+                else value.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+            )
         full = value.detach() if self.parallel is None else self.parallel.local_part(value.detach()).contiguous()
         start = self.slice_start()
         return full.reshape(-1)[start : start + self.dbuffer.slots[self.slot].local_length]
@@ -208,7 +229,7 @@ class FSDPParam:
 # parameter views. Not a weak reference to the parameter (``module._apply`` swaps a DTensor
 # parameter's contents in place, which torch refuses for a weakly referenced tensor); the
 # lookup checks identity, so a reused id never answers.
-_BY_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_BY_SHARDED: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
 
 
 def fsdp_param_of(param: torch.Tensor) -> FSDPParam | None:
@@ -229,10 +250,12 @@ def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
 # init followed by ``module.w = nn.Parameter(t)``, ``load_state_dict(assign=True)``) lands
 # in the unit's DBuffer instead of silently replacing the sharded parameter (FSDP2 adopts such
 # assignments too).
-_MANAGED_SLOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPParamGroup, FSDPParam]]]" = weakref.WeakKeyDictionary()
+_MANAGED_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPParamGroup, FSDPParam]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def track_slots(group: "FSDPParamGroup", fsdp_params: list[FSDPParam]) -> None:
+def track_slots(group: FSDPParamGroup, fsdp_params: list[FSDPParam]) -> None:
     for fsdp_param in fsdp_params:
         for module, name in fsdp_param.owners:
             _MANAGED_SLOTS.setdefault(module, {})[name] = (group, fsdp_param)

@@ -101,7 +101,9 @@ class ParallelSpec:
         return other_dims_slice(full, self.unsharded_placements, self.unsharded_mesh)
 
 
-def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> tuple[DeviceMesh, SpmdMesh]:
+def resolve_dp_mesh_dims(
+    mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any
+) -> tuple[DeviceMesh, SpmdMesh]:
     """FSDP2's validation of ``dp_mesh_dims``, with its errors; returns the data-parallel
     (shard) mesh and the full mesh. Flattening several dims and replicate dims (HSDP/DDP on
     an SPMD mesh) are refused."""
@@ -172,7 +174,9 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
         )
     _check_placements(fqn, param)
     template = tuple(None if j == spmd.shard_dim else p for j, p in enumerate(param.placements))
-    return ParallelSpec(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,))
+    return ParallelSpec(
+        spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,)
+    )
 
 
 def _check_placements(fqn: str, param: DTensor) -> None:

@@ -118,7 +118,9 @@ def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = 
     # The unsigned map's thresholds are all positive: negative floats' buckets hold none, so
     # their position never matters and the plain low bits do.
     position = _position(bits) if signed else bits & _LOW
-    codes = _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
+    codes = (
+        _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
+    )
     if out is None:
         return codes.to(torch.uint8).view(normalized.shape)
     out.copy_(codes.view(out.shape))

@@ -79,8 +79,14 @@ from vescale_plugins.ragged.dtensor.random_init import (
 from vescale_plugins.ragged.dtensor.redistribute import redistribute_local_tensor
 from vescale_plugins.ragged.dtensor.specs import ORIGINAL, aten, other_dims_slice
 
-__all__ = ["install", "make_dtensor", "set_local_tensor", "concatenate_meshes", "every_copy_of_mesh", "other_dims_slice"]
-
+__all__ = [
+    "install",
+    "make_dtensor",
+    "set_local_tensor",
+    "concatenate_meshes",
+    "every_copy_of_mesh",
+    "other_dims_slice",
+]
 
 
 def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionType:
@@ -92,7 +98,9 @@ def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionT
     is changed instead: its code becomes a call to ``replacement``, and ``replacement``
     calls the returned copy for what it leaves to torch. Import order no longer matters.
     """
-    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__)
+    copy = types.FunctionType(
+        original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__
+    )
     copy.__kwdefaults__ = original.__kwdefaults__
     copy.__qualname__, copy.__doc__, copy.__module__ = original.__qualname__, original.__doc__, original.__module__
     copy.__dict__.update(original.__dict__)
@@ -126,7 +134,9 @@ def install() -> None:
     )
     # Module-level functions (and from_local, a staticmethod) are redirected in place, so
     # references taken before this import reach our code too.
-    ORIGINAL["redistribute_local_tensor"] = _redirect(dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor)
+    ORIGINAL["redistribute_local_tensor"] = _redirect(
+        dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor
+    )
     ORIGINAL["distribute_tensor"] = _redirect(dtensor_api.distribute_tensor, distribute_tensor)
     ORIGINAL["compute_local_shape_and_global_offset"] = _redirect(
         dtensor_utils.compute_local_shape_and_global_offset, compute_local_shape_and_global_offset

@@ -75,5 +75,3 @@ def get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
         if torch.Size(offsets) == index.offset:
             return flat[start : start + math.prod(sizes)].view(sizes)
     raise ValueError(f"{index.fqn}: no local ragged chunk at offset {tuple(index.offset)}")
-
-

@@ -29,7 +29,6 @@ def norm_partial(norm_type: float) -> Placement:
     return _NormPartial(norm_type)
 
 
-
 def _local_vector_norm(local: torch.Tensor, ord: float, dtype: torch.dtype | None) -> torch.Tensor:
     if local.numel() == 0:
         identity = math.inf if ord == -math.inf else 0.0
@@ -75,7 +74,9 @@ def foreach_norm_handler(op: Any, args: tuple, kwargs: dict) -> Any:
         check_spec(t.placements, t.device_mesh, t.shape)
         out = _local_vector_norm(t._local_tensor, ord, dtype)
         spec = _ragged_norm_spec(t._spec, ord, out)
-        results.append(DTensor(out, spec, requires_grad=False) if spec is not None else torch.linalg.vector_norm(t.full_tensor(), ord, dtype=dtype))
+        results.append(
+            DTensor(out, spec, requires_grad=False)
+            if spec is not None
+            else torch.linalg.vector_norm(t.full_tensor(), ord, dtype=dtype)
+        )
     return results
-
-

@@ -60,7 +60,11 @@ def random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
         return target
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
-    local.copy_(target.placements[i].split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
+    local.copy_(
+        target.placements[i].split_full(
+            other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank
+        )
+    )
     return target
 
 
@@ -79,5 +83,3 @@ def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int,
         if low < high:
             out[low - start : high - start].copy_(drawn[low - position : high - position])
         position += size
-
-

@@ -30,7 +30,9 @@ def _partial_kind(p: Partial) -> str:
     return p.reduce_op
 
 
-def _reduce_scatter_into_ragged(local: torch.Tensor, src: Partial, dst: RaggedShard, mesh: DeviceMesh, i: int) -> torch.Tensor:
+def _reduce_scatter_into_ragged(
+    local: torch.Tensor, src: Partial, dst: RaggedShard, mesh: DeviceMesh, i: int
+) -> torch.Tensor:
     layout = dst.layout(local.shape)
     group = mesh.get_group(i)
     if isinstance(src, _NormPartial):
@@ -39,7 +41,9 @@ def _reduce_scatter_into_ragged(local: torch.Tensor, src: Partial, dst: RaggedSh
     return rc.reduce_scatter_ragged(local, layout, group, src.reduce_op)
 
 
-def _ragged_to_partial(local: torch.Tensor, src: RaggedShard, dst: Partial, shape: torch.Size, mesh: DeviceMesh, i: int) -> torch.Tensor:
+def _ragged_to_partial(
+    local: torch.Tensor, src: RaggedShard, dst: Partial, shape: torch.Size, mesh: DeviceMesh, i: int
+) -> torch.Tensor:
     kind = _partial_kind(dst)
     if kind not in ("sum", "avg"):
         raise NotImplementedError(f"redistribute from {src} to {dst} is not supported")
@@ -58,7 +62,9 @@ def _to_full(local: torch.Tensor, src: Placement, shape: torch.Size, mesh: Devic
     return local
 
 
-def _transform_mesh_dim(local: torch.Tensor, src: Placement, dst: Placement, shape: torch.Size, mesh: DeviceMesh, i: int) -> torch.Tensor:
+def _transform_mesh_dim(
+    local: torch.Tensor, src: Placement, dst: Placement, shape: torch.Size, mesh: DeviceMesh, i: int
+) -> torch.Tensor:
     """Move ``local`` from ``src`` to ``dst`` on one mesh dim; the other dims are elementwise."""
     if src == dst or mesh.size(i) == 1 and not (isinstance(src, RaggedShard) or isinstance(dst, RaggedShard)):
         return local
@@ -84,7 +90,9 @@ def _transform_mesh_dim(local: torch.Tensor, src: Placement, dst: Placement, sha
     raise NotImplementedError(f"redistribute from {src} to {dst} alongside a RaggedShard is not supported")
 
 
-def _redistribute_composed(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _redistribute_composed(
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """Redistribute where a RaggedShard sits next to Shards on other mesh dims.
 
     The same other-dim placements with another ragged layout: one all-to-all in the ragged
@@ -93,8 +101,10 @@ def _redistribute_composed(local: torch.Tensor, current: DTensorSpec, target: DT
     """
     shape = current.shape
     i, j = ragged_mesh_dim(current), ragged_mesh_dim(target)
-    others_same = current.mesh == target.mesh and i == j and all(
-        a == b for k, (a, b) in enumerate(zip(current.placements, target.placements)) if k != i
+    others_same = (
+        current.mesh == target.mesh
+        and i == j
+        and all(a == b for k, (a, b) in enumerate(zip(current.placements, target.placements)) if k != i)
     )
     if others_same:
         inner = other_dims_local_shape(current.placements, current.mesh, shape)
@@ -104,7 +114,11 @@ def _redistribute_composed(local: torch.Tensor, current: DTensorSpec, target: DT
         inner = other_dims_local_shape(current.placements, current.mesh, shape)
         local = rc.gather_ragged(local, current.placements[i].layout(inner), current.mesh.get_group(i))
         current = with_placements(current, [Replicate() if k == i else p for k, p in enumerate(current.placements)])
-    middle = target if j is None else with_placements(target, [Replicate() if k == j else p for k, p in enumerate(target.placements)])
+    middle = (
+        target
+        if j is None
+        else with_placements(target, [Replicate() if k == j else p for k, p in enumerate(target.placements)])
+    )
     if current.placements != middle.placements or current.mesh != middle.mesh:
         local = ORIGINAL["redistribute_local_tensor"](local.contiguous(), current, middle, *args, **kwargs)
     if j is not None:
@@ -112,7 +126,9 @@ def _redistribute_composed(local: torch.Tensor, current: DTensorSpec, target: DT
     return local
 
 
-def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _redistribute_ragged(
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     shape = current.shape
     check_spec(current.placements, current.mesh, shape)
     check_spec(target.placements, target.mesh, shape)
@@ -122,15 +138,19 @@ def _redistribute_ragged(local: torch.Tensor, current: DTensorSpec, target: DTen
         return _redistribute_composed(local, current, target, *args, **kwargs)
     # Reduce Partial dims first (elementwise on whatever the local tensor is), then move the
     # ragged dim, then create any new Partial dims: every step sees a well-defined value.
-    order = sorted(range(current.mesh.ndim), key=lambda i: (not current.placements[i].is_partial(), target.placements[i].is_partial()))
+    order = sorted(
+        range(current.mesh.ndim),
+        key=lambda i: (not current.placements[i].is_partial(), target.placements[i].is_partial()),
+    )
     for i in order:
         local = _transform_mesh_dim(local, current.placements[i], target.placements[i], shape, current.mesh, i)
     return local
 
 
-def redistribute_local_tensor(local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+def redistribute_local_tensor(
+    local_tensor: torch.Tensor, current_spec: DTensorSpec, target_spec: DTensorSpec, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """Drop-in for torch's ``redistribute_local_tensor`` that handles RaggedShard specs."""
     if has_ragged(current_spec.placements) or has_ragged(target_spec.placements):
         return _redistribute_ragged(local_tensor, current_spec, target_spec, *args, **kwargs)
     return ORIGINAL["redistribute_local_tensor"](local_tensor, current_spec, target_spec, *args, **kwargs)
-

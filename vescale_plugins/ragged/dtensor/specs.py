@@ -3,7 +3,8 @@ the checks and arithmetic of RaggedShard specs next to other placements (TP/EP s
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -64,14 +65,17 @@ def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape:
         if j == i or not p.is_shard():
             continue
         if type(p) is not Shard:
-            raise NotImplementedError(f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate")
+            raise NotImplementedError(
+                f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate"
+            )
         if j > i and p.dim % len(shape) < len(ragged.dims):
             split_factor *= mesh.size(j)
     strided = getattr(ragged, "split_factor", 1)
     if strided != split_factor:
         fix = (
             f"StridedRaggedShard({ragged.dims}, {ragged.local_units}, split_factor={split_factor})"
-            if split_factor > 1 else f"RaggedShard({ragged.dims}, {ragged.local_units})"
+            if split_factor > 1
+            else f"RaggedShard({ragged.dims}, {ragged.local_units})"
         )
         raise ValueError(
             f"placements {tuple(placements)}: the RaggedShard cuts each rank's local tensor of the "
@@ -79,7 +83,9 @@ def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape:
         )
 
 
-def other_dims_box(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def other_dims_box(
+    placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and global offsets of this rank's local tensor under the placements other than
     the RaggedShard (torch's own chunking, uneven included): the tensor the RaggedShard cuts."""
     others = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
@@ -102,15 +108,12 @@ def other_dims_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: 
     return full
 
 
-
 def spec_like(ref: DTensorSpec, meta: TensorMeta) -> DTensorSpec:
     return DTensorSpec(ref.mesh, ref.placements, tensor_meta=meta)
 
 
 def with_placements(spec: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
-
-
 
 
 def call_torch_default(op: Any, args: Any, kwargs: Any) -> Any:
@@ -123,8 +126,5 @@ def call_torch_default(op: Any, args: Any, kwargs: Any) -> Any:
         handlers[op] = ours
 
 
-
-
 def shift_offsets(offsets: Sequence[int], by: Sequence[int]) -> tuple[int, ...]:
     return tuple(o + b for o, b in zip(offsets, by))
-
