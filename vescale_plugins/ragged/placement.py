@@ -105,7 +105,10 @@ class StridedRaggedShard(RaggedShard):
         self.split_factor = split_factor
 
     def __eq__(self, other: object) -> bool:
-        return super().__eq__(other) and self.split_factor == other.split_factor  # type: ignore[attr-defined]
+        # super() already requires type(other) is type(self); the isinstance narrows it for mypy.
+        return (
+            isinstance(other, StridedRaggedShard) and super().__eq__(other) and self.split_factor == other.split_factor
+        )
 
     def __hash__(self) -> int:
         return hash((StridedRaggedShard, self.dims, self.local_units, self.split_factor))

@@ -18,11 +18,10 @@ from vescale_plugins.ragged.dtensor.specs import (
     other_dims_box,
     other_dims_local_shape,
     other_dims_slice,
-    ragged_mesh_dim,
+    ragged_placement,
     shift_offsets,
 )
 from vescale_plugins.ragged.layout import flat_interval_boxes
-from vescale_plugins.ragged.placement import RaggedShard
 
 
 def distribute_tensor(
@@ -48,10 +47,8 @@ def distribute_tensor(
     if src_data_rank is not None and mesh._is_current_rank_part_of_mesh():
         for i in range(mesh.ndim):
             torch.distributed.broadcast(full, group_src=src_data_rank, group=mesh.get_group(i))
-    i = ragged_mesh_dim(DTensorSpec(mesh, placements))
-    local = (
-        placements[i].split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
-    )
+    i, ragged = ragged_placement(placements)
+    local = ragged.split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
@@ -77,13 +74,13 @@ def from_local(
         if mesh is None:
             raise ValueError("DTensor.from_local with a RaggedShard placement needs an explicit device_mesh")
         check_spec(tuple(placements), mesh, shape)
-        i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+        i, ragged = ragged_placement(placements)
         inner = other_dims_local_shape(placements, mesh, shape)
-        expected = placements[i].layout(inner).slices[mesh.get_local_rank(i)].local_shape
+        expected = ragged.layout(inner).slices[mesh.get_local_rank(i)].local_shape
         if tuple(local_tensor.shape) != tuple(expected):
             raise ValueError(
                 f"DTensor.from_local: local tensor of shape {tuple(local_tensor.shape)} on mesh rank "
-                f"{mesh.get_local_rank(i)}, but {placements[i]!r} of global shape {tuple(shape)} puts "
+                f"{mesh.get_local_rank(i)}, but {ragged!r} of global shape {tuple(shape)} puts "
                 f"a local tensor of shape {tuple(expected)} there"
             )
     return ORIGINAL["from_local"](
@@ -102,16 +99,16 @@ def compute_local_shape_and_global_offset(
     if not has_ragged(placements):
         return ORIGINAL["compute_local_shape_and_global_offset"](global_shape, mesh, placements, skip_offset)
     check_spec(tuple(placements), mesh, global_shape)
-    i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+    i, ragged = ragged_placement(placements)
     inner, inner_offsets = other_dims_box(placements, mesh, global_shape)
-    rank_slice = placements[i].layout(inner).slices[mesh.get_local_rank(i)]
+    rank_slice = ragged.layout(inner).slices[mesh.get_local_rank(i)]
     boxes = [
         (shift_offsets(o, inner_offsets), s)
         for o, s in flat_interval_boxes(inner, rank_slice.offset, rank_slice.length)
     ]
     if len(boxes) > 1:
         raise ValueError(
-            f"{placements[i]!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
+            f"{ragged!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
             "not one; use a row-wise RaggedShard (dims=(0,)) where a single local box is required"
         )
     if not boxes:

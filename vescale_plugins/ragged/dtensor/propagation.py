@@ -5,7 +5,7 @@ once per layout."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
@@ -116,6 +116,7 @@ def _layout_preserving_rule(schema: OpSchema, out_meta: Any) -> OutputSharding |
     needs = new_args != tuple(schema.args_schema) or new_kwargs != dict(schema.kwargs_schema)
     redistribute_schema = OpSchema(schema.op, new_args, new_kwargs, schema.schema_info) if needs else None
 
+    output_spec: DTensorSpec | tuple[DTensorSpec | None, ...] | None
     if out_meta is None:
         output_spec = None
     elif isinstance(out_meta, TensorMeta):
@@ -133,7 +134,10 @@ def _full_reduction_rule(schema: OpSchema, out_meta: Any) -> OutputSharding | No
     if kind is None or not isinstance(schema.args_schema[0], DTensorSpec):
         return None
     spec = schema.args_schema[0]
-    dims = schema.args_schema[1] if len(schema.args_schema) > 1 else schema.kwargs_schema.get("dim")
+    # aten.sum's dim is ``int[1]?``: a list of dims or None.
+    dims = cast(
+        "list[int] | None", schema.args_schema[1] if len(schema.args_schema) > 1 else schema.kwargs_schema.get("dim")
+    )
     if dims not in (None, []) and sorted(d % max(spec.ndim, 1) for d in dims) != list(range(spec.ndim)):
         return None
     if any(p.is_partial() for p in spec.placements):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Placement, Replicate
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
@@ -19,6 +19,7 @@ from vescale_plugins.ragged.dtensor.specs import (
     has_ragged,
     other_dims_local_shape,
     ragged_mesh_dim,
+    ragged_placement,
     with_placements,
 )
 from vescale_plugins.ragged.placement import RaggedShard
@@ -56,8 +57,10 @@ def _to_full(local: torch.Tensor, src: Placement, shape: torch.Size, mesh: Devic
     if isinstance(src, RaggedShard):
         return rc.gather_ragged(local, src.layout(shape), mesh.get_group(i))
     if src.is_shard():
+        assert isinstance(src, Shard)  # check_spec allows only Shard itself next to a RaggedShard
         return rc.gather_shard_dim(local, shape, src.dim, mesh.get_group(i))
     if src.is_partial():
+        assert isinstance(src, Partial)
         return src._reduce_value(local, mesh, i)
     return local
 
@@ -73,19 +76,24 @@ def _transform_mesh_dim(
         if isinstance(src, RaggedShard):
             return rc.reshard_ragged(local, src.layout(shape), dst.layout(shape), mesh.get_group(i))
         if src.is_partial():
+            assert isinstance(src, Partial)
             return _reduce_scatter_into_ragged(local, src, dst, mesh, i)
         full = _to_full(local, src, shape, mesh, i)
         return dst.split_full(full.contiguous(), rank).clone()
     if isinstance(src, RaggedShard):
         if dst.is_partial():
+            assert isinstance(dst, Partial)
             return _ragged_to_partial(local, src, dst, shape, mesh, i)
         full = _to_full(local, src, shape, mesh, i)
         if dst.is_shard():
+            assert isinstance(dst, Shard)  # check_spec allows only Shard itself next to a RaggedShard
             return rc.split_shard_dim(full, dst.dim, rank, mesh.size(i))
         return full
     if dst.is_replicate() and src.is_partial():
+        assert isinstance(src, Partial)
         return src._reduce_value(local, mesh, i)
     if dst.is_partial() and src.is_replicate():
+        assert isinstance(dst, Partial)
         return dst._partition_value(local, mesh, i)
     raise NotImplementedError(f"redistribute from {src} to {dst} alongside a RaggedShard is not supported")
 
@@ -107,12 +115,14 @@ def _redistribute_composed(
         and all(a == b for k, (a, b) in enumerate(zip(current.placements, target.placements)) if k != i)
     )
     if others_same:
+        # i == j: both specs hold their RaggedShard on the same mesh dim.
+        (i, src), (_, dst) = ragged_placement(current.placements), ragged_placement(target.placements)
         inner = other_dims_local_shape(current.placements, current.mesh, shape)
-        src, dst = current.placements[i], target.placements[i]
         return rc.reshard_ragged(local, src.layout(inner), dst.layout(inner), current.mesh.get_group(i))
     if i is not None:
+        _, src = ragged_placement(current.placements)
         inner = other_dims_local_shape(current.placements, current.mesh, shape)
-        local = rc.gather_ragged(local, current.placements[i].layout(inner), current.mesh.get_group(i))
+        local = rc.gather_ragged(local, src.layout(inner), current.mesh.get_group(i))
         current = with_placements(current, [Replicate() if k == i else p for k, p in enumerate(current.placements)])
     middle = (
         target
@@ -122,7 +132,8 @@ def _redistribute_composed(
     if current.placements != middle.placements or current.mesh != middle.mesh:
         local = ORIGINAL["redistribute_local_tensor"](local.contiguous(), current, middle, *args, **kwargs)
     if j is not None:
-        local = target.placements[j].split_full(local.contiguous(), target.mesh.get_local_rank(j)).clone()
+        _, dst = ragged_placement(target.placements)
+        local = dst.split_full(local.contiguous(), target.mesh.get_local_rank(j)).clone()
     return local
 
 

@@ -29,6 +29,15 @@ def ragged_mesh_dim(spec: DTensorSpec) -> int | None:
     return None
 
 
+def ragged_placement(placements: Sequence[Placement]) -> tuple[int, RaggedShard]:
+    """The mesh dim of the (first) RaggedShard in ``placements`` and that placement, for
+    placements known to hold one (callers have checked :func:`has_ragged`)."""
+    for i, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            return i, p
+    raise ValueError(f"placements {tuple(placements)} hold no RaggedShard")
+
+
 def check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> None:
     """Validate ragged placements against a mesh and shape; raise before any collective."""
     ragged_dims = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
@@ -38,10 +47,9 @@ def check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequenc
         )
     if not ragged_dims:
         return
-    i = ragged_dims[0]
-    placement = placements[i]
+    i, placement = ragged_placement(placements)
     placement.check_mesh_dim_size(mesh.size(i), shape)
-    _check_composition(placements, mesh, shape, i)
+    _check_composition(placements, mesh, shape, i, placement)
     placement.layout(other_dims_local_shape(placements, mesh, shape))
 
 
@@ -55,11 +63,12 @@ def has_other_shards(placements: Sequence[Placement]) -> bool:
     return any(p.is_shard() and not isinstance(p, RaggedShard) for p in placements)
 
 
-def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int) -> None:
+def _check_composition(
+    placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int, ragged: RaggedShard
+) -> None:
     """Plain ``Shard``/``Replicate`` on the other mesh dims; a later Shard that splits the
     ragged rows asks for ``StridedRaggedShard`` with its split factor (the layout names its
     order). Uneven Shards are fine: each rank's ragged layout is of its own local shape."""
-    ragged = placements[i]
     split_factor = 1
     for j, p in enumerate(placements):
         if j == i or not p.is_shard():
