@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 __all__ = ["Layout", "check_plan_inputs", "effective_block_sizes"]
 
@@ -50,7 +51,7 @@ def effective_block_sizes(numels: Sequence[int], block_sizes: Sequence[int]) -> 
     return tuple(min(numel, block) for numel, block in zip(numels, block_sizes))
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # bool is an int subclass; True as a numel is a bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool)
 

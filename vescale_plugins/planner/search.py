@@ -164,6 +164,7 @@ def _try(strategies: Sequence[Strategy], shard: int, world_size: int) -> Placeme
             return placement
         if best is None or placement.end < best.end:
             best = placement
+    assert best is not None  # there is always a heuristic strategy
     return best
 
 
@@ -187,7 +188,9 @@ def _search(
     if best is not None and best[0] == lower:
         return best
     failed, found = _ascend(heuristics, admissible, lower, world_size, ceiling=None if best is None else best[0])
-    shard, offsets = _refine(heuristics, admissible, failed, found or best, world_size, heavy, lower)
+    feasible = found or best
+    assert feasible is not None  # with no ceiling, the climb goes on until a size fits
+    shard, offsets = _refine(heuristics, admissible, failed, feasible, world_size, heavy, lower)
     if exact is not None and (shard - lower) * _EXACT_ABOVE_GAP > lower:
         everything = [*heuristics, exact]
         placement = _try(everything, lower, world_size)

@@ -383,6 +383,7 @@ def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[t
     """
     tiny = smallest_tensors(numels, TINY_FRACTION)
     rest = [i for i in range(len(numels)) if i not in tiny]
+    atoms: list[tuple[int, ...]]
     if len(rest) <= MAX_ATOMS - (1 if tiny else 0):
         atoms = [(i,) for i in rest]
     else:
@@ -429,6 +430,7 @@ def _best_partition(full: int, parts: int, padding: Callable[[int], int]) -> tup
             remainder = mask ^ chosen
             if remainder and remainder.bit_count() >= count - 1:
                 tail = solve(count - 1, remainder)
+                assert tail is not None  # count - 1 or more atoms split into count - 1 parts
                 total = padding(chosen) + tail[0]
                 if best is None or total < best[0]:
                     best = (total, (chosen, *tail[1]))
@@ -438,5 +440,7 @@ def _best_partition(full: int, parts: int, padding: Callable[[int], int]) -> tup
         memo[key] = best
         return best
 
-    total, masks = solve(parts, full)
+    solved = solve(parts, full)
+    assert solved is not None  # callers ask for at most one part per atom
+    total, masks = solved
     return total, list(masks)

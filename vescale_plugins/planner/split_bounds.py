@@ -195,15 +195,15 @@ class UnitKinds:
             choices.append(choice)
         results = []
         for budget in range(1, max_buffers + 1):
-            parts, v = [], full
+            partition, v = [], full
             for choice in reversed(choices[: budget - 1]):
                 u = choice[v]
                 if u:
-                    parts.append(vectors[u])
+                    partition.append(vectors[u])
                 v -= u
             if v:
-                parts.append(vectors[v])
-            results.append((levels[budget - 1][full], parts))
+                partition.append(vectors[v])
+            results.append((levels[budget - 1][full], partition))
         return results
 
     def capacity(self, max_buffers: int) -> int:
@@ -218,6 +218,7 @@ class UnitKinds:
                     max(self.blocks[k] for k in support)
                 )
             least = needed if least is None else min(least, needed)
+        assert least is not None  # there is always at least one partition
         return max(least, payload) - sum(c * n for c, n in zip(self.counts, self.numels))
 
 

@@ -72,6 +72,7 @@ def spill_partitions(
             found = search.spill(start, budget)
             if best is None or found[0] < best[0]:
                 best = found
+        assert best is not None  # class_partitions gives at least one start
         tiny_elements = sum(numels[i] for i in tiny)
         results.append((max(0, best[0] - tiny_elements), problem.indices(numels, block_sizes, tiny, best[1])))
     return tuple(sorted(tiny)), results
