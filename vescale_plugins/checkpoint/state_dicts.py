@@ -12,7 +12,7 @@ leaves the previous checkpoint loadable and is itself never loaded.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    ValueType,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -99,7 +100,8 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Plain full tensors on CPU, on rank 0 (empty elsewhere): what an unsharded model loads."""
-    return get_model_state_dict(model, options=_FULL)
+    # A model's full state dict holds only tensors (torch types it as any state-dict value).
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=_FULL))
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -112,7 +114,9 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
     Every rank passes the full state dict; each keeps its own shards.
     """
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+    # torch takes a dict (invariant in its values) of any state-dict value; tensors are one.
+    state = cast("dict[str, ValueType]", state_dict)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def load_full_optimizer_state_dict(

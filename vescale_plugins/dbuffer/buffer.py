@@ -230,6 +230,7 @@ class DBuffer:
             version = unsharded._version
             group = self._post_forward_group
             if group is not None:
+                assert self._post_forward is not None  # reshard_to_group set both
                 shard = self._post_forward.tensor  # gathered back within the k ranks only
             else:
                 group = self.group
@@ -351,8 +352,8 @@ class DBuffer:
                     None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
                 )
             sharded_grad = self._sharded_grad_for_reduce()
-            out = sharded_grad if in_place else temporary_out
-            temp_bytes = 0 if in_place else out.numel() * out.element_size()
+            out = sharded_grad if temporary_out is None else temporary_out
+            temp_bytes = 0 if temporary_out is None else temporary_out.numel() * temporary_out.element_size()
             watcher = observer.current()
             token = None
             if watcher is not None:

@@ -70,7 +70,6 @@ def _per_group(compute: Callable[[dist.ProcessGroup], T]) -> Callable[[dist.Proc
             value = cache[group] = compute(group)
             return value
 
-    cached.cache = cache  # type: ignore[attr-defined]
     return cached
 
 
@@ -103,6 +102,12 @@ class PointToPointWork:
         return True
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    # isend/irecv return None only on a rank outside the group; these run on its members.
+    assert work is not None
+    return work
+
+
 @_per_group
 def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     """This rank's index in the group and ``(group index, global rank)`` of every other rank."""
@@ -120,8 +125,8 @@ def all_gather_into(
         rank, peers = _peers(group)
         n = shard.numel()
         chunks = output.view(-1).split(n)
-        works = [dist.isend(shard, dst, group=group, tag=_ALL_GATHER_TAG) for _, dst in peers]
-        works += [dist.irecv(chunks[r], src, group=group, tag=_ALL_GATHER_TAG) for r, src in peers]
+        works = [_posted(dist.isend(shard, dst, group=group, tag=_ALL_GATHER_TAG)) for _, dst in peers]
+        works += [_posted(dist.irecv(chunks[r], src, group=group, tag=_ALL_GATHER_TAG)) for r, src in peers]
         # This rank's own chunk: the one local write of any all-gather (NCCL makes it too).
         chunks[rank].copy_(shard.view(-1))
     work = PointToPointWork(works, keep_alive=(shard,))
@@ -148,9 +153,10 @@ def reduce_scatter_into(
         out = output.view(-1)
         staging = out.new_empty((len(peers) - 1, n))
         targets = [out, *staging.unbind(0)]
-        works = [dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG) for r, dst in peers]
+        works = [_posted(dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG)) for r, dst in peers]
         works += [
-            dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG) for target, (_, src) in zip(targets, peers)
+            _posted(dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG))
+            for target, (_, src) in zip(targets, peers)
         ]
 
     def add_the_rest() -> None:

@@ -94,7 +94,8 @@ class ReduceScatterHandle:
         replicate_group: dist.ProcessGroup | None,
         partial: bool,
     ) -> None:
-        self._dbuffer, self._work, self._out, self._sharded_grad = dbuffer, work, out, sharded_grad
+        self._dbuffer, self._work, self._sharded_grad = dbuffer, work, sharded_grad
+        self._out: torch.Tensor | None = out  # dropped once done
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
         self._token, self._temp_bytes, self._done_event = token, temp_bytes, done_event
         self._replicate_group, self._partial = replicate_group, partial
@@ -105,6 +106,7 @@ class ReduceScatterHandle:
     def wait(self) -> None:
         if self.done:
             return
+        assert self._out is not None
         wait_started = _wait_started(self._token, self._work)
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             if self._work is not None:

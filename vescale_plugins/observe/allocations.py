@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch._C._profiler import _EventType
+from torch._C._profiler import _EventType, _ExtraFields_Allocation
 from torch.profiler import ProfilerActivity, record_function
 
 from vescale_plugins.observe.quiet_profiler import profile
@@ -184,12 +184,15 @@ class AllocationTracker:
     def _read_events(self) -> None:
         events: list[_Event] = []
         regions: list[_Region] = []
-        stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
+        profiler = self._profiler.profiler
+        assert profiler is not None and profiler.kineto_results is not None  # read after the profile ended
+        stack = list(profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
+                assert isinstance(fields, _ExtraFields_Allocation)  # what the Allocation tag carries
                 if fields.device.type == self.device_type and fields.alloc_size != 0:
                     scope = _scope(node, self._scopes if fields.alloc_size > 0 else self._free_scopes)
                     events.append(

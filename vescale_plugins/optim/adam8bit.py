@@ -205,7 +205,7 @@ class Adam8bit(_Adam8bitBase):
 
 def _triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (imported only to see whether it is installed)
     except ImportError:
         return False
     return True

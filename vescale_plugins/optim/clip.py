@@ -49,7 +49,9 @@ def clip_grad_norm_(
             sharded.append(p)
         else:
             replicated.append(p)
-    device = params[0].grad.device
+    first_grad = params[0].grad
+    assert first_grad is not None  # params holds only those with a gradient
+    device = first_grad.device
     totals = []
     for members in (sharded, replicated):
         runs = contiguous_runs(members) if members else []

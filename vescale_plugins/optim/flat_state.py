@@ -33,7 +33,7 @@ class StateSpec:
     def __init__(
         self,
         dtype: Callable[[torch.Tensor], torch.dtype],
-        numel: Callable[[torch.Tensor], int],
+        numel: Callable[[torch.Tensor], int] | None,
         local_shape: Callable[[torch.Tensor], tuple[int, ...]],
         wrap: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:

@@ -198,10 +198,14 @@ class Muon(torch.optim.Optimizer):
             )
         self._group = groups.pop()
         self._rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
-        shapes, spans, steps = [], [], []
+        shapes: list[tuple[int, int]] = []
+        spans, steps = [], []
         for g, p, _ in sharded:
-            layout = p.placements[0].layout(p.shape)
-            shapes.append(tuple(p.shape))
+            placement = p.placements[0]
+            assert isinstance(placement, RaggedShard)  # _check_sharding
+            layout = placement.layout(p.shape)
+            rows, cols = p.shape  # Muon's parameters are matrices (_check_group)
+            shapes.append((rows, cols))
             spans.append([(s.offset, s.length) for s in layout.slices])
             steps.append(g["ns_steps"])
         self._plan = build_exchange_plan(shapes, spans, world, steps)
@@ -269,7 +273,8 @@ class Muon(torch.optim.Optimizer):
 
     def _exchange_and_apply(self, pending: dict[int, tuple[Tensor, Tensor, float]]) -> None:
         """Send the pieces to their roots, orthogonalise, bring the updates back, apply them."""
-        plan = self._plan
+        plan, process_group = self._plan, self._group
+        assert plan is not None and process_group is not None  # pending matrices are sharded: _build_plan planned them
         groups = {
             self._slot_of[id(p)]: g
             for g in self.param_groups
@@ -280,7 +285,7 @@ class Muon(torch.optim.Optimizer):
         device = next(iter(pending.values()))[0].device
         newton_schulz = newton_schulz_for(device)
         exchanges = [
-            BucketExchange(plan, [i for i in bucket if i in pending], self._rank, self._group)
+            BucketExchange(plan, [i for i in bucket if i in pending], self._rank, process_group)
             for bucket in plan.buckets
         ]
         exchanges = [e for e in exchanges if e.bucket]
@@ -310,6 +315,7 @@ class Muon(torch.optim.Optimizer):
             matrix = exchange.gathered_matrix()
             orthogonal = None
             if matrix is not None:
+                assert exchange.own is not None  # the matrix gathered is this rank's own
                 g = groups[exchange.own]
                 orthogonal = newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"])
             returned.append((exchange, exchange.return_to_owners(orthogonal, device)))

@@ -80,8 +80,8 @@ def build_exchange_plan(
     costs = [newton_schulz_flops(shape, steps) for shape, steps in zip(shapes, ns_steps)]
     assignment = assign_roots(costs, world_size)
     matrices = tuple(
-        MatrixSlot(tuple(shape), root, tuple(tuple(s) for s in span))
-        for shape, root, span in zip(shapes, assignment.roots, spans)
+        MatrixSlot((rows, cols), root, tuple((offset, length) for offset, length in span))
+        for (rows, cols), root, span in zip(shapes, assignment.roots, spans)
     )
     per_root = [assignment.matrices_of(rank) for rank in range(world_size)]
     depth = max((len(ids) for ids in per_root), default=0)
@@ -118,6 +118,7 @@ class BucketExchange:
         """This rank's full matrix of the bucket (after the first all-to-all), or None."""
         if self.own is None:
             return None
+        assert self._gathered is not None  # scatter_to_roots ran
         return self._gathered.view(self.plan.matrices[self.own].shape)
 
     def return_to_owners(self, update: torch.Tensor | None, device: torch.device) -> dist.Work | None:
@@ -135,4 +136,5 @@ class BucketExchange:
         """``(matrix index, this rank's interval of its update)`` for the bucket's matrices."""
         ordered = sorted(self.bucket, key=lambda i: self.plan.matrices[i].root)
         sizes = [self.plan.matrices[i].length_on(self.rank) for i in ordered]
+        assert self._returned is not None  # return_to_owners ran
         return list(zip(ordered, self._returned.split(sizes)))

@@ -31,7 +31,8 @@ def split_muon_params(
         last = module_name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and last in OUTPUT_HEAD_NAMES):
             not_hidden.update(id(p) for p in module.parameters(recurse=False))
-    muon, adamw = [], []
+    muon: list[tuple[str, nn.Parameter]] = []
+    adamw: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -10,9 +10,10 @@ units match the parameter's rows, so DCP saves and reshards them like any DTenso
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from vescale_plugins.optim.tiles import TileGrid
 from vescale_plugins.ragged.dtensor import make_dtensor
@@ -87,6 +88,7 @@ def scales_dtensor(local: torch.Tensor, param: torch.Tensor, tile: int) -> torch
         return local
     shape = scale_shape(param.shape, tile)
     slices = row_starts(param)
+    placements: Sequence[Placement]
     if slices is None or param.dim() == 0:
         placements = param.placements
     else:
