@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -20,11 +20,20 @@ from torch.distributed.tensor import DTensor, Placement
 
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.ragged.dtensor import make_dtensor, set_local_tensor
+from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.mesh import UnitMesh
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
 if TYPE_CHECKING:
     from vescale_plugins.runtime.param_group import FSDPParamGroup
+
+    class ShardedParameter(nn.Parameter, DTensor):
+        """The sharded face, ``nn.Parameter(dtensor)``: for a tensor subclass, torch's
+        Parameter returns the subclass instance flagged as a parameter, so the face is a
+        DTensor and passes ``isinstance(face, nn.Parameter)``. Both, for the type checker."""
+
+else:
+    ShardedParameter = DTensor
 
 __all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
 
@@ -86,7 +95,7 @@ class FSDPParam:
         slot = dbuffer.slots[self.slot]
         return self.buffer.mesh.shard_rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
 
-    def _make_sharded(self, param: nn.Parameter) -> nn.Parameter:
+    def _make_sharded(self, param: nn.Parameter) -> ShardedParameter:
         """Copy this rank's part of ``param`` into the sharded buffer once; the sharded face.
 
         A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
@@ -100,6 +109,7 @@ class FSDPParam:
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
         if self.parallel is not None:
             ragged = self.placements()[-1]
+            assert isinstance(ragged, RaggedShard)  # UnitMesh.placements ends with it
             dtensor = make_dtensor(
                 local,
                 self.parallel.sharded_mesh,
@@ -111,7 +121,7 @@ class FSDPParam:
             dtensor = make_dtensor(
                 local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape)
             )
-        sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        sharded = cast("ShardedParameter", nn.Parameter(dtensor, requires_grad=param.requires_grad))
         _BY_SHARDED[id(sharded)] = self
         return sharded
 
@@ -120,9 +130,12 @@ class FSDPParam:
         a DTensor's device is fixed)."""
         old = self.sharded
         local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=device)
-        self.sharded = nn.Parameter(
-            make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()),
-            requires_grad=old.requires_grad,
+        self.sharded = cast(
+            "ShardedParameter",
+            nn.Parameter(
+                make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()),
+                requires_grad=old.requires_grad,
+            ),
         )
         _BY_SHARDED[id(self.sharded)] = self
         self.register(self.sharded)
@@ -204,6 +217,7 @@ class FSDPParam:
         grad = self.gathered_grad()
         if grad is None or (self.accumulated_grad is None and grad.dtype == reduce_dtype):
             return
+        assert self.unsharded is not None  # where the gradient came from
         self.unsharded.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)

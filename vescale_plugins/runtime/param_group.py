@@ -253,8 +253,10 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
+        k = self.reshard_after_forward
+        assert is_group_size(k)  # what complete_forward checked
         for buffer in self.buffers:
-            buffer.dbuffer.reshard_to_group(post_forward_group(buffer.mesh.mesh, self.reshard_after_forward))
+            buffer.dbuffer.reshard_to_group(post_forward_group(buffer.mesh.mesh, k))
 
     # -- forward ----------------------------------------------------------------------
 
@@ -272,6 +274,7 @@ class FSDPParamGroup:
         if self.root_state is None:
             RootState.init_under(self)
         root_state = self.root_state
+        assert root_state is not None  # init_under gives this unit one
         if root_state.root is self:
             root_state.start_forward()
         if torch.is_grad_enabled():
@@ -303,8 +306,10 @@ class FSDPParamGroup:
         if len(self._modules_run) < len(self.modules):
             return self._cast_output(output)  # each module of a grouped unit, as FSDP2
         output = self.complete_forward(output)
-        if self.root_state.root is self:
-            output = self.root_state.complete_partial_forwards(output)
+        root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
+        if root_state.root is self:
+            output = root_state.complete_partial_forwards(output)
         return self._cast_output(output)
 
     def complete_forward(self, output: Any) -> Any:
@@ -323,8 +328,9 @@ class FSDPParamGroup:
         if not torch.is_grad_enabled():
             return True  # no backward will need the parameters (evaluation, inference)
         if self.reshard_after_forward is None:
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
             return self.root_state.root is not self
-        return self.reshard_after_forward
+        return bool(self.reshard_after_forward)  # a group size k (an int >= 2) reshards
 
     # -- backward ---------------------------------------------------------------------
 
@@ -343,6 +349,7 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
         if not root_state.callback_queued:
             root_state.callback_queued = True
             Variable._execution_engine.queue_callback(root_state.final_callback)
@@ -359,6 +366,7 @@ class FSDPParamGroup:
         its gradient buffer before the prefetch allocates, so the two are never alive at once.
         """
         if not self._backward_prefetched:
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
             self.root_state.wait_for_reduces()
         self._prefetch_for_backward()
 
@@ -373,6 +381,7 @@ class FSDPParamGroup:
         if self._backward_prefetched:
             return
         self._backward_prefetched = True
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
         for group in self.root_state.backward_prefetch_targets(self):
             group.unshard(async_op=True)
 
@@ -410,6 +419,7 @@ class FSDPParamGroup:
         for the last reduce-scatters at the end of backward.
         """
         root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
         root_state.wait_for_reduces()
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
@@ -452,7 +462,9 @@ class FSDPParamGroup:
                 if got:
                     p.attach_sharded_grad()
                 else:
-                    root_state.reduced_without_local_grad.append((p, dbuffer.sharded_grad))
+                    sharded_grad = dbuffer.sharded_grad
+                    assert sharded_grad is not None  # the reduce-scatter's handle holds it
+                    root_state.reduced_without_local_grad.append((p, sharded_grad))
 
     def reset_iteration_state(self) -> None:
         """Forget this iteration (after an exception aborted it): no gradient, no gather."""

@@ -15,7 +15,7 @@ import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,10 +28,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec, SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
 
-try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+if TYPE_CHECKING:  # type-checked against a torch that has it
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-except ImportError:
-    ShardPlacementResult = ()  # isinstance(x, ()) is always False
+else:
+    try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        ShardPlacementResult = ()  # isinstance(x, ()) is always False
 
 __all__ = [
     "BlockSizeFn",
@@ -470,31 +473,32 @@ def agree_on_plan(
 
     ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter.
     """
-    result: T | None = None
-    outcome: tuple[str, Any]
+    error: Exception | None = None
+    mine: tuple[str, Any]
     try:
         result = plan()
         entries = list(describe(result))
-        outcome = ("ok", _fingerprint(entries))
-    except _CHECKED_ERRORS as error:
-        outcome = ("error", error)
+        mine = ("ok", _fingerprint(entries))
+    except _CHECKED_ERRORS as raised:
+        error = raised
+        # Errors travel as (class name, message): the exception object itself may not pickle.
+        mine = ("error", (type(raised).__name__, str(raised)))
+    # From here on, result is set unless error is (which is raised first).
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if outcome[0] == "error":
-            raise outcome[1]
-        return result  # type: ignore[return-value]  # plan() returned, so result is set
-    # Errors travel as (class name, message): the exception object itself may not pickle.
-    mine = outcome if outcome[0] == "ok" else ("error", (type(outcome[1]).__name__, str(outcome[1])))
+        if error is not None:
+            raise error
+        return result
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, mine, group=group)
     failed = [(rank, value) for rank, (kind, value) in enumerate(outcomes) if kind == "error"]
     if failed:
-        if outcome[0] == "error":
-            raise outcome[1]
+        if error is not None:
+            raise error
         rank, (class_name, message) = failed[0]
         error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
         raise error_class(f"fully_shard failed on rank {rank} of the mesh: {message}")
     if len({value for _, value in outcomes}) == 1:
-        return result  # type: ignore[return-value]  # plan() returned, so result is set
+        return result
     # Fingerprints differ: one more exchange names the first parameter that differs.
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, entries, group=group)

@@ -73,9 +73,9 @@ class RootState:
             group.root_state = state
         for root_module in root.modules:
             for name, module in root_module.named_modules():
-                group = getattr(module, "_vescale_fsdp_unit", None)
-                if group in groups and module is group.modules[0]:
-                    for dbuffer in group.dbuffers:
+                unit = getattr(module, "_vescale_fsdp_unit", None)
+                if unit in groups and module is unit.modules[0]:
+                    for dbuffer in unit.dbuffers:
                         dbuffer.label = name or "<root>"
 
     # -- forward ----------------------------------------------------------------------

@@ -72,8 +72,8 @@ class ParallelSpec:
         )
         if split_factor > 1:
             ragged = StridedRaggedShard(ragged.dims, ragged.local_units, split_factor)
-        placements[dp_dim] = ragged
-        return tuple(placements)
+        # The template's only None is the data-parallel dim's.
+        return tuple(ragged if p is None else p for p in placements)
 
     def unsharded_param(self, local: torch.Tensor) -> DTensor:
         """The gathered parameter: the original DTensor over this rank's gathered local tensor."""
@@ -167,7 +167,9 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
         )
     placement = param.placements[spmd.shard_dim]
     if not isinstance(placement, Replicate):
-        name = spmd.mesh.mesh_dim_names[spmd.shard_dim]
+        names = spmd.mesh.mesh_dim_names
+        assert names is not None  # an SPMD mesh is named (checked where SpmdMesh is made)
+        name = names[spmd.shard_dim]
         raise ValueError(
             f"Expected Replicate() on DP shard dim '{name}' (index {spmd.shard_dim}) but got {placement} "
             f"(parameter '{fqn}')"

@@ -42,7 +42,12 @@ def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
 
 def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    map_grad_tensors(tree, lambda t: found.append(t) or t)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_grad_tensors(tree, collect)
     return found
 
 
