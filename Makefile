@@ -1,13 +1,21 @@
-# Two entry points for a newcomer: `make bench` (the main job) and `make test`.
-# Both bootstrap .venv from nothing; torch is pinned so pip takes the local CPU wheel
-# instead of several GB of CUDA packages.
+# Two entry points for a newcomer: `make bench` (the main job) and `make test`; `make lint`
+# runs the checks CI runs before the tests (ruff, ruff format, mypy on the core, the import
+# contracts of pyproject.toml). All bootstrap .venv from nothing; torch is pinned so pip
+# takes the local CPU wheel instead of several GB of CUDA packages.
+# The same checks at every commit: `.venv/bin/pre-commit install` (.pre-commit-config.yaml).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.lint-installed
+# What ruff checks and formats: the core for now, `.` once the other packages are formatted
+# (the ruff hooks' `files` in .pre-commit-config.yaml follow it).
+LINT_PATHS ?= vescale_plugins/__init__.py vescale_plugins/record.py vescale_plugins/wrap.py \
+	vescale_plugins/ragged vescale_plugins/planner vescale_plugins/dbuffer vescale_plugins/runtime \
+	vescale_plugins/checkpoint vescale_plugins/observe vescale_plugins/optim
 
-.PHONY: test bench setup
+.PHONY: test bench setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +26,23 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+$(LINT_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[lint]"
+	touch $(LINT_STAMP)
+
 setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# mypy and the contracts read their configuration (and paths) from pyproject.toml.
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # The side-by-side benchmark against torch's FSDP2 (CPU: 2 gloo ranks; CUDA: every GPU).
 bench: $(STAMP)

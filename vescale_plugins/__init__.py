@@ -10,9 +10,17 @@ Importing this package teaches torch's DTensor the ``RaggedShard`` placement
 (:func:`vescale_plugins.ragged.dtensor.install`); nothing else in torch changes behaviour.
 """
 
-from vescale_plugins.ragged import dtensor as _dtensor
-from vescale_plugins.ragged import RaggedLayout, RaggedShard, RankSlice, StridedRaggedShard, flat_interval_boxes, ragged_layout, validate_ragged
 from vescale_plugins.dbuffer.planning import BufferSplitCost
+from vescale_plugins.ragged import (
+    RaggedLayout,
+    RaggedShard,
+    RankSlice,
+    StridedRaggedShard,
+    flat_interval_boxes,
+    ragged_layout,
+    validate_ragged,
+)
+from vescale_plugins.ragged import dtensor as _dtensor
 from vescale_plugins.runtime.api import fully_shard, register_fsdp_forward_method
 from vescale_plugins.runtime.module import UnshardHandle, VeScaleFSDPModule
 from vescale_plugins.runtime.setup import BlockSizeFn, PlanMismatchError

@@ -7,7 +7,8 @@ adapters hold no sharding logic.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -81,7 +82,13 @@ def shard_model(
         units = units_of_classes(model, unit_classes)
     else:
         units = default_units(model)
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, block_size_fn=block_size_fn, **fully_shard_kwargs)
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        block_size_fn=block_size_fn,
+        **fully_shard_kwargs,
+    )
     for unit in units:
         if getattr(unit, "_vescale_fsdp_unit", None) is None:
             fully_shard(unit, **kwargs)

@@ -24,8 +24,9 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -87,7 +88,7 @@ def _on_rank_zero(action: Callable[[], None]) -> None:
     if _rank() == 0:
         try:
             action()
-        except Exception as exc:  # noqa: BLE001  (raised on every rank by _raise_if_any_failed)
+        except Exception as exc:  # any error: raised on every rank by _raise_if_any_failed
             error = exc
     _raise_if_any_failed(error)
 
@@ -115,7 +116,7 @@ def committed_directory(path: str | os.PathLike) -> Iterator[Path]:
     error: BaseException | None = None
     try:
         yield staging
-    except BaseException as exc:  # noqa: BLE001  (every rank raises below)
+    except BaseException as exc:  # any error, even KeyboardInterrupt: every rank raises below
         error = exc
     try:
         _raise_if_any_failed(error)
@@ -301,5 +302,7 @@ def _recover(path: Path) -> Path | None:
     if not committed:
         return None
     _, _, best = max(committed)
-    _verify(best, _read_marker(best))  # type: ignore[arg-type]
+    content = _read_marker(best)
+    assert content is not None  # best was chosen for the marker read above
+    _verify(best, content)
     return best

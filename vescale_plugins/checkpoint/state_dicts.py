@@ -12,7 +12,7 @@ leaves the previous checkpoint loadable and is itself never loaded.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    ValueType,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -41,7 +42,12 @@ __all__ = [
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 
 
-def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+def save_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a DCP directory: the model's (and optimizer's) shards plus ``extra`` picklable state.
 
     Collective. Committed atomically: a previous checkpoint at ``path`` is replaced only once
@@ -51,7 +57,12 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
         write_sharded(staging, model, optimizer, extra)
 
 
-def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
+def write_sharded(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """The DCP files of :func:`save_sharded`, written in place into ``directory`` (no commit)."""
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     if optimizer is not None:
@@ -60,7 +71,12 @@ def write_sharded(directory: str | os.PathLike, model: nn.Module, optimizer: tor
     dcp.save(state, checkpoint_id=str(directory))
 
 
-def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_sharded(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Load a DCP directory into ``model`` (and ``optimizer``), at any world size.
 
     ``extra`` gives the other entries to read (their current values are the templates);
@@ -84,7 +100,8 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Plain full tensors on CPU, on rank 0 (empty elsewhere): what an unsharded model loads."""
-    return get_model_state_dict(model, options=_FULL)
+    # A model's full state dict holds only tensors (torch types it as any state-dict value).
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=_FULL))
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -97,10 +114,14 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
     Every rank passes the full state dict; each keeps its own shards.
     """
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+    # torch takes a dict (invariant in its values) of any state-dict value; tensors are one.
+    state = cast("dict[str, ValueType]", state_dict)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> None:
     """Load a full optimizer state dict (as saved by :func:`full_optimizer_state_dict`)."""
     set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,13 @@ import torch.distributed as dist
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
-from vescale_plugins.dbuffer.observer import ALL_GATHER_REGION, COMM_BUFFER_REGION, GRADIENT_BUFFER_REGION, GRADIENT_RELEASE_REGION, REDUCE_SCATTER_REGION
+from vescale_plugins.dbuffer.observer import (
+    ALL_GATHER_REGION,
+    COMM_BUFFER_REGION,
+    GRADIENT_BUFFER_REGION,
+    GRADIENT_RELEASE_REGION,
+    REDUCE_SCATTER_REGION,
+)
 from vescale_plugins.dbuffer.planning import row_numel
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
@@ -84,7 +90,9 @@ class DBuffer:
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         if layout.world_size != self.world_size or len(layout.numels) != len(shapes):
-            raise ValueError(f"layout for {len(layout.numels)} tensors over {layout.world_size} ranks given to a DBuffer of {len(shapes)} over {self.world_size}")
+            raise ValueError(
+                f"layout for {len(layout.numels)} tensors over {layout.world_size} ranks given to a DBuffer of {len(shapes)} over {self.world_size}"
+            )
         self.layout = layout
         self.shard_size = layout.shard_size
         self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
@@ -99,7 +107,9 @@ class DBuffer:
         self.grad_shard_size = self.shard_size + len(self.slots)
         # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
-        self._unsharded_grad = ResizableStorage(self.world_size * self.grad_shard_size, self.reduce_dtype, self.device, "unsharded_grads")
+        self._unsharded_grad = ResizableStorage(
+            self.world_size * self.grad_shard_size, self.reduce_dtype, self.device, "unsharded_grads"
+        )
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], layout.buffer_size)
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
@@ -164,7 +174,9 @@ class DBuffer:
         slot = self.slots[index]
         if slot.numel == 0:  # the whole (empty) tensor is one unit: see RaggedShard(dims=())
             return flat[:0].view(ragged_layout(slot.shape, (), slot.local_units).slices[self.rank].local_shape)
-        return flat[slot.local_offset : slot.local_offset + slot.local_length].view(_local_shape(slot.shape, slot.local_length))
+        return flat[slot.local_offset : slot.local_offset + slot.local_length].view(
+            _local_shape(slot.shape, slot.local_length)
+        )
 
     def unsharded_view(self, index: int) -> torch.Tensor:
         """Parameter ``index`` in full: a view of the unsharded buffer (valid while allocated)."""
@@ -218,13 +230,18 @@ class DBuffer:
             version = unsharded._version
             group = self._post_forward_group
             if group is not None:
+                assert self._post_forward is not None  # reshard_to_group set both
                 shard = self._post_forward.tensor  # gathered back within the k ranks only
             else:
                 group = self.group
                 with observer.scope(COMM_BUFFER_REGION):
                     shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
             watcher = observer.current()
-            token = watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype) if watcher is not None else None
+            token = (
+                watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype)
+                if watcher is not None
+                else None
+            )
             # On a side stream the call returns once enqueued; the handle waits on an event.
             work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather))
@@ -307,8 +324,12 @@ class DBuffer:
             flags.copy_(torch.tensor(present, dtype=buffer.dtype).to(buffer.device, non_blocking=True))
 
     def reduce_scatter(
-        self, divide_factor: float, accumulate: bool, async_op: bool = False,
-        replicate_group: dist.ProcessGroup | None = None, partial: bool = False,
+        self,
+        divide_factor: float,
+        accumulate: bool,
+        async_op: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
+        partial: bool = False,
     ) -> ReduceScatterHandle:
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
 
@@ -327,15 +348,19 @@ class DBuffer:
             full = self._unsharded_grad.tensor
             in_place = not accumulate and not partial and self.reduce_dtype == self.dtype
             with observer.scope(COMM_BUFFER_REGION):
-                temporary_out = None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
+                temporary_out = (
+                    None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
+                )
             sharded_grad = self._sharded_grad_for_reduce()
-            out = sharded_grad if in_place else temporary_out
-            temp_bytes = 0 if in_place else out.numel() * out.element_size()
+            out = sharded_grad if temporary_out is None else temporary_out
+            temp_bytes = 0 if temporary_out is None else temporary_out.numel() * temporary_out.element_size()
             watcher = observer.current()
             token = None
             if watcher is not None:
                 watcher.buffer_allocated("comm_buffers", temp_bytes)
-                token = watcher.collective_issued("reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype)
+                token = watcher.collective_issued(
+                    "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
+                )
             if self.reduce_dtype == torch.float16 and divide_factor != 1:
                 # fp16's range: divide by about sqrt(factor) before the sum and the rest after,
                 # as FSDP2 does (bf16 and fp32 are divided once, after).
@@ -345,7 +370,18 @@ class DBuffer:
             work = reduce_scatter_into(out, full, self.group, async_op=async_op and not streams.enabled)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(
-            self, work, out, sharded_grad, divide_factor, accumulate, in_place, token, temp_bytes, done_event, replicate_group, partial
+            self,
+            work,
+            out,
+            sharded_grad,
+            divide_factor,
+            accumulate,
+            in_place,
+            token,
+            temp_bytes,
+            done_event,
+            replicate_group,
+            partial,
         )
         if not async_op:
             handle.wait()

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,6 @@ def _per_group(compute: Callable[[dist.ProcessGroup], T]) -> Callable[[dist.Proc
             value = cache[group] = compute(group)
             return value
 
-    cached.cache = cache  # type: ignore[attr-defined]
     return cached
 
 
@@ -86,7 +86,9 @@ def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
 class PointToPointWork:
     """The sends and receives of one collective; ``wait()`` completes them, then ``finish``."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None, keep_alive: tuple = ()) -> None:
+    def __init__(
+        self, works: list[dist.Work], finish: Callable[[], None] | None = None, keep_alive: tuple = ()
+    ) -> None:
         self._works, self._finish = works, finish
         self._keep_alive = keep_alive  # tensors a pending send still reads
 
@@ -100,6 +102,12 @@ class PointToPointWork:
         return True
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    # isend/irecv return None only on a rank outside the group; these run on its members.
+    assert work is not None
+    return work
+
+
 @_per_group
 def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     """This rank's index in the group and ``(group index, global rank)`` of every other rank."""
@@ -107,7 +115,9 @@ def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
     return rank, tuple((r, dist.get_global_rank(group, r)) for r in range(world) if r != rank)
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | PointToPointWork | None:
+def all_gather_into(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | PointToPointWork | None:
     """``output[r * n:(r + 1) * n]`` = rank r's ``shard`` on every rank (``n = shard.numel()``)."""
     if not uses_point_to_point(group, output.device):
         return _all_gather_single(output, shard, group=group, async_op=async_op)
@@ -115,8 +125,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
         rank, peers = _peers(group)
         n = shard.numel()
         chunks = output.view(-1).split(n)
-        works = [dist.isend(shard, dst, group=group, tag=_ALL_GATHER_TAG) for _, dst in peers]
-        works += [dist.irecv(chunks[r], src, group=group, tag=_ALL_GATHER_TAG) for r, src in peers]
+        works = [_posted(dist.isend(shard, dst, group=group, tag=_ALL_GATHER_TAG)) for _, dst in peers]
+        works += [_posted(dist.irecv(chunks[r], src, group=group, tag=_ALL_GATHER_TAG)) for r, src in peers]
         # This rank's own chunk: the one local write of any all-gather (NCCL makes it too).
         chunks[rank].copy_(shard.view(-1))
     work = PointToPointWork(works, keep_alive=(shard,))
@@ -126,7 +136,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     return work
 
 
-def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | PointToPointWork | None:
+def reduce_scatter_into(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | PointToPointWork | None:
     """``output`` = the sum over ranks of their ``full[rank * n:(rank + 1) * n]`` (``n = output.numel()``).
 
     The first peer's chunk is received straight into ``output``; the others (W > 2) into one
@@ -141,8 +153,11 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
         out = output.view(-1)
         staging = out.new_empty((len(peers) - 1, n))
         targets = [out, *staging.unbind(0)]
-        works = [dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG) for r, dst in peers]
-        works += [dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG) for target, (_, src) in zip(targets, peers)]
+        works = [_posted(dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG)) for r, dst in peers]
+        works += [
+            _posted(dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG))
+            for target, (_, src) in zip(targets, peers)
+        ]
 
     def add_the_rest() -> None:
         with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter_sum"):

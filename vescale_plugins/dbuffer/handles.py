@@ -7,7 +7,8 @@ run record) learns how long the caller waited.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,9 @@ def _report_done(token: Any, wait_started: float) -> None:
 class GatherHandle:
     """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
 
-    def __init__(self, unsharded: torch.Tensor, version: int, work: Any, token: Any, streams: CommStreams, done: Any) -> None:
+    def __init__(
+        self, unsharded: torch.Tensor, version: int, work: Any, token: Any, streams: CommStreams, done: Any
+    ) -> None:
         self._unsharded, self._version, self._work, self._token = unsharded, version, work, token
         self._streams, self._done = streams, done
         self.after_wait: Callable[[], None] | None = None
@@ -77,11 +80,22 @@ class ReduceScatterHandle:
     """
 
     def __init__(
-        self, dbuffer: "DBuffer", work: Any, out: torch.Tensor, sharded_grad: torch.Tensor, divide_factor: float,
-        accumulate: bool, in_place: bool, token: Any, temp_bytes: int, done_event: Any,
-        replicate_group: dist.ProcessGroup | None, partial: bool,
+        self,
+        dbuffer: DBuffer,
+        work: Any,
+        out: torch.Tensor,
+        sharded_grad: torch.Tensor,
+        divide_factor: float,
+        accumulate: bool,
+        in_place: bool,
+        token: Any,
+        temp_bytes: int,
+        done_event: Any,
+        replicate_group: dist.ProcessGroup | None,
+        partial: bool,
     ) -> None:
-        self._dbuffer, self._work, self._out, self._sharded_grad = dbuffer, work, out, sharded_grad
+        self._dbuffer, self._work, self._sharded_grad = dbuffer, work, sharded_grad
+        self._out: torch.Tensor | None = out  # dropped once done
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
         self._token, self._temp_bytes, self._done_event = token, temp_bytes, done_event
         self._replicate_group, self._partial = replicate_group, partial
@@ -92,6 +106,7 @@ class ReduceScatterHandle:
     def wait(self) -> None:
         if self.done:
             return
+        assert self._out is not None
         wait_started = _wait_started(self._token, self._work)
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
             if self._work is not None:

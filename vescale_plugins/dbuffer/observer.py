@@ -7,7 +7,8 @@ Off, observation costs one module-level lookup per allocation or collective.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 

@@ -11,8 +11,8 @@ padding saved outweighs the extra collectives' latency under the alpha-beta ring
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -53,7 +53,9 @@ def row_numel(shape: torch.Size) -> int:
     return math.prod(shape[1:]) if len(shape) > 0 else 1
 
 
-def planner_inputs(shapes: Sequence[torch.Size], block_rows: Sequence[int], dtype: torch.dtype) -> tuple[list[int], list[int], int]:
+def planner_inputs(
+    shapes: Sequence[torch.Size], block_rows: Sequence[int], dtype: torch.dtype
+) -> tuple[list[int], list[int], int]:
     """What the planner is asked for these parameters: numels, block sizes and alignment, in
     elements (``ALIGNMENT_BYTES`` of ``dtype``). A zero-size parameter (FSDP2 accepts them)
     is planned as one element that holds nothing."""
@@ -64,15 +66,24 @@ def planner_inputs(shapes: Sequence[torch.Size], block_rows: Sequence[int], dtyp
 
 
 def plan_buffers(
-    shapes: Sequence[torch.Size], block_rows: Sequence[int], dtype: torch.dtype, comm_dtype: torch.dtype, world_size: int,
+    shapes: Sequence[torch.Size],
+    block_rows: Sequence[int],
+    dtype: torch.dtype,
+    comm_dtype: torch.dtype,
+    world_size: int,
     cost: BufferSplitCost = BufferSplitCost(),
 ) -> list[BufferPlan]:
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
     collectives move (the cost model counts its bytes)."""
     numels, blocks, alignment = planner_inputs(shapes, block_rows, dtype)
     plan = choose_split(
-        numels, blocks, world_size, alpha_s=cost.alpha_s, beta_bytes_per_s=cost.beta_bytes_per_s,
-        bytes_per_element=torch.empty((), dtype=comm_dtype).element_size(), alignment=alignment,
+        numels,
+        blocks,
+        world_size,
+        alpha_s=cost.alpha_s,
+        beta_bytes_per_s=cost.beta_bytes_per_s,
+        bytes_per_element=torch.empty((), dtype=comm_dtype).element_size(),
+        alignment=alignment,
         max_buffers=cost.max_buffers,
     )
     return [BufferPlan(tuple(members), layout) for members, layout in zip(plan.members, plan.buffers)]

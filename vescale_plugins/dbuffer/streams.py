@@ -21,7 +21,8 @@ threads and their ``Work`` objects are waited on instead, and this class does no
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from torch._C._profiler import _EventType
+from torch._C._profiler import _EventType, _ExtraFields_Allocation
 from torch.profiler import ProfilerActivity, record_function
 
 from vescale_plugins.observe.quiet_profiler import profile
@@ -151,7 +152,9 @@ class AllocationTracker:
             known where it dies: autograd's gradients are made by whichever op computes them).
     """
 
-    def __init__(self, device_type: str = "cpu", scopes: tuple[str, ...] = (), free_scopes: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, device_type: str = "cpu", scopes: tuple[str, ...] = (), free_scopes: tuple[str, ...] = ()
+    ) -> None:
         self.device_type = device_type
         self._scopes = scopes
         self._free_scopes = free_scopes
@@ -162,7 +165,7 @@ class AllocationTracker:
         self._blocks: list[_Block] = []
         self._regions: list[_Region] = []
 
-    def __enter__(self) -> "AllocationTracker":
+    def __enter__(self) -> AllocationTracker:
         self._profiler.__enter__()
         return self
 
@@ -181,15 +184,27 @@ class AllocationTracker:
     def _read_events(self) -> None:
         events: list[_Event] = []
         regions: list[_Region] = []
-        stack = list(self._profiler.profiler.kineto_results.experimental_event_tree())
+        profiler = self._profiler.profiler
+        assert profiler is not None and profiler.kineto_results is not None  # read after the profile ended
+        stack = list(profiler.kineto_results.experimental_event_tree())
         while stack:
             node = stack.pop()
             stack.extend(node.children)
             if node.tag == _EventType.Allocation:
                 fields = node.extra_fields
+                assert isinstance(fields, _ExtraFields_Allocation)  # what the Allocation tag carries
                 if fields.device.type == self.device_type and fields.alloc_size != 0:
                     scope = _scope(node, self._scopes if fields.alloc_size > 0 else self._free_scopes)
-                    events.append(_Event(node.start_time_ns, fields.ptr, fields.alloc_size, node.start_tid, _collective_end(node), scope))
+                    events.append(
+                        _Event(
+                            node.start_time_ns,
+                            fields.ptr,
+                            fields.alloc_size,
+                            node.start_tid,
+                            _collective_end(node),
+                            scope,
+                        )
+                    )
             elif node.name.startswith(_REGION_PREFIX):
                 regions.append(_Region(node.name[len(_REGION_PREFIX) :], node.start_time_ns, node.end_time_ns))
         events.sort(key=lambda e: e.time_ns)  # stable: ties keep the tree's order
@@ -240,7 +255,9 @@ class AllocationTracker:
                     peak, peak_step = total, step
             else:
                 break
-        return RegionMemory(name, start, peak, end, self._live_after(peak_step, lambda block: self._owner(block.alloc_ns)))
+        return RegionMemory(
+            name, start, peak, end, self._live_after(peak_step, lambda block: self._owner(block.alloc_ns))
+        )
 
     def peak_by_scope(self) -> tuple[int, dict[str | None, int]]:
         """The most live bytes at any moment, and those bytes by scope prefix (None: no scope)."""
@@ -326,7 +343,9 @@ def _pair(events: list[_Event]) -> list[_Block]:
             continue
         if e.ptr in open_at:  # the address is handed out again: its old block's free went unreported
             size, alloc_ns, lost_deadline, scope = open_at.pop(e.ptr)
-            blocks.append(_Block(size, alloc_ns, e.time_ns if lost_deadline is None else min(e.time_ns, lost_deadline), scope))
+            blocks.append(
+                _Block(size, alloc_ns, e.time_ns if lost_deadline is None else min(e.time_ns, lost_deadline), scope)
+            )
         open_at[e.ptr] = (e.nbytes, e.time_ns, deadline, e.scope)
     blocks += [_Block(size, alloc_ns, deadline, scope) for size, alloc_ns, deadline, scope in open_at.values()]
     return blocks

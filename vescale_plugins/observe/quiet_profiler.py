@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.profiler
 
@@ -33,7 +33,7 @@ def _stderr_silenced() -> Iterator[None]:
         os.close(devnull)
 
 
-class profile(torch.profiler.profile):  # noqa: N801  (a drop-in for torch.profiler.profile)
+class profile(torch.profiler.profile):  # lower case: a drop-in for torch.profiler.profile
     """``torch.profiler.profile`` whose start and stop print nothing."""
 
     def start(self) -> None:

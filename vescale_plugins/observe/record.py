@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,6 @@ from vescale_plugins.planner import Layout
 from vescale_plugins.runtime.state import groups_under
 
 __all__ = ["RunRecord", "record_run", "CollectiveEvent", "unit_sharding_figures", "zero_stage_bytes_per_parameter"]
-
 
 
 @dataclass
@@ -57,8 +57,12 @@ class CollectiveEvent:
 class _MemoryKinds:
     """Bytes of live library buffers by kind, and the peak of their sum (with its split)."""
 
-    live: dict[str, int] = field(default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0})
-    peak: dict[str, int] = field(default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0})
+    live: dict[str, int] = field(
+        default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0}
+    )
+    peak: dict[str, int] = field(
+        default_factory=lambda: {"unsharded_params": 0, "unsharded_grads": 0, "comm_buffers": 0}
+    )
     at_peak_total: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, nbytes: int) -> None:
@@ -79,7 +83,14 @@ _MEMORY_SCOPES = {
 }
 # Scopes that tell blocks apart by where they were freed (when no scope above made them).
 _FREE_SCOPES = {"vescale::gradient_release": "unsharded_grads"}  # autograd's gradients
-PEAK_KINDS = ("sharded_state", "unsharded_params", "unsharded_grads", "sharded_grads", "comm_buffers", "activations_and_temporaries")
+PEAK_KINDS = (
+    "sharded_state",
+    "unsharded_params",
+    "unsharded_grads",
+    "sharded_grads",
+    "comm_buffers",
+    "activations_and_temporaries",
+)
 
 
 class RunRecord:
@@ -150,10 +161,17 @@ class RunRecord:
         units = self._units()
         buffers = [b for u in units for b in u.dbuffers]
         state_dtypes = sorted(
-            {str(v.dtype).removeprefix("torch.") for s in (self.optimizer.state.values() if self.optimizer else []) for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+            {
+                str(v.dtype).removeprefix("torch.")
+                for s in (self.optimizer.state.values() if self.optimizer else [])
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            }
         )
+
         def names(dtypes):
             return sorted({str(d).removeprefix("torch.") for d in dtypes})
+
         return {
             "sharded_parameters": names(b.dtype for b in buffers),
             "all_gather": names(b.param_dtype for b in buffers),
@@ -264,21 +282,31 @@ class RunRecord:
                 + (f" over groups of {u['buffer_group_sizes']} ranks" if len(set(u["buffer_group_sizes"])) > 1 else "")
             )
         p = d["precision"]
-        lines.append(f"  precision: params {p['sharded_parameters']}, all-gather {p['all_gather']}, grads {p['gradients']}, reduce-scatter {p['reduce_scatter']}, optimizer {p['optimizer_state']}")
+        lines.append(
+            f"  precision: params {p['sharded_parameters']}, all-gather {p['all_gather']}, grads {p['gradients']}, reduce-scatter {p['reduce_scatter']}, optimizer {p['optimizer_state']}"
+        )
         st = m["sharded_state_bytes"]
-        lines.append(f"  sharded state per rank: params {_mib(st['parameters'])}, grads {_mib(st['gradients'])}, optimizer {_mib(st['optimizer_state'])}")
+        lines.append(
+            f"  sharded state per rank: params {_mib(st['parameters'])}, grads {_mib(st['gradients'])}, optimizer {_mib(st['optimizer_state'])}"
+        )
         pk = m["peak_bytes_by_kind"]
-        lines.append(f"  peak library buffers: unsharded params {_mib(pk['unsharded_params'])}, unsharded grads {_mib(pk['unsharded_grads'])}, comm {_mib(pk['comm_buffers'])}")
+        lines.append(
+            f"  peak library buffers: unsharded params {_mib(pk['unsharded_params'])}, unsharded grads {_mib(pk['unsharded_grads'])}, comm {_mib(pk['comm_buffers'])}"
+        )
         if "split" in m["peak"]:
             split = ", ".join(f"{kind.replace('_', ' ')} {_mib(nbytes)}" for kind, nbytes in m["peak"]["split"].items())
             lines.append(f"  peak memory {_mib(m['peak']['total_bytes'])}: {split}")
         else:
             lines.append(f"  peak memory: not measured ({m['peak']['unavailable']})")
         for kind, v in c.items():
-            lines.append(f"  {kind}: {v['count_per_step']:.1f}/step, {_mib(v['bytes_per_step'])}/step, {v['seconds'] * 1e3:.1f} ms total, {v['overlap_ratio']:.0%} overlapped")
+            lines.append(
+                f"  {kind}: {v['count_per_step']:.1f}/step, {_mib(v['bytes_per_step'])}/step, {v['seconds'] * 1e3:.1f} ms total, {v['overlap_ratio']:.0%} overlapped"
+            )
         z = d["zero_stages"]
         model = ", ".join(f"{k} {v:.2f}" for k, v in z["model_bytes_per_parameter"].items())
-        lines.append(f"  bytes/param (16-byte model, W={z['group_size']}): {model}; measured sharded state {z['measured_sharded_bytes_per_parameter']:.2f}")
+        lines.append(
+            f"  bytes/param (16-byte model, W={z['group_size']}): {model}; measured sharded state {z['measured_sharded_bytes_per_parameter']:.2f}"
+        )
         return "\n".join(lines)
 
 

@@ -17,14 +17,15 @@ launch, on CPU the vectorised torch reference steps each parameter.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from vescale_plugins.optim.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
 from vescale_plugins.optim.adamw import _check_hyper
 from vescale_plugins.optim.flat import Run
 from vescale_plugins.optim.flat_state import FlatStateOptimizer, StateSpec
+from vescale_plugins.optim.kernels.adam8bit_torch import AdamHyper, adam8bit_step_
 from vescale_plugins.optim.sharding import check_tiles_whole, scale_shape, scales_dtensor, wrap_like
 from vescale_plugins.optim.tiles import TILE, TileGrid
 
@@ -36,7 +37,17 @@ _CODES = {"exp_avg_codes": True, "exp_avg_sq_codes": False}
 class _Adam8bitBase(FlatStateOptimizer):
     _decoupled = True
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, tile: int = TILE) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        tile: int = TILE,
+    ) -> None:
         _check_hyper(type(self).__name__, lr, betas, eps, weight_decay, amsgrad)
         if not isinstance(tile, int) or tile < 1:
             raise ValueError(f"{type(self).__name__}: tile must be a positive int, got {tile!r}")
@@ -47,7 +58,9 @@ class _Adam8bitBase(FlatStateOptimizer):
 
     def check_param(self, name: str, param: torch.Tensor) -> None:
         if not param.dtype.is_floating_point:
-            raise ValueError(f"{type(self).__name__}: {name} has dtype {param.dtype}; only floating-point parameters can be optimised")
+            raise ValueError(
+                f"{type(self).__name__}: {name} has dtype {param.dtype}; only floating-point parameters can be optimised"
+            )
         check_tiles_whole(f"{type(self).__name__}: {name}", param, self.tile)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -66,12 +79,24 @@ class _Adam8bitBase(FlatStateOptimizer):
             lambda t: scale_shape(t.shape, tile),
             lambda local, p: scales_dtensor(local, p, tile),
         )
-        return {"exp_avg_codes": codes, "exp_avg_scales": scales, "exp_avg_sq_codes": codes, "exp_avg_sq_scales": scales}
+        return {
+            "exp_avg_codes": codes,
+            "exp_avg_scales": scales,
+            "exp_avg_sq_codes": codes,
+            "exp_avg_sq_scales": scales,
+        }
 
-    def step_run(self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int) -> None:
+    def step_run(
+        self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int
+    ) -> None:
         beta1, beta2 = group["betas"]
         hyper = AdamHyper(float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], step, self._decoupled)
-        if run.param_flat.is_cuda and run.param_flat.is_contiguous() and run.grad_flat.is_contiguous() and _triton_available():
+        if (
+            run.param_flat.is_cuda
+            and run.param_flat.is_contiguous()
+            and run.grad_flat.is_contiguous()
+            and _triton_available()
+        ):
             self._step_run_triton(run, flats, offsets, hyper)
             return
         for index, m in enumerate(run.members):
@@ -85,12 +110,20 @@ class _Adam8bitBase(FlatStateOptimizer):
                 start = offsets[name][index]
                 views[name] = flats[name][start : start + grid.num_tiles].view(grid.tile_rows, grid.tile_cols)
             adam8bit_step_(
-                m.local.view(grid.rows, grid.cols), m.grad.reshape(grid.rows, grid.cols),
-                views["exp_avg_codes"], views["exp_avg_scales"], views["exp_avg_sq_codes"], views["exp_avg_sq_scales"],
-                grid.tile_h, grid.tile_w, hyper,
+                m.local.view(grid.rows, grid.cols),
+                m.grad.reshape(grid.rows, grid.cols),
+                views["exp_avg_codes"],
+                views["exp_avg_scales"],
+                views["exp_avg_sq_codes"],
+                views["exp_avg_sq_scales"],
+                grid.tile_h,
+                grid.tile_w,
+                hyper,
             )
 
-    def _step_run_triton(self, run: Run, flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], hyper: AdamHyper) -> None:
+    def _step_run_triton(
+        self, run: Run, flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], hyper: AdamHyper
+    ) -> None:
         """One launch for the whole run (CUDA); its tile table is built once per run layout."""
         from vescale_plugins.optim.kernels.adam8bit_triton import adam8bit_tiles_, tile_table
 
@@ -99,12 +132,23 @@ class _Adam8bitBase(FlatStateOptimizer):
         table = self._tile_tables.get(key)
         if table is None:
             table = self._tile_tables[key] = tile_table(
-                [(m.offset, (g.rows, g.cols), offsets["exp_avg_scales"][i]) for i, (m, g) in enumerate(zip(run.members, grids))],
-                [(g.tile_h, g.tile_w) for g in grids], run.param_flat.device,
+                [
+                    (m.offset, (g.rows, g.cols), offsets["exp_avg_scales"][i])
+                    for i, (m, g) in enumerate(zip(run.members, grids))
+                ],
+                [(g.tile_h, g.tile_w) for g in grids],
+                run.param_flat.device,
             )
         adam8bit_tiles_(
-            run.param_flat, run.grad_flat, flats["exp_avg_codes"], flats["exp_avg_scales"],
-            flats["exp_avg_sq_codes"], flats["exp_avg_sq_scales"], table, max(g.tile_h * g.tile_w for g in grids), hyper,
+            run.param_flat,
+            run.grad_flat,
+            flats["exp_avg_codes"],
+            flats["exp_avg_scales"],
+            flats["exp_avg_sq_codes"],
+            flats["exp_avg_sq_scales"],
+            table,
+            max(g.tile_h * g.tile_w for g in grids),
+            hyper,
         )
 
     @staticmethod
@@ -145,13 +189,23 @@ class Adam8bit(_Adam8bitBase):
 
     _decoupled = False
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, tile: int = TILE) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        tile: int = TILE,
+    ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, tile=tile)
 
 
 def _triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (imported only to see whether it is installed)
     except ImportError:
         return False
     return True

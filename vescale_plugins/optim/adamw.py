@@ -8,7 +8,8 @@ parameter, gradient and state buffers instead of once per parameter.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,7 +27,15 @@ class AdamW(FlatStateOptimizer):
     ``ValueError`` says so). Results equal ``torch.optim.AdamW(fused=True)``.
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+    ) -> None:
         _check_hyper(type(self).__name__, lr, betas, eps, weight_decay, amsgrad)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
@@ -34,20 +43,36 @@ class AdamW(FlatStateOptimizer):
         like = StateSpec(lambda t: t.dtype, None, lambda t: tuple(t.shape), wrap_like)
         return {"exp_avg": like, "exp_avg_sq": like}
 
-    def step_run(self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int) -> None:
+    def step_run(
+        self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int
+    ) -> None:
         for start, end in run.gaps:
             # Padding between parameters: its gradient is not the parameters' (maybe garbage).
             run.grad_flat[start:end].zero_()
         beta1, beta2 = group["betas"]
         step_t = torch.tensor(float(step), dtype=torch.float32, device=run.param_flat.device)
         torch._fused_adamw_(
-            [run.param_flat], [run.grad_flat], [flats["exp_avg"]], [flats["exp_avg_sq"]], [], [step_t],
-            lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-            amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+            [run.param_flat],
+            [run.grad_flat],
+            [flats["exp_avg"]],
+            [flats["exp_avg_sq"]],
+            [],
+            [step_t],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=None,
+            found_inf=None,
         )
 
 
-def _check_hyper(who: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool) -> None:
+def _check_hyper(
+    who: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool
+) -> None:
     if amsgrad:
         raise ValueError(f"{who}(amsgrad=True) is not supported: use torch.optim.AdamW(amsgrad=True)")
     if not 0.0 <= float(lr):

@@ -58,6 +58,14 @@ class Run:
         return (self.span, tuple((id(m.param), m.offset, tuple(m.local.shape)) for m in self.members))
 
 
+def _storage_offset(t: torch.Tensor) -> int:
+    # Runs are found by storage address, so on eager tensors, whose offsets are ints (torch
+    # types them ``int | SymInt`` for traced code).
+    offset = t.storage_offset()
+    assert isinstance(offset, int)
+    return offset
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.dtype, t.device)
 
@@ -67,22 +75,23 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
     by_storage: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     singles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for p in params:
+        assert p.grad is not None  # callers pass the parameters that have gradients
         local, grad = local_of(p), local_of(p.grad)
         entry = (p, local, grad)
         if local.numel() and local.is_contiguous() and grad.is_contiguous() and grad.dtype == local.dtype:
-            key = (_storage_key(local), _storage_key(grad), grad.storage_offset() - local.storage_offset())
+            key = (_storage_key(local), _storage_key(grad), _storage_offset(grad) - _storage_offset(local))
             by_storage.setdefault(key, []).append(entry)
         else:
             singles.append(entry)
     runs: list[Run] = [_run([e]) for e in singles]
     for entries in by_storage.values():
-        entries.sort(key=lambda e: e[1].storage_offset())
+        entries.sort(key=lambda e: _storage_offset(e[1]))
         align = max(1, _ALIGNMENT_BYTES // entries[0][1].element_size())
         padding = _storage_padding(entries[0][0], entries[0][1])
         current = [entries[0]]
         for entry in entries[1:]:
-            previous_end = current[-1][1].storage_offset() + current[-1][1].numel()
-            start = entry[1].storage_offset()
+            previous_end = _storage_offset(current[-1][1]) + current[-1][1].numel()
+            start = _storage_offset(entry[1])
             padding_only = previous_end <= start and (
                 (start - previous_end < align and start % align == 0) or _is_padding(padding, previous_end, start)
             )
@@ -101,7 +110,7 @@ def _storage_padding(param: torch.Tensor, local: torch.Tensor) -> list[tuple[int
     dbuffer = dbuffer_of(param)
     if dbuffer is None or dbuffer.sharded.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
         return None
-    base = dbuffer.sharded.storage_offset()
+    base = _storage_offset(dbuffer.sharded)
     return [(base + start, base + end) for start, end in dbuffer.sharded_padding()]
 
 
@@ -118,15 +127,15 @@ def _is_padding(padding: list[tuple[int, int]] | None, start: int, end: int) -> 
 
 def _run(entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Run:
     first_local, first_grad = entries[0][1], entries[0][2]
-    base = first_local.storage_offset()
+    base = _storage_offset(first_local)
     last = entries[-1][1]
-    span = last.storage_offset() + last.numel() - base
-    members = [Member(p, local, grad, local.storage_offset() - base) for p, local, grad in entries]
+    span = _storage_offset(last) + last.numel() - base
+    members = [Member(p, local, grad, _storage_offset(local) - base) for p, local, grad in entries]
     if len(entries) == 1:
         # Stepped in its own shape (it may be a non-contiguous plain tensor).
         return Run([Member(entries[0][0], first_local, first_grad, 0)], first_local.numel(), first_local, first_grad)
     param_flat = first_local.as_strided((span,), (1,), base)
-    grad_flat = first_grad.as_strided((span,), (1,), first_grad.storage_offset())
+    grad_flat = first_grad.as_strided((span,), (1,), _storage_offset(first_grad))
     gaps = []
     for a, b in zip(members, members[1:]):
         if a.offset + a.numel < b.offset:

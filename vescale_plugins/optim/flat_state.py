@@ -10,7 +10,8 @@ makes new tensors) the next step packs the state back into flat buffers.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -29,7 +30,13 @@ class StateSpec:
     ``optimizer.state`` (a DTensor for DTensor parameters).
     """
 
-    def __init__(self, dtype: Callable[[torch.Tensor], torch.dtype], numel: Callable[[torch.Tensor], int], local_shape: Callable[[torch.Tensor], tuple[int, ...]], wrap: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        dtype: Callable[[torch.Tensor], torch.dtype],
+        numel: Callable[[torch.Tensor], int] | None,
+        local_shape: Callable[[torch.Tensor], tuple[int, ...]],
+        wrap: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
         self.dtype, self.numel, self.local_shape, self.wrap = dtype, numel, local_shape, wrap
 
 
@@ -41,7 +48,9 @@ class FlatStateOptimizer(Optimizer):
     def state_specs(self, group: dict[str, Any]) -> dict[str, StateSpec]:
         raise NotImplementedError
 
-    def step_run(self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int) -> None:
+    def step_run(
+        self, run: Run, group: dict[str, Any], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]], step: int
+    ) -> None:
         raise NotImplementedError
 
     def check_param(self, name: str, param: torch.Tensor) -> None:
@@ -102,7 +111,9 @@ class FlatStateOptimizer(Optimizer):
                         self.step_run(run, group, flats, offsets, step)
         return loss
 
-    def _flat_state(self, run: Run, specs: dict[str, StateSpec]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    def _flat_state(
+        self, run: Run, specs: dict[str, StateSpec]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
         """The run's flat state buffers; (re)packs members' state into them when needed."""
         offsets: dict[str, list[int]] = {}
         sizes: dict[str, int] = {}
@@ -145,7 +156,9 @@ class FlatStateOptimizer(Optimizer):
             return flat.view(shape)
         return flat[offset : offset + math.prod(shape)].view(shape)
 
-    def _is_packed(self, run: Run, specs: dict[str, StateSpec], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]]) -> bool:
+    def _is_packed(
+        self, run: Run, specs: dict[str, StateSpec], flats: dict[str, torch.Tensor], offsets: dict[str, list[int]]
+    ) -> bool:
         for index, m in enumerate(run.members):
             state = self.state[m.param]
             for name in specs:
@@ -154,6 +167,10 @@ class FlatStateOptimizer(Optimizer):
                     return False
                 local = local_of(entry)
                 expected = flats[name].data_ptr() + offsets[name][index] * flats[name].element_size()
-                if local.data_ptr() != expected or local.numel() and local.untyped_storage().data_ptr() != flats[name].untyped_storage().data_ptr():
+                if (
+                    local.data_ptr() != expected
+                    or local.numel()
+                    and local.untyped_storage().data_ptr() != flats[name].untyped_storage().data_ptr()
+                ):
                     return False
         return True

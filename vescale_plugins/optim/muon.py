@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as functional_adam
 
-from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.optim.muon_exchange import EXCHANGE_DTYPE, BucketExchange, ExchangePlan, build_exchange_plan
 from vescale_plugins.optim.newton_schulz import newton_schulz_for
+from vescale_plugins.ragged.placement import RaggedShard
 
 __all__ = ["Muon", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "EPS"]
 
@@ -103,8 +104,18 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
-                        eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, algorithm="muon", betas=(0.9, 0.999))
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            algorithm="muon",
+            betas=(0.9, 0.999),
+        )
         self._plan: ExchangePlan | None = None
         self._plan_key: tuple[int, ...] | None = None
         super().__init__(params, defaults)
@@ -124,7 +135,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"param group {group_index}: algorithm {group['algorithm']!r} is not one of {ALGORITHMS}")
         for index, p in enumerate(group["params"]):
             if torch.is_complex(p):
-                raise ValueError(f"Muon: {_param_name(group, index, group_index)} is complex; Muon does not support complex parameters")
+                raise ValueError(
+                    f"Muon: {_param_name(group, index, group_index)} is complex; Muon does not support complex parameters"
+                )
             if group["algorithm"] == "muon" and p.ndim != 2:
                 raise ValueError(
                     f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()} "
@@ -138,16 +151,27 @@ class Muon(torch.optim.Optimizer):
     def _check_sharding(p: DTensor, name: str) -> None:
         placements = p.placements
         if p.device_mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], RaggedShard):
-            hint = (" (an FSDP2 shard from torch.distributed.fsdp.fully_shard: shard the model with "
+            hint = (
+                (
+                    " (an FSDP2 shard from torch.distributed.fsdp.fully_shard: shard the model with "
                     "vescale_plugins.fully_shard instead, whose RaggedShard pieces Muon can route to a root "
-                    "rank without an all-gather)") if any(pl.is_shard() for pl in placements) else ""
+                    "rank without an all-gather)"
+                )
+                if any(pl.is_shard() for pl in placements)
+                else ""
+            )
             raise ValueError(
                 f"Muon: {name} is a DTensor with placements {placements} on a {p.device_mesh.ndim}-D mesh; "
                 f"Muon needs RaggedShard on a 1-D mesh{hint}"
             )
 
     def _muon_params(self) -> list[tuple[dict, Tensor, str]]:
-        return [(g, p, _param_name(g, i, gi)) for gi, g in enumerate(self.param_groups) if g["algorithm"] == "muon" for i, p in enumerate(g["params"])]
+        return [
+            (g, p, _param_name(g, i, gi))
+            for gi, g in enumerate(self.param_groups)
+            if g["algorithm"] == "muon"
+            for i, p in enumerate(g["params"])
+        ]
 
     def _muon_params_key(self) -> tuple[int, ...]:
         return tuple(id(p) for _, p, _ in self._muon_params())
@@ -155,7 +179,9 @@ class Muon(torch.optim.Optimizer):
     def _build_plan(self) -> None:
         """Roots and buckets of the sharded matrices (pure arithmetic: no collective)."""
         self._plan_key = self._muon_params_key()
-        sharded = [(g, p, name) for g, p, name in self._muon_params() if isinstance(p, DTensor) and p.device_mesh.size() > 1]
+        sharded = [
+            (g, p, name) for g, p, name in self._muon_params() if isinstance(p, DTensor) and p.device_mesh.size() > 1
+        ]
         self._slot_of: dict[int, int] = {}  # id(parameter) -> matrix index in the plan
         self._plan, self._group, self._rank = None, None, 0
         if not sharded:
@@ -163,17 +189,23 @@ class Muon(torch.optim.Optimizer):
         groups = {p.device_mesh.get_group() for _, p, _ in sharded}
         if len(groups) > 1:
             first = sharded[0]
-            other = next(item for item in sharded if item[1].device_mesh.get_group() is not first[1].device_mesh.get_group())
+            other = next(
+                item for item in sharded if item[1].device_mesh.get_group() is not first[1].device_mesh.get_group()
+            )
             raise ValueError(
                 f"Muon: {first[2]} and {other[2]} are sharded over different process groups; one Muon optimizer "
                 f"exchanges matrices within one group: make one optimizer per group"
             )
         self._group = groups.pop()
         self._rank, world = dist.get_rank(self._group), dist.get_world_size(self._group)
-        shapes, spans, steps = [], [], []
+        shapes: list[tuple[int, int]] = []
+        spans, steps = [], []
         for g, p, _ in sharded:
-            layout = p.placements[0].layout(p.shape)
-            shapes.append(tuple(p.shape))
+            placement = p.placements[0]
+            assert isinstance(placement, RaggedShard)  # _check_sharding
+            layout = placement.layout(p.shape)
+            rows, cols = p.shape  # Muon's parameters are matrices (_check_group)
+            shapes.append((rows, cols))
             spans.append([(s.offset, s.length) for s in layout.slices])
             steps.append(g["ns_steps"])
         self._plan = build_exchange_plan(shapes, spans, world, steps)
@@ -229,7 +261,9 @@ class Muon(torch.optim.Optimizer):
             if slot is None:
                 # Plain tensor, or a DTensor on one rank: the local tensor is the matrix.
                 matrix = update.view(p.shape) if isinstance(p, DTensor) else update
-                orthogonal = newton_schulz_for(update.device)(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                orthogonal = newton_schulz_for(update.device)(
+                    matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
                 param.mul_(1 - lr * weight_decay)
                 param.add_(orthogonal.view(param.shape), alpha=-adjusted_lr)
             else:
@@ -239,11 +273,21 @@ class Muon(torch.optim.Optimizer):
 
     def _exchange_and_apply(self, pending: dict[int, tuple[Tensor, Tensor, float]]) -> None:
         """Send the pieces to their roots, orthogonalise, bring the updates back, apply them."""
-        plan = self._plan
-        groups = {self._slot_of[id(p)]: g for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"] if id(p) in self._slot_of}
+        plan, process_group = self._plan, self._group
+        assert plan is not None and process_group is not None  # pending matrices are sharded: _build_plan planned them
+        groups = {
+            self._slot_of[id(p)]: g
+            for g in self.param_groups
+            if g["algorithm"] == "muon"
+            for p in g["params"]
+            if id(p) in self._slot_of
+        }
         device = next(iter(pending.values()))[0].device
         newton_schulz = newton_schulz_for(device)
-        exchanges = [BucketExchange(plan, [i for i in bucket if i in pending], self._rank, self._group) for bucket in plan.buckets]
+        exchanges = [
+            BucketExchange(plan, [i for i in bucket if i in pending], self._rank, process_group)
+            for bucket in plan.buckets
+        ]
         exchanges = [e for e in exchanges if e.bucket]
         pieces = {i: piece for i, (piece, _, _) in pending.items()}
         scattered: deque = deque()
@@ -271,6 +315,7 @@ class Muon(torch.optim.Optimizer):
             matrix = exchange.gathered_matrix()
             orthogonal = None
             if matrix is not None:
+                assert exchange.own is not None  # the matrix gathered is this rank's own
                 g = groups[exchange.own]
                 orthogonal = newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"])
             returned.append((exchange, exchange.return_to_owners(orthogonal, device)))
@@ -293,7 +338,9 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("AdamW does not support sparse gradients")
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32 if torch.get_default_dtype() != torch.float64 else torch.float64)
+                state["step"] = torch.tensor(
+                    0.0, dtype=torch.float32 if torch.get_default_dtype() != torch.float64 else torch.float64
+                )
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
@@ -304,5 +351,20 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        functional_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, decoupled_weight_decay=True, amsgrad=False,
-                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        functional_adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

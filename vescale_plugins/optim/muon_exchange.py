@@ -16,8 +16,8 @@ backends use the one collective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,19 @@ class ExchangePlan:
         return elements * itemsize
 
 
-def build_exchange_plan(shapes: Sequence[tuple[int, int]], spans: Sequence[Sequence[tuple[int, int]]], world_size: int, ns_steps: Sequence[int]) -> ExchangePlan:
+def build_exchange_plan(
+    shapes: Sequence[tuple[int, int]],
+    spans: Sequence[Sequence[tuple[int, int]]],
+    world_size: int,
+    ns_steps: Sequence[int],
+) -> ExchangePlan:
     """Assign roots by Newton–Schulz cost (longest first, least loaded rank) and form buckets."""
     costs = [newton_schulz_flops(shape, steps) for shape, steps in zip(shapes, ns_steps)]
     assignment = assign_roots(costs, world_size)
-    matrices = tuple(MatrixSlot(tuple(shape), root, tuple(tuple(s) for s in span)) for shape, root, span in zip(shapes, assignment.roots, spans))
+    matrices = tuple(
+        MatrixSlot((rows, cols), root, tuple((offset, length) for offset, length in span))
+        for (rows, cols), root, span in zip(shapes, assignment.roots, spans)
+    )
     per_root = [assignment.matrices_of(rank) for rank in range(world_size)]
     depth = max((len(ids) for ids in per_root), default=0)
     buckets = tuple(tuple(ids[k] for ids in per_root if k < len(ids)) for k in range(depth))
@@ -102,23 +110,31 @@ class BucketExchange:
         ordered = [pieces[i] for i in sorted(self.bucket, key=lambda i: self.plan.matrices[i].root)]
         send = torch.cat(ordered) if ordered else torch.empty(0, dtype=EXCHANGE_DTYPE, device=device)
         self._gathered = send.new_empty(sum(self.from_owner_splits))
-        return dist.all_to_all_single(self._gathered, send, self.from_owner_splits, self.to_root_splits, group=self.group, async_op=True)
+        return dist.all_to_all_single(
+            self._gathered, send, self.from_owner_splits, self.to_root_splits, group=self.group, async_op=True
+        )
 
     def gathered_matrix(self) -> torch.Tensor | None:
         """This rank's full matrix of the bucket (after the first all-to-all), or None."""
         if self.own is None:
             return None
+        assert self._gathered is not None  # scatter_to_roots ran
         return self._gathered.view(self.plan.matrices[self.own].shape)
 
     def return_to_owners(self, update: torch.Tensor | None, device: torch.device) -> dist.Work | None:
         """Send each rank its interval of this rank's orthogonalised matrix (``update``)."""
-        send = update.contiguous().view(-1) if update is not None else torch.empty(0, dtype=EXCHANGE_DTYPE, device=device)
+        send = (
+            update.contiguous().view(-1) if update is not None else torch.empty(0, dtype=EXCHANGE_DTYPE, device=device)
+        )
         self._gathered = None
         self._returned = send.new_empty(sum(self.to_root_splits))
-        return dist.all_to_all_single(self._returned, send, self.to_root_splits, self.from_owner_splits, group=self.group, async_op=True)
+        return dist.all_to_all_single(
+            self._returned, send, self.to_root_splits, self.from_owner_splits, group=self.group, async_op=True
+        )
 
     def returned_pieces(self) -> list[tuple[int, torch.Tensor]]:
         """``(matrix index, this rank's interval of its update)`` for the bucket's matrices."""
         ordered = sorted(self.bucket, key=lambda i: self.plan.matrices[i].root)
         sizes = [self.plan.matrices[i].length_on(self.rank) for i in ordered]
+        assert self._returned is not None  # return_to_owners ran
         return list(zip(ordered, self._returned.split(sizes)))

@@ -9,14 +9,16 @@ elementwise work around the matmuls); elsewhere it runs eagerly.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["zeropower_via_newtonschulz", "newton_schulz_for"]
 
 
-def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float) -> torch.Tensor:
+def zeropower_via_newtonschulz(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
     """Orthogonalise the 2-D ``grad`` (computed in bfloat16; returns a bfloat16 matrix).
 
     A bfloat16 ``grad`` is normalised in place (it is the caller's scratch buffer).
@@ -43,7 +45,7 @@ def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients: tuple[float,
     return ortho_grad
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled() -> Callable[..., torch.Tensor]:
     return torch.compile(zeropower_via_newtonschulz, dynamic=True)
 

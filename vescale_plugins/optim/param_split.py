@@ -6,7 +6,8 @@ like one, or tied to an embedding), norms, biases and every other non-2-D tensor
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 
@@ -16,7 +17,9 @@ __all__ = ["split_muon_params", "muon_param_groups", "OUTPUT_HEAD_NAMES"]
 OUTPUT_HEAD_NAMES = frozenset({"lm_head", "head", "output", "output_layer", "classifier", "score"})
 
 
-def split_muon_params(model: nn.Module, exclude: Callable[[str, nn.Parameter], bool] | None = None) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+def split_muon_params(
+    model: nn.Module, exclude: Callable[[str, nn.Parameter], bool] | None = None
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """``(muon, adamw)``: the ``(name, parameter)`` pairs of each, in module order.
 
     Muon gets 2-D parameters except embeddings, output heads (see ``OUTPUT_HEAD_NAMES``) and
@@ -28,7 +31,8 @@ def split_muon_params(model: nn.Module, exclude: Callable[[str, nn.Parameter], b
         last = module_name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding) or (isinstance(module, nn.Linear) and last in OUTPUT_HEAD_NAMES):
             not_hidden.update(id(p) for p in module.parameters(recurse=False))
-    muon, adamw = [], []
+    muon: list[tuple[str, nn.Parameter]] = []
+    adamw: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -56,6 +60,14 @@ def muon_param_groups(
     if muon:
         groups.append({"params": [p for _, p in muon]})
     if adamw:
-        groups.append({"params": [p for _, p in adamw], "algorithm": "adamw", "lr": adamw_lr, "betas": adamw_betas,
-                       "eps": adamw_eps, "weight_decay": adamw_weight_decay})
+        groups.append(
+            {
+                "params": [p for _, p in adamw],
+                "algorithm": "adamw",
+                "lr": adamw_lr,
+                "betas": adamw_betas,
+                "eps": adamw_eps,
+                "weight_decay": adamw_weight_decay,
+            }
+        )
     return groups

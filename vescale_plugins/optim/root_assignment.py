@@ -7,8 +7,8 @@ same shapes, and the report script can run it for thousands of ranks on a laptop
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["newton_schulz_flops", "RootAssignment", "assign_roots"]
 

@@ -10,13 +10,14 @@ units match the parameter's rows, so DCP saves and reshards them like any DTenso
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from vescale_plugins.optim.tiles import TileGrid
 from vescale_plugins.ragged.dtensor import make_dtensor
 from vescale_plugins.ragged.placement import RaggedShard
-from vescale_plugins.optim.tiles import TileGrid
 
 __all__ = ["row_starts", "check_tiles_whole", "wrap_like", "scales_dtensor", "scale_shape"]
 
@@ -37,7 +38,10 @@ def row_starts(param: DTensor) -> list[tuple[int, int]] | None:
         world = param.device_mesh.size(0)
         rows, row_numel = param.shape[0], math.prod(param.shape[1:])
         chunk = -(-rows // world)
-        return [(min(r * chunk, rows) * row_numel, (min((r + 1) * chunk, rows) - min(r * chunk, rows)) * row_numel) for r in range(world)]
+        return [
+            (min(r * chunk, rows) * row_numel, (min((r + 1) * chunk, rows) - min(r * chunk, rows)) * row_numel)
+            for r in range(world)
+        ]
     raise ValueError(f"placement {placement} is not supported by 8-bit state; shard with vescale_plugins.fully_shard")
 
 
@@ -84,6 +88,7 @@ def scales_dtensor(local: torch.Tensor, param: torch.Tensor, tile: int) -> torch
         return local
     shape = scale_shape(param.shape, tile)
     slices = row_starts(param)
+    placements: Sequence[Placement]
     if slices is None or param.dim() == 0:
         placements = param.placements
     else:

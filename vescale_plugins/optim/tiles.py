@@ -17,8 +17,8 @@ from the tensor's start, which ``fully_shard(..., block_size_fn=tile_rows(tile))
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -77,7 +77,7 @@ class TileGrid:
         return self.rows * self.cols
 
     @staticmethod
-    def of(shape: torch.Size | tuple[int, ...], tile: int = TILE) -> "TileGrid":
+    def of(shape: torch.Size | tuple[int, ...], tile: int = TILE) -> TileGrid:
         """The grid of a tensor of ``shape`` (a local shard's shape tiles the same way)."""
         if len(shape) >= 2:
             return TileGrid(shape[0], math.prod(shape[1:]), tile, tile)

@@ -18,16 +18,14 @@ order, with the same block sizes the planner gets, and the world size.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.planner.bounds import round_up
 
 __all__ = ["flat_padding_and_cut_blocks", "fsdp2_padding", "megatron_fsdp_padding"]
 
 
-def fsdp2_padding(
-    shapes: Sequence[Sequence[int]], block_sizes: Sequence[int], world_size: int
-) -> int:
+def fsdp2_padding(shapes: Sequence[Sequence[int]], block_sizes: Sequence[int], world_size: int) -> int:
     """Padding elements of FSDP2 ``Shard(0)`` over one unit (see the module docstring)."""
     padding = 0
     for shape, block in zip(shapes, block_sizes):
@@ -39,9 +37,7 @@ def fsdp2_padding(
     return padding
 
 
-def flat_padding_and_cut_blocks(
-    numels: Sequence[int], block_sizes: Sequence[int], world_size: int
-) -> tuple[int, int]:
+def flat_padding_and_cut_blocks(numels: Sequence[int], block_sizes: Sequence[int], world_size: int) -> tuple[int, int]:
     """Padding elements of flat element-wise sharding, and the blocks a rank boundary cuts."""
     total = sum(numels)
     shard = -(-total // world_size)
@@ -54,9 +50,7 @@ def flat_padding_and_cut_blocks(
     return world_size * shard - total, cut
 
 
-def megatron_fsdp_padding(
-    numels: Sequence[int], block_sizes: Sequence[int], world_size: int
-) -> int:
+def megatron_fsdp_padding(numels: Sequence[int], block_sizes: Sequence[int], world_size: int) -> int:
     """Padding elements of the Megatron-FSDP bucket model (see the module docstring)."""
     chunk = math.lcm(*block_sizes)
     regular = [numel for numel in numels if numel >= chunk]

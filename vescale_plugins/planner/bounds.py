@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.planner.layout import check_plan_inputs
 
@@ -130,14 +130,14 @@ def shard_size_lower_bound(
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
     return lower_bound_from_parts(
-        aligned_payload(numels, alignment), max(block_sizes), world_size,
+        aligned_payload(numels, alignment),
+        max(block_sizes),
+        world_size,
         AdmissibleShardSizes(numels, block_sizes, alignment),
     )
 
 
-def lower_bound_from_parts(
-    payload: int, max_block: int, world_size: int, admissible: AdmissibleShardSizes
-) -> int:
+def lower_bound_from_parts(payload: int, max_block: int, world_size: int, admissible: AdmissibleShardSizes) -> int:
     """:func:`shard_size_lower_bound` from its ingredients (``payload`` already aligned)."""
     by_volume = -(-payload // world_size)
     return admissible.next_admissible(max(by_volume, max_block))

@@ -16,8 +16,8 @@ across nodes; ``beta_bytes_per_s`` 100 GB/s, a 400-800 Gb/s NIC per GPU; 2 bytes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from vescale_plugins.planner.layout import Layout
 from vescale_plugins.planner.search import plan_layout
@@ -45,8 +45,7 @@ class RingCost:
     def buffer_seconds(self, layout: Layout) -> float:
         """One all-gather (or reduce-scatter) of ``layout``'s buffer over its ranks."""
         steps = layout.world_size - 1
-        return steps * (self.alpha_s
-                        + layout.shard_size * self.bytes_per_element / self.beta_bytes_per_s)
+        return steps * (self.alpha_s + layout.shard_size * self.bytes_per_element / self.beta_bytes_per_s)
 
     def seconds(self, buffers: Sequence[Layout]) -> float:
         """One collective per buffer, summed (they run one after another on one stream)."""
@@ -58,9 +57,15 @@ class RingCost:
 
 
 def choose_split(
-    numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *,
-    alpha_s: float = 10e-6, beta_bytes_per_s: float = 100e9, bytes_per_element: int = 2,
-    alignment: int = 1, max_buffers: int | None = 4,
+    numels: Sequence[int],
+    block_sizes: Sequence[int],
+    world_size: int,
+    *,
+    alpha_s: float = 10e-6,
+    beta_bytes_per_s: float = 100e9,
+    bytes_per_element: int = 2,
+    alignment: int = 1,
+    max_buffers: int | None = 4,
 ) -> UnitPlan:
     """The buffer split to use for a unit: the least-padding plan of each buffer budget
     (:func:`.split.unit_plan_options`, up to ``max_buffers``), the one the ring model says

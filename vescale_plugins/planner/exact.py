@@ -11,7 +11,7 @@ two tests the sharper bound.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.planner.bounds import aligned_payload, round_up
 from vescale_plugins.planner.layout import check_plan_inputs
@@ -31,32 +31,25 @@ def exact_min_shard_size(
     """
     numels, block_sizes = check_plan_inputs(numels, block_sizes, world_size, alignment)
     if len(numels) > MAX_EXACT_TENSORS:
-        raise ValueError(
-            f"exhaustive search is for at most {MAX_EXACT_TENSORS} tensors, got {len(numels)}"
-        )
+        raise ValueError(f"exhaustive search is for at most {MAX_EXACT_TENSORS} tensors, got {len(numels)}")
     by_volume = -(-aligned_payload(numels, alignment) // world_size)
     shard = round_up(max(by_volume, max(block_sizes)), alignment)
     # Identical tensors are interchangeable: search orders of distinct (numel, block) kinds.
     kinds: dict[tuple[int, int], int] = {}
     for key in zip(numels, block_sizes):
         kinds[key] = kinds.get(key, 0) + 1
-    items = [(numel, block, math.lcm(alignment, block), count)
-             for (numel, block), count in kinds.items()]
+    items = [(numel, block, math.lcm(alignment, block), count) for (numel, block), count in kinds.items()]
     while not _some_order_fits(items, shard, world_size, alignment):
         # Terminates: at shard >= the aligned payload everything fits in rank 0.
         shard += alignment
     return shard
 
 
-def _some_order_fits(
-    items: list[tuple[int, int, int, int]], shard: int, world_size: int, alignment: int
-) -> bool:
+def _some_order_fits(items: list[tuple[int, int, int, int]], shard: int, world_size: int, alignment: int) -> bool:
     """Depth-first search over orders of the kinds, pruned by the payload still to place."""
     limit = world_size * shard
     counts = [count for *_, count in items]
-    remaining = aligned_payload(
-        [numel for numel, _, _, count in items for _ in range(count)], alignment
-    )
+    remaining = aligned_payload([numel for numel, _, _, count in items for _ in range(count)], alignment)
 
     def extend(cursor: int, remaining: int) -> bool:
         if remaining == 0:

@@ -10,8 +10,9 @@ tensor's start; when ``block_size`` does not divide the numel the last block is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TypeGuard
 
 __all__ = ["Layout", "check_plan_inputs", "effective_block_sizes"]
 
@@ -29,8 +30,7 @@ def check_plan_inputs(
     numels, block_sizes = tuple(numels), tuple(block_sizes)
     if len(numels) != len(block_sizes):
         raise ValueError(
-            f"got {len(numels)} numels but {len(block_sizes)} block sizes; "
-            "give exactly one block size per tensor"
+            f"got {len(numels)} numels but {len(block_sizes)} block sizes; give exactly one block size per tensor"
         )
     if not numels:
         raise ValueError("nothing to plan: numels is empty; give at least one tensor")
@@ -51,7 +51,7 @@ def effective_block_sizes(numels: Sequence[int], block_sizes: Sequence[int]) -> 
     return tuple(min(numel, block) for numel, block in zip(numels, block_sizes))
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # bool is an int subclass; True as a numel is a bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -92,13 +92,11 @@ class Layout:
             raise ValueError(f"{len(self.offsets)} offsets for {len(self.numels)} tensors")
         if self.shard_size < 1 or self.shard_size % self.alignment:
             raise ValueError(
-                f"shard_size {self.shard_size} must be a positive multiple of the alignment "
-                f"{self.alignment}"
+                f"shard_size {self.shard_size} must be a positive multiple of the alignment {self.alignment}"
             )
         if not 1 <= self.shard_size_lower_bound <= self.shard_size:
             raise ValueError(
-                f"shard_size_lower_bound {self.shard_size_lower_bound} must be in "
-                f"[1, shard_size={self.shard_size}]"
+                f"shard_size_lower_bound {self.shard_size_lower_bound} must be in [1, shard_size={self.shard_size}]"
             )
         self._check_intervals()
         for index in range(len(self.numels)):
@@ -110,14 +108,10 @@ class Layout:
         for index in self.placement_order:
             start = self.offsets[index]
             if start % self.alignment:
-                raise ValueError(
-                    f"tensor {index}: offset {start} is not a multiple of the alignment "
-                    f"{self.alignment}"
-                )
+                raise ValueError(f"tensor {index}: offset {start} is not a multiple of the alignment {self.alignment}")
             if start < end_of_previous:
                 raise ValueError(
-                    f"tensor {index} at {start} overlaps tensor {previous}, which ends at "
-                    f"{end_of_previous}"
+                    f"tensor {index} at {start} overlaps tensor {previous}, which ends at {end_of_previous}"
                 )
             end_of_previous, previous = start + self.numels[index], index
         if end_of_previous > self.buffer_size:

@@ -11,8 +11,8 @@ strategy chooses.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "Placement",
@@ -27,9 +27,7 @@ __all__ = [
 ]
 
 
-def earliest_start(
-    cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool
-) -> int | None:
+def earliest_start(cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool) -> int | None:
     """Earliest start ``>= cursor`` where a tensor keeps every block inside one rank.
 
     ``step = lcm(alignment, block)``; ``divisible`` is ``shard % block == 0``. ``None`` when no
@@ -59,9 +57,7 @@ def earliest_start(
     return None
 
 
-def back_to_back(
-    cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool, most: int
-) -> int:
+def back_to_back(cursor: int, numel: int, shard: int, alignment: int, step: int, divisible: bool, most: int) -> int:
     """How many (up to ``most``) identical tensors fit back to back from ``cursor``, no gap.
 
     ``cursor`` is the end of an identical tensor just placed at its earliest start. Each
@@ -91,9 +87,7 @@ class TensorClass:
     members: tuple[int, ...]
 
 
-def group_classes(
-    numels: Sequence[int], block_sizes: Sequence[int], alignment: int
-) -> list[TensorClass]:
+def group_classes(numels: Sequence[int], block_sizes: Sequence[int], alignment: int) -> list[TensorClass]:
     """Group tensors by ``(numel, block)``, classes in order of first appearance."""
     members: dict[tuple[int, int], list[int]] = {}
     for index, key in enumerate(zip(numels, block_sizes)):
@@ -145,18 +139,16 @@ def place_in_order(
             left = len(run) - placed
             if start is None or start + numel > limit:
                 end = cursor if start is None else start
-                return Placement(max(limit + 1, end + numel * left + payload_after[position]),
-                                 None)
+                return Placement(max(limit + 1, end + numel * left + payload_after[position]), None)
             offsets[run[placed]] = start
             cursor, placed = start + numel, placed + 1
             more = back_to_back(cursor, numel, shard, alignment, step, divisible, left - 1)
-            for index in run[placed:placed + more]:
+            for index in run[placed : placed + more]:
                 offsets[index] = cursor
                 cursor += numel
             placed += more
             if cursor > limit:
-                return Placement(cursor + numel * (len(run) - placed) + payload_after[position],
-                                 None)
+                return Placement(cursor + numel * (len(run) - placed) + payload_after[position], None)
     return Placement(cursor, offsets)
 
 
@@ -184,8 +176,7 @@ def place_best_fit(
     while active:
         # Unspent slack shared over the rank boundaries still ahead.
         fair_gap = max(0, limit - cursor - payload) * shard // max(shard, limit - cursor)
-        choice, start = _first_within(classes, divisible, active, cursor, fair_gap, shard,
-                                      alignment)
+        choice, start = _first_within(classes, divisible, active, cursor, fair_gap, shard, alignment)
         if start is None:
             return Placement(max(limit + 1, cursor + payload), None)
         tensor_class = classes[choice]
@@ -194,9 +185,10 @@ def place_best_fit(
         cursor, taken[choice] = start + numel, taken[choice] + 1
         if choice == active[0]:
             # The priority class keeps the turn while it needs no gap at all.
-            more = back_to_back(cursor, numel, shard, alignment, tensor_class.step,
-                                divisible[choice], len(members) - taken[choice])
-            for index in members[taken[choice]:taken[choice] + more]:
+            more = back_to_back(
+                cursor, numel, shard, alignment, tensor_class.step, divisible[choice], len(members) - taken[choice]
+            )
+            for index in members[taken[choice] : taken[choice] + more]:
                 offsets[index] = cursor
                 cursor += numel
             taken[choice] += more
@@ -222,9 +214,7 @@ def _first_within(
     best_class, best_start = active[0], None
     for class_id in active:
         tensor_class = classes[class_id]
-        start = earliest_start(
-            cursor, tensor_class.numel, shard, alignment, tensor_class.step, divisible[class_id]
-        )
+        start = earliest_start(cursor, tensor_class.numel, shard, alignment, tensor_class.step, divisible[class_id])
         if start is None:
             continue
         if start - cursor <= fair_gap:
@@ -239,9 +229,7 @@ def order_states(classes: Sequence[TensorClass]) -> int:
     return math.prod(len(c.members) + 1 for c in classes)
 
 
-def place_exact(
-    classes: Sequence[TensorClass], shard: int, alignment: int, limit: int
-) -> Placement:
+def place_exact(classes: Sequence[TensorClass], shard: int, alignment: int, limit: int) -> Placement:
     """The best order for this shard size, by dynamic programming over placed multisets.
 
     A state is how many tensors of each class are placed; its value is the smallest end
@@ -267,8 +255,9 @@ def place_exact(
             for class_id, tensor_class in enumerate(classes):
                 if counts[class_id] == len(tensor_class.members):
                     continue
-                start = earliest_start(cursor, tensor_class.numel, shard, alignment,
-                                       tensor_class.step, divisible[class_id])
+                start = earliest_start(
+                    cursor, tensor_class.numel, shard, alignment, tensor_class.step, divisible[class_id]
+                )
                 if start is None:
                     continue
                 end, successor = start + tensor_class.numel, state + radices[class_id]

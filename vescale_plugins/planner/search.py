@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from vescale_plugins.planner.bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
 from vescale_plugins.planner.layout import Layout, check_plan_inputs
@@ -57,9 +57,7 @@ _EXACT_ABOVE_GAP = 1000
 Strategy = Callable[[int, int], Placement]
 
 
-def plan_layout(
-    numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *, alignment: int = 1
-) -> Layout:
+def plan_layout(numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *, alignment: int = 1) -> Layout:
     """Pack one buffer: offsets for every tensor and one shard size for every rank.
 
     Args:
@@ -86,16 +84,12 @@ def clear_plan_cache() -> None:
 
 
 @functools.lru_cache(maxsize=_CACHED_PLANS)
-def _plan_layout(
-    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
-) -> Layout:
+def _plan_layout(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int) -> Layout:
     """:func:`plan_layout` on validated input, cached: a model's identical blocks (and the
     subsets :func:`plan_unit` revisits) are planned once per process. ``Layout`` is
     immutable, so sharing one is safe."""
     admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
-    lower = lower_bound_from_parts(
-        aligned_payload(numels, alignment), max(block_sizes), world_size, admissible
-    )
+    lower = lower_bound_from_parts(aligned_payload(numels, alignment), max(block_sizes), world_size, admissible)
     heuristics, exact = _strategies(numels, block_sizes, alignment)
     shard, offsets = _search(heuristics, exact, admissible, lower, world_size, numels, block_sizes)
     return Layout(numels, block_sizes, world_size, alignment, shard, tuple(offsets), lower)
@@ -123,9 +117,7 @@ def _strategies(
     def fixed(order: list[int]) -> Strategy:
         runs = _runs(order, numels, block_sizes)
         after = _payload_after(runs, numels, alignment)
-        return lambda shard, limit: place_in_order(
-            runs, numels, steps, block_sizes, shard, alignment, limit, after
-        )
+        return lambda shard, limit: place_in_order(runs, numels, steps, block_sizes, shard, alignment, limit, after)
 
     def best_fit(priority: list[TensorClass]) -> Strategy:
         return lambda shard, limit: place_best_fit(priority, shard, alignment, limit, payload)
@@ -141,24 +133,18 @@ def _strategies(
     return strategies, lambda shard, limit: place_exact(classes, shard, alignment, limit)
 
 
-def _runs(
-    order: Sequence[int], numels: Sequence[int], block_sizes: Sequence[int]
-) -> list[tuple[int, ...]]:
+def _runs(order: Sequence[int], numels: Sequence[int], block_sizes: Sequence[int]) -> list[tuple[int, ...]]:
     """Split ``order`` into maximal runs of consecutive tensors with equal numel and block."""
     runs: list[list[int]] = []
     for index in order:
-        if runs and (numels[runs[-1][0]], block_sizes[runs[-1][0]]) == (
-            numels[index], block_sizes[index]
-        ):
+        if runs and (numels[runs[-1][0]], block_sizes[runs[-1][0]]) == (numels[index], block_sizes[index]):
             runs[-1].append(index)
         else:
             runs.append([index])
     return [tuple(run) for run in runs]
 
 
-def _payload_after(
-    runs: Sequence[tuple[int, ...]], numels: Sequence[int], alignment: int
-) -> list[int]:
+def _payload_after(runs: Sequence[tuple[int, ...]], numels: Sequence[int], alignment: int) -> list[int]:
     """``result[k]`` = aligned payload of ``runs[k + 1:]``."""
     after = [0] * len(runs)
     total = 0
@@ -178,6 +164,7 @@ def _try(strategies: Sequence[Strategy], shard: int, world_size: int) -> Placeme
             return placement
         if best is None or placement.end < best.end:
             best = placement
+    assert best is not None  # there is always a heuristic strategy
     return best
 
 
@@ -200,17 +187,16 @@ def _search(
             break
     if best is not None and best[0] == lower:
         return best
-    failed, found = _ascend(heuristics, admissible, lower, world_size,
-                            ceiling=None if best is None else best[0])
-    shard, offsets = _refine(heuristics, admissible, failed, found or best, world_size, heavy,
-                             lower)
+    failed, found = _ascend(heuristics, admissible, lower, world_size, ceiling=None if best is None else best[0])
+    feasible = found or best
+    assert feasible is not None  # with no ceiling, the climb goes on until a size fits
+    shard, offsets = _refine(heuristics, admissible, failed, feasible, world_size, heavy, lower)
     if exact is not None and (shard - lower) * _EXACT_ABOVE_GAP > lower:
         everything = [*heuristics, exact]
         placement = _try(everything, lower, world_size)
         if placement.offsets is not None:
             return lower, placement.offsets
-        shard, offsets = _refine(everything, admissible, lower, (shard, offsets), world_size,
-                                 heavy, lower)
+        shard, offsets = _refine(everything, admissible, lower, (shard, offsets), world_size, heavy, lower)
     return shard, offsets
 
 
@@ -226,8 +212,9 @@ def _refine(
     """Steps 3 and 4: bisect below a feasible size, then climb over block-tiling sizes."""
     shard, offsets = _bisect(strategies, admissible, failed, *found, world_size)
     for block in heavy_blocks:
-        _, tiled = _ascend(strategies, admissible, lower, world_size, multiple=block,
-                           ceiling=shard, max_tries=_MAX_TILED_TRIES)
+        _, tiled = _ascend(
+            strategies, admissible, lower, world_size, multiple=block, ceiling=shard, max_tries=_MAX_TILED_TRIES
+        )
         if tiled is not None:
             shard, offsets = tiled
     return shard, offsets

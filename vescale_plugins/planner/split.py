@@ -34,8 +34,8 @@ Defaults: 20 us per collective (NCCL all-gather latency at scale is tens of micr
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from vescale_plugins.planner.bounds import padding_lower_bound
 from vescale_plugins.planner.layout import Layout, check_plan_inputs
@@ -164,11 +164,13 @@ def unit_plan_options(
 
 
 @functools.lru_cache(maxsize=256)
-def _unit_plan_options(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
-                       alignment: int) -> tuple[UnitPlan, ...]:
+def _unit_plan_options(
+    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
+) -> tuple[UnitPlan, ...]:
     """:func:`unit_plan_options` on validated input, cached (plans are immutable)."""
-    coarse = _PartitionSearch(numels, block_sizes, world_size, alignment,
-                              _merge_lightest(_classes(block_sizes), numels))
+    coarse = _PartitionSearch(
+        numels, block_sizes, world_size, alignment, _merge_lightest(_classes(block_sizes), numels)
+    )
     plans = [coarse.best_plan(parts) for parts in range(1, len(coarse.atoms) + 1)]
     payload = sum(numels)
     if min(p.padding for p in plans[:FINE_MAX_BUFFERS]) > FINE_SEARCH_ABOVE * payload:
@@ -182,13 +184,14 @@ def _unit_plan_options(numels: tuple[int, ...], block_sizes: tuple[int, ...], wo
     return tuple(options)
 
 
-def _improve_by_splitting_classes(plans: list[UnitPlan], numels: tuple[int, ...],
-                                  block_sizes: tuple[int, ...], world_size: int,
-                                  alignment: int) -> None:
+def _improve_by_splitting_classes(
+    plans: list[UnitPlan], numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
+) -> None:
     """Replace ``plans[k - 1]`` (``k <= FINE_MAX_BUFFERS``) by better plans that split
     block-size classes: first the partitions whose bounds sum to the least, then, for
     budgets those do not settle (planned above the bound on every split), the lazy search
     over :func:`_fine_atoms` (to within ``FINE_TOLERANCE``)."""
+
     def offer(plan: UnitPlan) -> None:
         parts = len(plan.buffers)
         while parts > len(plans):
@@ -203,11 +206,15 @@ def _improve_by_splitting_classes(plans: list[UnitPlan], numels: tuple[int, ...]
         if bound is not None:
             bounds[budget] = bound
     atoms = _fine_atoms(numels, block_sizes)
-    unsettled = [k for k in range(2, min(FINE_MAX_BUFFERS, len(atoms)) + 1)
-                 if k not in bounds or min(p.padding for p in plans[:k]) > bounds[k] + tolerance]
+    unsettled = [
+        k
+        for k in range(2, min(FINE_MAX_BUFFERS, len(atoms)) + 1)
+        if k not in bounds or min(p.padding for p in plans[:k]) > bounds[k] + tolerance
+    ]
     if unsettled and sorted(atoms) != sorted(_merge_lightest(_classes(block_sizes), numels)):
-        fine = _PartitionSearch(numels, block_sizes, world_size, alignment, atoms,
-                                tolerance=FINE_TOLERANCE, max_plans=FINE_MAX_PLANS)
+        fine = _PartitionSearch(
+            numels, block_sizes, world_size, alignment, atoms, tolerance=FINE_TOLERANCE, max_plans=FINE_MAX_PLANS
+        )
         for parts in unsettled:
             offer(fine.best_plan(parts))
 
@@ -215,9 +222,16 @@ def _improve_by_splitting_classes(plans: list[UnitPlan], numels: tuple[int, ...]
 class _PartitionSearch:
     """Lazy exact search over partitions of the atoms (module docstring)."""
 
-    def __init__(self, numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
-                 alignment: int, atoms: list[tuple[int, ...]],
-                 tolerance: float = PARTITION_TOLERANCE, max_plans: int | None = None):
+    def __init__(
+        self,
+        numels: tuple[int, ...],
+        block_sizes: tuple[int, ...],
+        world_size: int,
+        alignment: int,
+        atoms: list[tuple[int, ...]],
+        tolerance: float = PARTITION_TOLERANCE,
+        max_plans: int | None = None,
+    ):
         self.tolerance, self.max_plans = tolerance, max_plans
         self.numels, self.block_sizes = numels, block_sizes
         self.world_size, self.alignment = world_size, alignment
@@ -227,8 +241,7 @@ class _PartitionSearch:
 
     def members(self, mask: int) -> tuple[int, ...]:
         """Input indices of the atoms in ``mask``, ascending."""
-        return tuple(sorted(i for bit, atom in enumerate(self.atoms) if mask >> bit & 1
-                            for i in atom))
+        return tuple(sorted(i for bit, atom in enumerate(self.atoms) if mask >> bit & 1 for i in atom))
 
     def best_plan(self, parts: int) -> UnitPlan:
         """The least-padding partition into exactly ``parts`` buffers (to within
@@ -245,15 +258,18 @@ class _PartitionSearch:
             if best_planned is None or actual < best_planned[0]:
                 best_planned = (actual, partition)
             if best_planned[0] - optimistic <= tolerance or (
-                    self.max_plans is not None and len(self._planned) >= self.max_plans):
+                self.max_plans is not None and len(self._planned) >= self.max_plans
+            ):
                 return self._unit_plan(best_planned[1])
 
     def _plan(self, mask: int) -> None:
         if mask not in self._planned:
             members = self.members(mask)
             self._planned[mask] = plan_layout(
-                [self.numels[i] for i in members], [self.block_sizes[i] for i in members],
-                self.world_size, alignment=self.alignment,
+                [self.numels[i] for i in members],
+                [self.block_sizes[i] for i in members],
+                self.world_size,
+                alignment=self.alignment,
             )
 
     def _padding(self, mask: int) -> int:
@@ -263,8 +279,10 @@ class _PartitionSearch:
         if mask not in self._bounds:
             members = self.members(mask)
             self._bounds[mask] = padding_lower_bound(
-                [self.numels[i] for i in members], [self.block_sizes[i] for i in members],
-                self.world_size, alignment=self.alignment,
+                [self.numels[i] for i in members],
+                [self.block_sizes[i] for i in members],
+                self.world_size,
+                alignment=self.alignment,
             )
         return self._bounds[mask]
 
@@ -277,12 +295,15 @@ class _PartitionSearch:
                 buffer_of[index], slot_of[index] = buffer, slot
         return UnitPlan(
             tuple(self._planned[mask] for _, mask in groups),
-            tuple(members for members, _ in groups), tuple(buffer_of), tuple(slot_of),
+            tuple(members for members, _ in groups),
+            tuple(buffer_of),
+            tuple(slot_of),
         )
 
 
-def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
-                        alignment: int) -> list[tuple[int, int | None, UnitPlan]]:
+def _bound_guided_plans(
+    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
+) -> list[tuple[int, int | None, UnitPlan]]:
     """``(budget, bound, plan)`` for budgets 2 to ``FINE_MAX_BUFFERS``: the bound on any
     split and the plan of a partition whose part bounds sum to the least
     (:func:`.split_bounds.least_bound_partitions`); each part is planned, and the tiny
@@ -302,25 +323,29 @@ def _bound_guided_plans(numels: tuple[int, ...], block_sizes: tuple[int, ...], w
         if tiny and not parts:
             parts = [list(tiny)]
         elif tiny:
-            def padding_with_tiny(k: int) -> int:
-                joined = sorted(parts[k] + list(tiny))
-                return (_layout(numels, block_sizes, joined, world_size, alignment).padding
-                        - _layout(numels, block_sizes, parts[k], world_size, alignment).padding)
-            host = min(range(len(parts)), key=padding_with_tiny)
+            # The tiny tensors join the part where they add the least padding (the first such).
+            added = [
+                _layout(numels, block_sizes, sorted(part + list(tiny)), world_size, alignment).padding
+                - _layout(numels, block_sizes, part, world_size, alignment).padding
+                for part in parts
+            ]
+            host = added.index(min(added))
             parts[host] = sorted(parts[host] + list(tiny))
-        results.append((budget, bound if exact else None,
-                        _assemble(numels, block_sizes, [tuple(p) for p in parts], world_size,
-                                  alignment)))
+        results.append(
+            (
+                budget,
+                bound if exact else None,
+                _assemble(numels, block_sizes, [tuple(p) for p in parts], world_size, alignment),
+            )
+        )
     return results
 
 
 def _layout(numels, block_sizes, members, world_size, alignment) -> Layout:
-    return plan_layout([numels[i] for i in members], [block_sizes[i] for i in members],
-                       world_size, alignment=alignment)
+    return plan_layout([numels[i] for i in members], [block_sizes[i] for i in members], world_size, alignment=alignment)
 
 
-def _assemble(numels, block_sizes, parts: list[tuple[int, ...]], world_size: int,
-              alignment: int) -> UnitPlan:
+def _assemble(numels, block_sizes, parts: list[tuple[int, ...]], world_size: int, alignment: int) -> UnitPlan:
     """A :class:`UnitPlan` of the given parts, buffers ordered by their first tensor."""
     groups = sorted(tuple(sorted(part)) for part in parts if part)
     buffer_of, slot_of = [0] * len(numels), [0] * len(numels)
@@ -329,7 +354,9 @@ def _assemble(numels, block_sizes, parts: list[tuple[int, ...]], world_size: int
             buffer_of[index], slot_of[index] = buffer, slot
     return UnitPlan(
         tuple(_layout(numels, block_sizes, members, world_size, alignment) for members in groups),
-        tuple(groups), tuple(buffer_of), tuple(slot_of),
+        tuple(groups),
+        tuple(buffer_of),
+        tuple(slot_of),
     )
 
 
@@ -356,6 +383,7 @@ def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[t
     """
     tiny = smallest_tensors(numels, TINY_FRACTION)
     rest = [i for i in range(len(numels)) if i not in tiny]
+    atoms: list[tuple[int, ...]]
     if len(rest) <= MAX_ATOMS - (1 if tiny else 0):
         atoms = [(i,) for i in rest]
     else:
@@ -375,13 +403,11 @@ def _merge_lightest(atoms: list[tuple[int, ...]], numels: tuple[int, ...]) -> li
     if len(atoms) <= MAX_ATOMS:
         return atoms
     by_weight = sorted(atoms, key=lambda atom: (-sum(numels[i] for i in atom), atom[0]))
-    rest = tuple(sorted(i for atom in by_weight[MAX_ATOMS - 1:] for i in atom))
-    return sorted([*by_weight[:MAX_ATOMS - 1], rest])
+    rest = tuple(sorted(i for atom in by_weight[MAX_ATOMS - 1 :] for i in atom))
+    return sorted([*by_weight[: MAX_ATOMS - 1], rest])
 
 
-def _best_partition(
-    full: int, parts: int, padding: Callable[[int], int]
-) -> tuple[int, list[int]]:
+def _best_partition(full: int, parts: int, padding: Callable[[int], int]) -> tuple[int, list[int]]:
     """Least total padding of a split of ``full`` into ``parts`` non-empty subsets, and it.
 
     Dynamic programming over (parts, mask); the subset holding the lowest atom of ``mask``
@@ -404,6 +430,7 @@ def _best_partition(
             remainder = mask ^ chosen
             if remainder and remainder.bit_count() >= count - 1:
                 tail = solve(count - 1, remainder)
+                assert tail is not None  # count - 1 or more atoms split into count - 1 parts
                 total = padding(chosen) + tail[0]
                 if best is None or total < best[0]:
                     best = (total, (chosen, *tail[1]))
@@ -413,5 +440,7 @@ def _best_partition(
         memo[key] = best
         return best
 
-    total, masks = solve(parts, full)
+    solved = solve(parts, full)
+    assert solved is not None  # callers ask for at most one part per atom
+    total, masks = solved
     return total, list(masks)

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.planner.bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts
 from vescale_plugins.planner.layout import check_plan_inputs
 
 __all__ = [
-    "EXACT_TRANSITIONS", "TINY_FRACTION", "UnitKinds", "least_bound_partitions",
-    "split_padding_lower_bound", "unit_kinds",
+    "EXACT_TRANSITIONS",
+    "TINY_FRACTION",
+    "UnitKinds",
+    "least_bound_partitions",
+    "split_padding_lower_bound",
+    "unit_kinds",
 ]
 
 TINY_FRACTION = 1e-4
@@ -37,8 +41,12 @@ EXACT_TRANSITIONS = 400_000
 
 
 def split_padding_lower_bound(
-    numels: Sequence[int], block_sizes: Sequence[int], world_size: int, *,
-    alignment: int = 1, max_buffers: int = 4,
+    numels: Sequence[int],
+    block_sizes: Sequence[int],
+    world_size: int,
+    *,
+    alignment: int = 1,
+    max_buffers: int = 4,
 ) -> int:
     """Padding elements every split of the unit into at most ``max_buffers`` buffers has.
 
@@ -59,7 +67,10 @@ def split_padding_lower_bound(
 
 
 def least_bound_partitions(
-    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int,
+    numels: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    world_size: int,
+    alignment: int,
     max_buffers: int,
 ) -> tuple[tuple[int, ...], list[tuple[int, list[tuple[int, ...]]]]] | None:
     """The tiny tensors, and for every budget ``k <= max_buffers``: the bound on any split
@@ -79,8 +90,9 @@ def least_bound_partitions(
     return tuple(sorted(tiny)), partitions
 
 
-def unit_kinds(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int,
-               alignment: int) -> tuple[set[int], UnitKinds | None]:
+def unit_kinds(
+    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int
+) -> tuple[set[int], UnitKinds | None]:
     """The tiny tensors and the :class:`UnitKinds` of the others (``None`` if there are none)."""
     tiny = smallest_tensors(numels, TINY_FRACTION)
     kinds: dict[tuple[int, int], int] = {}
@@ -106,8 +118,7 @@ def smallest_tensors(numels: tuple[int, ...], fraction: float) -> set[int]:
 class UnitKinds:
     """A unit as kinds of identical tensors with counts; parts are count vectors."""
 
-    def __init__(self, kinds: list[tuple[tuple[int, int], int]], world_size: int,
-                 alignment: int):
+    def __init__(self, kinds: list[tuple[tuple[int, int], int]], world_size: int, alignment: int):
         self.numels = [numel for (numel, _), _ in kinds]
         self.blocks = [block for (_, block), _ in kinds]
         self.counts = [count for _, count in kinds]
@@ -116,8 +127,9 @@ class UnitKinds:
         # Steps of the exact dynamic programme: sub-vectors summed over all vectors.
         self.transitions = math.prod((c + 1) * (c + 2) // 2 for c in self.counts)
 
-    def indices(self, numels: Sequence[int], block_sizes: Sequence[int], tiny: set[int],
-                parts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    def indices(
+        self, numels: Sequence[int], block_sizes: Sequence[int], tiny: set[int], parts: Sequence[Sequence[int]]
+    ) -> list[tuple[int, ...]]:
         """Count vectors as parts of input indices (tensors of a kind taken in input order)."""
         by_kind: dict[tuple[int, int], list[int]] = {}
         for index, key in enumerate(zip(numels, block_sizes)):
@@ -129,7 +141,7 @@ class UnitKinds:
         for counts in parts:
             part = []
             for kind, count in enumerate(counts):
-                part += members[kind][taken[kind]:taken[kind] + count]
+                part += members[kind][taken[kind] : taken[kind] + count]
                 taken[kind] += count
             partition.append(tuple(sorted(part)))
         return partition
@@ -140,17 +152,16 @@ class UnitKinds:
         if not support:
             return 0
         admissible = self._admissible_for(support)
-        payload = sum(c * aligned_payload([n], self.alignment)
-                      for c, n in zip(counts, self.numels))
-        shard = lower_bound_from_parts(payload, max(self.blocks[k] for k in support),
-                                       self.world_size, admissible)
+        payload = sum(c * aligned_payload([n], self.alignment) for c, n in zip(counts, self.numels))
+        shard = lower_bound_from_parts(payload, max(self.blocks[k] for k in support), self.world_size, admissible)
         return self.world_size * shard - sum(c * n for c, n in zip(counts, self.numels))
 
     def _admissible_for(self, support: tuple[int, ...]) -> AdmissibleShardSizes:
         # Admissibility is a per-tensor rule, so it depends on the kinds present only.
         if support not in self._admissible:
             self._admissible[support] = AdmissibleShardSizes(
-                [self.numels[k] for k in support], [self.blocks[k] for k in support],
+                [self.numels[k] for k in support],
+                [self.blocks[k] for k in support],
                 self.alignment,
             )
         return self._admissible[support]
@@ -165,7 +176,7 @@ class UnitKinds:
         """
         ranges = [range(c + 1) for c in self.counts]
         vectors = list(itertools.product(*ranges))
-        strides = [math.prod(c + 1 for c in self.counts[k + 1:]) for k in range(len(self.counts))]
+        strides = [math.prod(c + 1 for c in self.counts[k + 1 :]) for k in range(len(self.counts))]
         cost = [self.part_padding(v) for v in vectors]
         full = len(vectors) - 1
         levels, choices = [cost], []
@@ -184,39 +195,42 @@ class UnitKinds:
             choices.append(choice)
         results = []
         for budget in range(1, max_buffers + 1):
-            parts, v = [], full
-            for choice in reversed(choices[:budget - 1]):
+            partition, v = [], full
+            for choice in reversed(choices[: budget - 1]):
                 u = choice[v]
                 if u:
-                    parts.append(vectors[u])
+                    partition.append(vectors[u])
                 v -= u
             if v:
-                parts.append(vectors[v])
-            results.append((levels[budget - 1][full], parts))
+                partition.append(vectors[v])
+            results.append((levels[budget - 1][full], partition))
         return results
 
     def capacity(self, max_buffers: int) -> int:
         """The capacity bound (module docstring) over partitions of whole kinds."""
-        payload = sum(c * aligned_payload([n], self.alignment)
-                      for c, n in zip(self.counts, self.numels))
+        payload = sum(c * aligned_payload([n], self.alignment) for c, n in zip(self.counts, self.numels))
         least: int | None = None
         for labels in _partitions(len(self.counts), max_buffers):
             needed = 0
             for part in range(max(labels) + 1):
                 support = tuple(k for k, label in enumerate(labels) if label == part)
                 needed += self.world_size * self._admissible_for(support).next_admissible(
-                    max(self.blocks[k] for k in support))
+                    max(self.blocks[k] for k in support)
+                )
             least = needed if least is None else min(least, needed)
+        assert least is not None  # there is always at least one partition
         return max(least, payload) - sum(c * n for c, n in zip(self.counts, self.numels))
 
 
 def _partitions(items: int, most: int):
     """Every partition of ``range(items)`` into at most ``most`` labelled-canonical parts
     (restricted growth strings)."""
+
     def grow(prefix: list[int], used: int):
         if len(prefix) == items:
             yield tuple(prefix)
             return
         for label in range(min(used + 1, most)):
             yield from grow(prefix + [label], max(used, label + 1))
+
     yield from grow([], 0)

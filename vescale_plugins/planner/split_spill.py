@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.planner.split_bounds import UnitKinds, unit_kinds
 
@@ -48,7 +48,10 @@ CountVector = tuple[int, ...]
 
 
 def spill_partitions(
-    numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int,
+    numels: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    world_size: int,
+    alignment: int,
     max_buffers: int,
 ) -> tuple[tuple[int, ...], list[tuple[int, list[tuple[int, ...]]]]] | None:
     """The tiny tensors (as :func:`.split_bounds.least_bound_partitions`), and for every
@@ -69,9 +72,9 @@ def spill_partitions(
             found = search.spill(start, budget)
             if best is None or found[0] < best[0]:
                 best = found
+        assert best is not None  # class_partitions gives at least one start
         tiny_elements = sum(numels[i] for i in tiny)
-        results.append((max(0, best[0] - tiny_elements),
-                        problem.indices(numels, block_sizes, tiny, best[1])))
+        results.append((max(0, best[0] - tiny_elements), problem.indices(numels, block_sizes, tiny, best[1])))
     return tuple(sorted(tiny)), results
 
 
@@ -116,8 +119,10 @@ class _SpillSearch:
         ``SPILL_BEAM`` best splits so far go on to the next kind."""
         start = _canonical(split)
         beam = {start: self.total(start)}
-        big = sorted((k for k, count in enumerate(self.problem.counts) if count > SMALL_COUNT),
-                     key=lambda k: (-self.problem.counts[k], k))
+        big = sorted(
+            (k for k, count in enumerate(self.problem.counts) if count > SMALL_COUNT),
+            key=lambda k: (-self.problem.counts[k], k),
+        )
         for kind in big:
             grown = dict(beam)
             for parts in beam:
@@ -167,4 +172,4 @@ def _canonical(parts: Sequence[CountVector]) -> tuple[CountVector, ...]:
 
 
 def _add(vector: CountVector, kind: int, count: int) -> CountVector:
-    return vector[:kind] + (vector[kind] + count,) + vector[kind + 1:]
+    return vector[:kind] + (vector[kind] + count,) + vector[kind + 1 :]

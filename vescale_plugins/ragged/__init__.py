@@ -10,4 +10,12 @@ of whole blocks of a tensor.
 from vescale_plugins.ragged.layout import RaggedLayout, RankSlice, flat_interval_boxes, ragged_layout, validate_ragged
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
-__all__ = ["RaggedShard", "StridedRaggedShard", "RaggedLayout", "RankSlice", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
+__all__ = [
+    "RaggedShard",
+    "StridedRaggedShard",
+    "RaggedLayout",
+    "RankSlice",
+    "ragged_layout",
+    "validate_ragged",
+    "flat_interval_boxes",
+]

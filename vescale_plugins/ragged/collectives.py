@@ -62,9 +62,7 @@ def _overlap(a_start: int, a_len: int, b_start: int, b_len: int) -> int:
     return max(0, min(a_start + a_len, b_start + b_len) - max(a_start, b_start))
 
 
-def reshard_ragged(
-    local: torch.Tensor, src: RaggedLayout, dst: RaggedLayout, group: dist.ProcessGroup
-) -> torch.Tensor:
+def reshard_ragged(local: torch.Tensor, src: RaggedLayout, dst: RaggedLayout, group: dist.ProcessGroup) -> torch.Tensor:
     """Ragged -> ragged: one all-to-all of the overlapping intervals.
 
     Both layouts cut the same flat storage into rank-ordered contiguous runs, so this rank's
@@ -104,7 +102,9 @@ def reduce_scatter_ragged(
     else:
         send = flat.new_zeros(longest * world)
         for r, rank_slice in enumerate(layout.slices):
-            send[r * longest : r * longest + rank_slice.length] = flat[rank_slice.offset : rank_slice.offset + rank_slice.length]
+            send[r * longest : r * longest + rank_slice.length] = flat[
+                rank_slice.offset : rank_slice.offset + rank_slice.length
+            ]
     out = flat.new_empty(longest)
     _reduce_scatter_single(out, send, op=_REDUCE_OPS[reduce_op], group=group)
     if reduce_op == "avg":

@@ -8,8 +8,8 @@ say what would fit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["RankSlice", "RaggedLayout", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
 
@@ -67,7 +67,7 @@ def validate_ragged(shape: Sequence[int], dims: Sequence[int], local_units: Sequ
             f"{where}: dims names {len(dims)} dims but the tensor has only {len(shape)}; "
             f"use a prefix of (0, ..., {len(shape) - 1})"
         )
-    row_numel = math.prod(shape[len(dims):])
+    row_numel = math.prod(shape[len(dims) :])
     numel = math.prod(shape)
     total_units = sum(local_units)
     if numel % total_units or (numel // total_units) % max(row_numel, 1):
@@ -81,8 +81,7 @@ def _validate_placement_args(dims: tuple[int, ...], local_units: tuple[int, ...]
     """The checks that need no tensor shape: dims form a prefix, units are sane."""
     if dims != tuple(range(len(dims))):
         raise ValueError(
-            f"{where}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, "
-            f"e.g. {tuple(range(len(dims)))}"
+            f"{where}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, e.g. {tuple(range(len(dims)))}"
         )
     if not local_units:
         raise ValueError(f"{where}: local_units is empty; give one entry per rank of the mesh dim")
@@ -146,7 +145,9 @@ def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ..
     if lo % inner:
         # Leading partial row: recurse inside it.
         end = min(hi, (first_row + 1) * inner)
-        boxes += [((first_row, *o), (1, *s)) for o, s in _boxes(shape[1:], lo - first_row * inner, end - first_row * inner)]
+        boxes += [
+            ((first_row, *o), (1, *s)) for o, s in _boxes(shape[1:], lo - first_row * inner, end - first_row * inner)
+        ]
         row_lo = first_row + 1
     row_hi = last_row + 1 if hi % inner == 0 else last_row
     if row_hi > row_lo:

@@ -12,7 +12,7 @@ for the few places where torch is taught about it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Placement
@@ -74,10 +74,10 @@ class RaggedShard(Placement):
         # state dict with DTensors, copy.deepcopy of a placement or a DTensor spec).
         return (RaggedShard, (self.dims, self.local_units))
 
-    def __deepcopy__(self, memo: dict) -> "RaggedShard":
+    def __deepcopy__(self, memo: dict) -> RaggedShard:
         return RaggedShard(self.dims, self.local_units)
 
-    def __copy__(self) -> "RaggedShard":
+    def __copy__(self) -> RaggedShard:
         return RaggedShard(self.dims, self.local_units)
 
     def __repr__(self) -> str:
@@ -105,7 +105,10 @@ class StridedRaggedShard(RaggedShard):
         self.split_factor = split_factor
 
     def __eq__(self, other: object) -> bool:
-        return super().__eq__(other) and self.split_factor == other.split_factor  # type: ignore[attr-defined]
+        # super() already requires type(other) is type(self); the isinstance narrows it for mypy.
+        return (
+            isinstance(other, StridedRaggedShard) and super().__eq__(other) and self.split_factor == other.split_factor
+        )
 
     def __hash__(self) -> int:
         return hash((StridedRaggedShard, self.dims, self.local_units, self.split_factor))
@@ -113,10 +116,10 @@ class StridedRaggedShard(RaggedShard):
     def __reduce__(self) -> tuple:
         return (StridedRaggedShard, (self.dims, self.local_units, self.split_factor))
 
-    def __deepcopy__(self, memo: dict) -> "StridedRaggedShard":
+    def __deepcopy__(self, memo: dict) -> StridedRaggedShard:
         return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
 
-    def __copy__(self) -> "StridedRaggedShard":
+    def __copy__(self) -> StridedRaggedShard:
         return StridedRaggedShard(self.dims, self.local_units, self.split_factor)
 
     def __repr__(self) -> str:

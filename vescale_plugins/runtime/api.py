@@ -8,7 +8,8 @@ input leaves the module as it was.
 
 from __future__ import annotations
 
-from typing import Any, Callable, overload
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,9 +24,33 @@ __all__ = ["fully_shard", "register_fsdp_forward_method"]
 
 
 @overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module: ...
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy | None = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    block_size_fn: BlockSizeFn | None = ...,
+    buffer_split_cost: BufferSplitCost = ...,
+) -> nn.Module: ...
 @overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[nn.Module]: ...
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy | None = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    block_size_fn: BlockSizeFn | None = ...,
+    buffer_split_cost: BufferSplitCost = ...,
+) -> list[nn.Module]: ...
 
 
 def fully_shard(
@@ -55,13 +80,19 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     unit = plan_unit_setup(
-        modules, mesh=mesh, reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_placement_fn,
-        offload_policy=offload_policy, ignored_params=ignored_params, dp_mesh_dims=dp_mesh_dims, block_size_fn=block_size_fn,
+        modules,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+        block_size_fn=block_size_fn,
     )
     group = FSDPParamGroup(modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost)
     record_sharded(modules, unit.params)
     for m in modules:
-        m._vescale_fsdp_unit = group
+        m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
         m.__class__ = fsdp_class(type(m))
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, prepend=False)
@@ -69,11 +100,11 @@ def fully_shard(
 
 
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return module._vescale_fsdp_unit.pre_forward(module, args, kwargs)
+    return group_of(module).pre_forward(module, args, kwargs)
 
 
 def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
-    return module._vescale_fsdp_unit.post_forward(module, output)
+    return group_of(module).post_forward(module, output)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

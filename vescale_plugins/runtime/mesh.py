@@ -7,7 +7,7 @@ A 1-D mesh shards over all of it; a 2-D one (HSDP) replicates over dim 0 and sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ class UnitMesh:
     replicate_group: dist.ProcessGroup | None
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> "UnitMesh":
+    def of(cls, mesh: DeviceMesh) -> UnitMesh:
         shard_dim = mesh.ndim - 1
         return cls(
             mesh,
@@ -46,7 +46,7 @@ class UnitMesh:
         return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
 
 
-def is_group_size(value: Any) -> bool:
+def is_group_size(value: Any) -> TypeGuard[int]:
     """``reshard_after_forward`` given as a number of ranks (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

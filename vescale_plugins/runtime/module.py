@@ -3,7 +3,8 @@ manages, and the class each managed module becomes (``FSDP<Name>``'s counterpart
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -11,7 +12,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from vescale_plugins.runtime.param_group import FSDPParamGroup
-from vescale_plugins.runtime.setup import check_reshard_after_forward, normalise_reshard_after_forward, refuse_with_parameter_meshes
+from vescale_plugins.runtime.setup import (
+    check_reshard_after_forward,
+    normalise_reshard_after_forward,
+    refuse_with_parameter_meshes,
+)
 from vescale_plugins.runtime.state import groups_under
 
 __all__ = ["UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
@@ -38,7 +43,7 @@ class _FSDPStateAdapter:
     which transformers' Trainer calls for ``generate``); its forward hooks are provided,
     anything else raises naming what to use instead."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: VeScaleFSDPModule) -> None:
         self._module = module
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -167,11 +172,12 @@ class VeScaleFSDPModule(FSDPModule):
             "vescale_plugins.fully_shard; use torch.distributed.fsdp.fully_shard for them"
         )
 
-    def _get_fsdp_state(self) -> _FSDPStateAdapter:
-        return _FSDPStateAdapter(self)  # type: ignore[arg-type]
+    def _get_fsdp_state(self) -> _FSDPStateAdapter:  # type: ignore[override]  # FSDP2 private FSDPState; the adapter has the hooks torch reads
+        return _FSDPStateAdapter(self)
 
     def _units(self, recurse: bool) -> list[FSDPParamGroup]:
-        return groups_under([self]) if recurse else [self._vescale_fsdp_unit]
+        # Mixed into nn.Module subclasses only (fsdp_class), as torch's FSDPModule, which casts so too.
+        return groups_under([cast(nn.Module, self)]) if recurse else [self._vescale_fsdp_unit]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """With ``False``, backward accumulates full gradients locally and communicates nothing."""
@@ -189,12 +195,12 @@ class VeScaleFSDPModule(FSDPModule):
                 refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward, None)
             unit.reshard_after_forward = normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
-    def set_modules_to_forward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start these units' all-gathers when this unit's forward starts (default: the unit
         that ran after it in the previous forward; ``[]`` for none)."""
         self._vescale_fsdp_unit.forward_prefetch = [group_of(m) for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list["VeScaleFSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Start these units' all-gathers during this unit's backward, once its first gradient
         has landed (default: the unit that ran before it in forward)."""
         self._vescale_fsdp_unit.backward_prefetch = [group_of(m) for m in modules]
@@ -218,7 +224,7 @@ class VeScaleFSDPModule(FSDPModule):
         gradients and no-sync accumulation are dropped."""
         group = self._vescale_fsdp_unit
         if group.root_state is None:  # never ran forward: nothing under a root yet
-            for unit in groups_under([self]):
+            for unit in groups_under([cast(nn.Module, self)]):
                 unit.reset_iteration_state()
             return
         if group.root_state.root is not group:
@@ -251,7 +257,7 @@ class VeScaleFSDPModule(FSDPModule):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
         # Past FSDPModule: its _apply reads FSDP2's private state.
-        result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]  # mypy cannot see the module class after FSDPModule in the MRO
         self._vescale_fsdp_unit.readopt_sharded_params()
         return result
 
@@ -261,7 +267,9 @@ _CLASS_CACHE: dict[type, type] = {}
 
 def fsdp_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
+        _CLASS_CACHE[cls] = type(
+            f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy}
+        )
     return _CLASS_CACHE[cls]
 
 

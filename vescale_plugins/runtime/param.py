@@ -10,8 +10,9 @@ arrive on the unsharded face and leave as a view of the sharded gradient buffer.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -19,11 +20,20 @@ from torch.distributed.tensor import DTensor, Placement
 
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.ragged.dtensor import make_dtensor, set_local_tensor
+from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.mesh import UnitMesh
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
 if TYPE_CHECKING:
     from vescale_plugins.runtime.param_group import FSDPParamGroup
+
+    class ShardedParameter(nn.Parameter, DTensor):
+        """The sharded face, ``nn.Parameter(dtensor)``: for a tensor subclass, torch's
+        Parameter returns the subclass instance flagged as a parameter, so the face is a
+        DTensor and passes ``isinstance(face, nn.Parameter)``. Both, for the type checker."""
+
+else:
+    ShardedParameter = DTensor
 
 __all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
 
@@ -35,7 +45,7 @@ class ShardedBuffer:
 
     dbuffer: DBuffer
     mesh: UnitMesh
-    params: list["FSDPParam"]
+    params: list[FSDPParam]
 
 
 class FSDPParam:
@@ -51,8 +61,13 @@ class FSDPParam:
     """
 
     def __init__(
-        self, fqn: str, owners: tuple[tuple[nn.Module, str], ...], buffer: ShardedBuffer, slot: int,
-        original: nn.Parameter, parallel: ParallelSpec | None,
+        self,
+        fqn: str,
+        owners: tuple[tuple[nn.Module, str], ...],
+        buffer: ShardedBuffer,
+        slot: int,
+        original: nn.Parameter,
+        parallel: ParallelSpec | None,
     ) -> None:
         self.fqn, self.owners, self.buffer, self.slot, self.parallel = fqn, owners, buffer, slot, parallel
         # Weakly: a module outside the unit still holding it (a tied weight) is a parameter
@@ -80,7 +95,7 @@ class FSDPParam:
         slot = dbuffer.slots[self.slot]
         return self.buffer.mesh.shard_rank * dbuffer.shard_size + slot.local_offset - slot.global_offset
 
-    def _make_sharded(self, param: nn.Parameter) -> nn.Parameter:
+    def _make_sharded(self, param: nn.Parameter) -> ShardedParameter:
         """Copy this rank's part of ``param`` into the sharded buffer once; the sharded face.
 
         A tensor-parallel parameter's slot is its local TP tensor; the DTensor lives on the
@@ -94,10 +109,19 @@ class FSDPParam:
                 local.reshape(-1).copy_(flat[start : start + slot.local_length])
         if self.parallel is not None:
             ragged = self.placements()[-1]
-            dtensor = make_dtensor(local, self.parallel.sharded_mesh, self.parallel.sharded_placements(ragged), self.parallel.shape, self.parallel.stride)
+            assert isinstance(ragged, RaggedShard)  # UnitMesh.placements ends with it
+            dtensor = make_dtensor(
+                local,
+                self.parallel.sharded_mesh,
+                self.parallel.sharded_placements(ragged),
+                self.parallel.shape,
+                self.parallel.stride,
+            )
         else:
-            dtensor = make_dtensor(local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape))
-        sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+            dtensor = make_dtensor(
+                local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape)
+            )
+        sharded = cast("ShardedParameter", nn.Parameter(dtensor, requires_grad=param.requires_grad))
         _BY_SHARDED[id(sharded)] = self
         return sharded
 
@@ -106,7 +130,13 @@ class FSDPParam:
         a DTensor's device is fixed)."""
         old = self.sharded
         local = torch.empty(old._local_tensor.shape, dtype=old.dtype, device=device)
-        self.sharded = nn.Parameter(make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()), requires_grad=old.requires_grad)
+        self.sharded = cast(
+            "ShardedParameter",
+            nn.Parameter(
+                make_dtensor(local, old.device_mesh, old.placements, old.shape, old.stride()),
+                requires_grad=old.requires_grad,
+            ),
+        )
         _BY_SHARDED[id(self.sharded)] = self
         self.register(self.sharded)
 
@@ -131,7 +161,11 @@ class FSDPParam:
         parameter's mesh (a sharded state dict)."""
         if isinstance(value, DTensor):
             same = value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh
-            return value.to_local() if same else value.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+            return (
+                value.to_local()
+                if same
+                else value.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+            )
         full = value.detach() if self.parallel is None else self.parallel.local_part(value.detach()).contiguous()
         start = self.slice_start()
         return full.reshape(-1)[start : start + self.dbuffer.slots[self.slot].local_length]
@@ -183,6 +217,7 @@ class FSDPParam:
         grad = self.gathered_grad()
         if grad is None or (self.accumulated_grad is None and grad.dtype == reduce_dtype):
             return
+        assert self.unsharded is not None  # where the gradient came from
         self.unsharded.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)
@@ -208,7 +243,7 @@ class FSDPParam:
 # parameter views. Not a weak reference to the parameter (``module._apply`` swaps a DTensor
 # parameter's contents in place, which torch refuses for a weakly referenced tensor); the
 # lookup checks identity, so a reused id never answers.
-_BY_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_BY_SHARDED: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
 
 
 def fsdp_param_of(param: torch.Tensor) -> FSDPParam | None:
@@ -229,10 +264,12 @@ def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
 # init followed by ``module.w = nn.Parameter(t)``, ``load_state_dict(assign=True)``) lands
 # in the unit's DBuffer instead of silently replacing the sharded parameter (FSDP2 adopts such
 # assignments too).
-_MANAGED_SLOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPParamGroup, FSDPParam]]]" = weakref.WeakKeyDictionary()
+_MANAGED_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[FSDPParamGroup, FSDPParam]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def track_slots(group: "FSDPParamGroup", fsdp_params: list[FSDPParam]) -> None:
+def track_slots(group: FSDPParamGroup, fsdp_params: list[FSDPParam]) -> None:
     for fsdp_param in fsdp_params:
         for module, name in fsdp_param.owners:
             _MANAGED_SLOTS.setdefault(module, {})[name] = (group, fsdp_param)

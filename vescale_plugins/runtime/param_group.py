@@ -27,7 +27,13 @@ from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_g
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
 from vescale_plugins.runtime.state import RootState, TrainingState
-from vescale_plugins.runtime.traversal import cast_floating, map_grad_tensors, outside_functorch, register_on_tensors, tensors_requiring_grad
+from vescale_plugins.runtime.traversal import (
+    cast_floating,
+    map_grad_tensors,
+    outside_functorch,
+    register_on_tensors,
+    tensors_requiring_grad,
+)
 
 __all__ = ["FSDPParamGroup"]
 
@@ -91,7 +97,12 @@ class FSDPParamGroup:
             for plan in plan_buffers(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size, cost):
                 in_buffer = [members[p] for p in plan.positions]
                 dbuffer = self._new_dbuffer(
-                    [s.local.shape for s in in_buffer], [s.block_rows for s in in_buffer], dtype, members[0].param.device, unit_mesh.shard_group, plan.layout
+                    [s.local.shape for s in in_buffer],
+                    [s.block_rows for s in in_buffer],
+                    dtype,
+                    members[0].param.device,
+                    unit_mesh.shard_group,
+                    plan.layout,
                 )
                 buffer = ShardedBuffer(dbuffer, unit_mesh, [])
                 for slot, spec in enumerate(in_buffer):
@@ -105,10 +116,23 @@ class FSDPParamGroup:
         track_slots(self, fsdp_params)
         return fsdp_params
 
-    def _new_dbuffer(self, shapes: list[torch.Size], block_rows: list[int], dtype: torch.dtype, device: torch.device, group: Any, layout: Any) -> DBuffer:
+    def _new_dbuffer(
+        self,
+        shapes: list[torch.Size],
+        block_rows: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: Any,
+        layout: Any,
+    ) -> DBuffer:
         floating = dtype.is_floating_point
         return DBuffer(
-            shapes, block_rows, dtype, device, group, layout,
+            shapes,
+            block_rows,
+            dtype,
+            device,
+            group,
+            layout,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
         )
@@ -130,7 +154,14 @@ class FSDPParamGroup:
             dtype = locals_[0].dtype if locals_ else old.dtype
             if device != old.device or dtype != old.dtype or old.sharded.device.type == "meta":
                 # Mixed-precision dtypes follow a dtype change unless the policy fixed them.
-                buffer.dbuffer = self._new_dbuffer([s.shape for s in old.slots], [s.block_rows for s in old.slots], dtype, device, old.group, old.layout)
+                buffer.dbuffer = self._new_dbuffer(
+                    [s.shape for s in old.slots],
+                    [s.block_rows for s in old.slots],
+                    dtype,
+                    device,
+                    old.group,
+                    old.layout,
+                )
                 buffer.dbuffer.label = old.label
             for fsdp_param, old_local in zip(members, locals_):
                 fsdp_param.readopt_local(old_local)
@@ -160,7 +191,9 @@ class FSDPParamGroup:
                 member.replace_sharded(value.device)
             self.readopt_sharded_params()
         with torch.no_grad():
-            fsdp_param.dbuffer.sharded_view(fsdp_param.slot).reshape(-1).copy_(fsdp_param.local_value_of(value).reshape(-1))
+            fsdp_param.dbuffer.sharded_view(fsdp_param.slot).reshape(-1).copy_(
+                fsdp_param.local_value_of(value).reshape(-1)
+            )
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
@@ -220,8 +253,10 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
+        k = self.reshard_after_forward
+        assert is_group_size(k)  # what complete_forward checked
         for buffer in self.buffers:
-            buffer.dbuffer.reshard_to_group(post_forward_group(buffer.mesh.mesh, self.reshard_after_forward))
+            buffer.dbuffer.reshard_to_group(post_forward_group(buffer.mesh.mesh, k))
 
     # -- forward ----------------------------------------------------------------------
 
@@ -239,6 +274,7 @@ class FSDPParamGroup:
         if self.root_state is None:
             RootState.init_under(self)
         root_state = self.root_state
+        assert root_state is not None  # init_under gives this unit one
         if root_state.root is self:
             root_state.start_forward()
         if torch.is_grad_enabled():
@@ -270,8 +306,10 @@ class FSDPParamGroup:
         if len(self._modules_run) < len(self.modules):
             return self._cast_output(output)  # each module of a grouped unit, as FSDP2
         output = self.complete_forward(output)
-        if self.root_state.root is self:
-            output = self.root_state.complete_partial_forwards(output)
+        root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
+        if root_state.root is self:
+            output = root_state.complete_partial_forwards(output)
         return self._cast_output(output)
 
     def complete_forward(self, output: Any) -> Any:
@@ -290,8 +328,9 @@ class FSDPParamGroup:
         if not torch.is_grad_enabled():
             return True  # no backward will need the parameters (evaluation, inference)
         if self.reshard_after_forward is None:
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
             return self.root_state.root is not self
-        return self.reshard_after_forward
+        return bool(self.reshard_after_forward)  # a group size k (an int >= 2) reshards
 
     # -- backward ---------------------------------------------------------------------
 
@@ -310,6 +349,7 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
         if not root_state.callback_queued:
             root_state.callback_queued = True
             Variable._execution_engine.queue_callback(root_state.final_callback)
@@ -326,6 +366,7 @@ class FSDPParamGroup:
         its gradient buffer before the prefetch allocates, so the two are never alive at once.
         """
         if not self._backward_prefetched:
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
             self.root_state.wait_for_reduces()
         self._prefetch_for_backward()
 
@@ -340,6 +381,7 @@ class FSDPParamGroup:
         if self._backward_prefetched:
             return
         self._backward_prefetched = True
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
         for group in self.root_state.backward_prefetch_targets(self):
             group.unshard(async_op=True)
 
@@ -377,6 +419,7 @@ class FSDPParamGroup:
         for the last reduce-scatters at the end of backward.
         """
         root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
         root_state.wait_for_reduces()
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
@@ -400,11 +443,17 @@ class FSDPParamGroup:
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's sums wait in a partial buffer; no gradient is attached yet.
-                root_state.reduces_in_flight.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
+                root_state.reduces_in_flight.append(
+                    dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True)
+                )
                 continue
             # Default: the mean over every data-parallel rank of the buffer's own mesh.
-            divide_factor = float(buffer.mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
-            handle = dbuffer.reduce_scatter(divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group)
+            divide_factor = (
+                float(buffer.mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
+            )
+            handle = dbuffer.reduce_scatter(
+                divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group
+            )
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
             root_state.reduces_in_flight.append(handle)
             for p, got in zip(members, received):
@@ -413,7 +462,9 @@ class FSDPParamGroup:
                 if got:
                     p.attach_sharded_grad()
                 else:
-                    root_state.reduced_without_local_grad.append((p, dbuffer.sharded_grad))
+                    sharded_grad = dbuffer.sharded_grad
+                    assert sharded_grad is not None  # the reduce-scatter's handle holds it
+                    root_state.reduced_without_local_grad.append((p, sharded_grad))
 
     def reset_iteration_state(self) -> None:
         """Forget this iteration (after an exception aborted it): no gradient, no gather."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec, SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
 
-try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+if TYPE_CHECKING:  # type-checked against a torch that has it
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-except ImportError:
-    ShardPlacementResult = ()  # isinstance(x, ()) is always False
+else:
+    try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        ShardPlacementResult = ()  # isinstance(x, ()) is always False
 
 __all__ = [
     "BlockSizeFn",
@@ -113,16 +117,26 @@ def plan_unit_setup(
     def plan() -> list[ParamSpec]:
         params, shared = _collect_params(modules, ignored)
         _check_not_already_sharded(modules[0], params)
-        own_mesh = _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
+        own_mesh = (
+            _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
+        )
         if own_mesh:
             refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward, spmd)
         specs = [
-            ParamSpec(fqn, tuple(owners), p, _block_rows(fqn, p, block_size_fn), parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd), own_mesh.get(fqn))
+            ParamSpec(
+                fqn,
+                tuple(owners),
+                p,
+                _block_rows(fqn, p, block_size_fn),
+                parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd),
+                own_mesh.get(fqn),
+            )
             for fqn, owners, p in params
         ]
         if shared:
             raise ValueError(
-                "parameters shared between this unit and a unit inside it: " + ", ".join(shared)
+                "parameters shared between this unit and a unit inside it: "
+                + ", ".join(shared)
                 + "; shared (e.g. tied) parameters must belong to one unit: apply fully_shard to a "
                 "module that contains every user of them"
             )
@@ -135,7 +149,10 @@ def plan_unit_setup(
     # local shapes differ where experts split unevenly).
     specs = agree_on_plan(
         plan,
-        lambda specs: [(s.fqn, tuple(s.local.shape if s.mesh is None else s.param.shape), str(s.param.dtype), s.block_rows) for s in specs],
+        lambda specs: [
+            (s.fqn, tuple(s.local.shape if s.mesh is None else s.param.shape), str(s.param.dtype), s.block_rows)
+            for s in specs
+        ],
         mesh.get_group(mesh.ndim - 1),
     )
     return UnitSetup(mesh, normalise_reshard_after_forward(reshard_after_forward, mesh), specs)
@@ -203,7 +220,9 @@ def _check_mesh(mesh: Any) -> None:
             "torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type) wraps one"
         )
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard(mesh=...) must be a DeviceMesh (or None for all ranks), got {type(mesh).__name__}")
+        raise TypeError(
+            f"fully_shard(mesh=...) must be a DeviceMesh (or None for all ranks), got {type(mesh).__name__}"
+        )
     if dist.is_initialized() and mesh.get_coordinate() is None:
         raise ValueError(
             f"this rank (global rank {dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}: call fully_shard "
@@ -229,7 +248,9 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
     return mesh
 
 
-def _resolve_spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any, device: torch.device) -> tuple[DeviceMesh, SpmdMesh]:
+def _resolve_spmd_mesh(
+    mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any, device: torch.device
+) -> tuple[DeviceMesh, SpmdMesh]:
     """With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh: validated as FSDP2 does, and
     replaced by its data-parallel shard dim."""
     if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
@@ -344,7 +365,10 @@ def _refuse_tensor_extensions(specs: list[ParamSpec]) -> None:
 
 
 def _check_shard_placements(
-    params: list[tuple[str, Any, nn.Parameter]], shard_placement_fn: Callable[[nn.Parameter], Any], mesh: DeviceMesh, device: torch.device
+    params: list[tuple[str, Any, nn.Parameter]],
+    shard_placement_fn: Callable[[nn.Parameter], Any],
+    mesh: DeviceMesh,
+    device: torch.device,
 ) -> dict[str, DeviceMesh]:
     """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it; returns the parameters it
     puts on another mesh than the unit's.
@@ -368,10 +392,14 @@ def _check_shard_placements(
         if placement is None:
             continue
         if not isinstance(placement, Shard):
-            raise ValueError(f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)")
+            raise ValueError(
+                f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)"
+            )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < max(param.dim(), 1):
-            raise ValueError(f"shard_placement_fn returned {placement!r} for {fqn!r}: Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}")
+            raise ValueError(
+                f"shard_placement_fn returned {placement!r} for {fqn!r}: Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}"
+            )
         if dim != 0:
             other_dims.append(f"{fqn!r} ({placement!r})")
     if other_dims and not _SHARD_DIM_WARNED:
@@ -407,9 +435,13 @@ def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMes
             "shards over dim 1 of a 2-D one (HSDP)"
         )
     if device.type != "meta" and param_mesh.device_type != device.type:
-        raise ValueError(f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}")
+        raise ValueError(
+            f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}"
+        )
     if param_mesh.get_coordinate() is None:
-        raise ValueError(f"shard_placement_fn put {fqn!r} on mesh {param_mesh}, which does not hold this rank ({dist.get_rank()})")
+        raise ValueError(
+            f"shard_placement_fn put {fqn!r} on mesh {param_mesh}, which does not hold this rank ({dist.get_rank()})"
+        )
     return param_mesh
 
 
@@ -421,7 +453,9 @@ def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any, spm
             "shard_placement_fn): pass True or False, as FSDP2 needs for such units"
         )
     if spmd is not None:
-        raise NotImplementedError(f"dp_mesh_dims with parameters on their own mesh ({first_fqn!r}, from shard_placement_fn)")
+        raise NotImplementedError(
+            f"dp_mesh_dims with parameters on their own mesh ({first_fqn!r}, from shard_placement_fn)"
+        )
 
 
 # -- agreement across ranks -----------------------------------------------------------------
@@ -431,37 +465,40 @@ def _fingerprint(entries: Sequence[PlanEntry]) -> str:
     return hashlib.sha256(repr(list(entries)).encode()).hexdigest()
 
 
-def agree_on_plan(plan: Callable[[], T], describe: Callable[[T], Sequence[PlanEntry]], group: dist.ProcessGroup | None) -> T:
+def agree_on_plan(
+    plan: Callable[[], T], describe: Callable[[T], Sequence[PlanEntry]], group: dist.ProcessGroup | None
+) -> T:
     """``plan()`` on every rank of ``group``, then one exchange: every rank raises the same
     error if any rank failed or planned differently; else the plan is returned.
 
     ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter.
     """
-    result: T | None = None
-    outcome: tuple[str, Any]
+    error: Exception | None = None
+    mine: tuple[str, Any]
     try:
         result = plan()
         entries = list(describe(result))
-        outcome = ("ok", _fingerprint(entries))
-    except _CHECKED_ERRORS as error:
-        outcome = ("error", error)
+        mine = ("ok", _fingerprint(entries))
+    except _CHECKED_ERRORS as raised:
+        error = raised
+        # Errors travel as (class name, message): the exception object itself may not pickle.
+        mine = ("error", (type(raised).__name__, str(raised)))
+    # From here on, result is set unless error is (which is raised first).
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if outcome[0] == "error":
-            raise outcome[1]
-        return result  # type: ignore[return-value]  # plan() returned, so result is set
-    # Errors travel as (class name, message): the exception object itself may not pickle.
-    mine = outcome if outcome[0] == "ok" else ("error", (type(outcome[1]).__name__, str(outcome[1])))
+        if error is not None:
+            raise error
+        return result
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, mine, group=group)
     failed = [(rank, value) for rank, (kind, value) in enumerate(outcomes) if kind == "error"]
     if failed:
-        if outcome[0] == "error":
-            raise outcome[1]
+        if error is not None:
+            raise error
         rank, (class_name, message) = failed[0]
         error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
         raise error_class(f"fully_shard failed on rank {rank} of the mesh: {message}")
     if len({value for _, value in outcomes}) == 1:
-        return result  # type: ignore[return-value]  # plan() returned, so result is set
+        return result
     # Fingerprints differ: one more exchange names the first parameter that differs.
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, entries, group=group)

@@ -10,7 +10,8 @@ gradients, and units reshard.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()  # its gradients were reduced (until the backward ends)
 
 
-def groups_under(modules: Iterable[nn.Module]) -> list["FSDPParamGroup"]:
+def groups_under(modules: Iterable[nn.Module]) -> list[FSDPParamGroup]:
     """Every unit whose modules are among ``modules`` or below them, outermost first."""
     groups: list[FSDPParamGroup] = []
     for module in modules:
@@ -47,7 +48,7 @@ def groups_under(modules: Iterable[nn.Module]) -> list["FSDPParamGroup"]:
 class RootState:
     """What the units under ``root`` share for the iteration in progress."""
 
-    def __init__(self, root: "FSDPParamGroup", groups: list["FSDPParamGroup"]) -> None:
+    def __init__(self, root: FSDPParamGroup, groups: list[FSDPParamGroup]) -> None:
         self.root = root
         self.groups = groups  # every unit under the root, outermost first (the root first)
         self.forward_order: list[FSDPParamGroup] = []  # units in the order this forward ran them
@@ -59,7 +60,7 @@ class RootState:
         self.callback_queued = False
 
     @staticmethod
-    def init_under(root: "FSDPParamGroup") -> None:
+    def init_under(root: FSDPParamGroup) -> None:
         """Make ``root`` (the first unit to run forward) the root of every unit below its
         modules that has none yet; label their buffers with their module names."""
         found = groups_under(root.modules)
@@ -72,9 +73,9 @@ class RootState:
             group.root_state = state
         for root_module in root.modules:
             for name, module in root_module.named_modules():
-                group = getattr(module, "_vescale_fsdp_unit", None)
-                if group in groups and module is group.modules[0]:
-                    for dbuffer in group.dbuffers:
+                unit = getattr(module, "_vescale_fsdp_unit", None)
+                if unit in groups and module is unit.modules[0]:
+                    for dbuffer in unit.dbuffers:
                         dbuffer.label = name or "<root>"
 
     # -- forward ----------------------------------------------------------------------
@@ -84,7 +85,7 @@ class RootState:
         if self.forward_order:
             self.previous_forward_order, self.forward_order = self.forward_order, []
 
-    def forward_prefetch_targets(self, group: "FSDPParamGroup") -> list["FSDPParamGroup"]:
+    def forward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
         in the previous training forward.
 
@@ -111,7 +112,7 @@ class RootState:
 
     # -- backward ---------------------------------------------------------------------
 
-    def backward_prefetch_targets(self, group: "FSDPParamGroup") -> list["FSDPParamGroup"]:
+    def backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_backward_prefetch``, else the latest unit before
         ``group`` in this forward whose backward has not started."""
         if group.backward_prefetch is not None:
@@ -121,7 +122,10 @@ class RootState:
             return []
         position = order.index(group)
         for earlier in reversed(order[:position]):
-            if earlier is not group and earlier.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            if earlier is not group and earlier.training_state not in (
+                TrainingState.PRE_BACKWARD,
+                TrainingState.POST_BACKWARD,
+            ):
                 return [earlier]
         return []
 

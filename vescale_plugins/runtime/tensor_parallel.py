@@ -72,8 +72,8 @@ class ParallelSpec:
         )
         if split_factor > 1:
             ragged = StridedRaggedShard(ragged.dims, ragged.local_units, split_factor)
-        placements[dp_dim] = ragged
-        return tuple(placements)
+        # The template's only None is the data-parallel dim's.
+        return tuple(ragged if p is None else p for p in placements)
 
     def unsharded_param(self, local: torch.Tensor) -> DTensor:
         """The gathered parameter: the original DTensor over this rank's gathered local tensor."""
@@ -101,7 +101,9 @@ class ParallelSpec:
         return other_dims_slice(full, self.unsharded_placements, self.unsharded_mesh)
 
 
-def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> tuple[DeviceMesh, SpmdMesh]:
+def resolve_dp_mesh_dims(
+    mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any
+) -> tuple[DeviceMesh, SpmdMesh]:
     """FSDP2's validation of ``dp_mesh_dims``, with its errors; returns the data-parallel
     (shard) mesh and the full mesh. Flattening several dims and replicate dims (HSDP/DDP on
     an SPMD mesh) are refused."""
@@ -165,14 +167,18 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
         )
     placement = param.placements[spmd.shard_dim]
     if not isinstance(placement, Replicate):
-        name = spmd.mesh.mesh_dim_names[spmd.shard_dim]
+        names = spmd.mesh.mesh_dim_names
+        assert names is not None  # an SPMD mesh is named (checked where SpmdMesh is made)
+        name = names[spmd.shard_dim]
         raise ValueError(
             f"Expected Replicate() on DP shard dim '{name}' (index {spmd.shard_dim}) but got {placement} "
             f"(parameter '{fqn}')"
         )
     _check_placements(fqn, param)
     template = tuple(None if j == spmd.shard_dim else p for j, p in enumerate(param.placements))
-    return ParallelSpec(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,))
+    return ParallelSpec(
+        spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,)
+    )
 
 
 def _check_placements(fqn: str, param: DTensor) -> None:

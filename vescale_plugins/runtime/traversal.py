@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.utils import _apply_to_tensors
@@ -41,7 +42,12 @@ def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
 
 def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    map_grad_tensors(tree, lambda t: found.append(t) or t)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_grad_tensors(tree, collect)
     return found
 
 

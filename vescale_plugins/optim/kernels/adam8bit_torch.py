@@ -55,7 +55,9 @@ class AdamHyper:
         return math.sqrt(1 - self.beta2**self.step)
 
 
-def tile_regions(rows: int, cols: int, tile_h: int, tile_w: int) -> list[tuple[slice, slice, int, int, int, int, slice, slice]]:
+def tile_regions(
+    rows: int, cols: int, tile_h: int, tile_w: int
+) -> list[tuple[slice, slice, int, int, int, int, slice, slice]]:
     """Regions of equal tiles: ``(row slice, col slice, tiles down, tile h, tiles across, tile w,
     scale row slice, scale col slice)`` for the full tiles and the partial edges."""
     full_rows, full_cols = rows // tile_h, cols // tile_w
@@ -67,9 +69,7 @@ def tile_regions(rows: int, cols: int, tile_h: int, tile_w: int) -> list[tuple[s
     if split_c < cols:
         col_parts.append((slice(split_c, cols), 1, cols - split_c, slice(full_cols, full_cols + 1)))
     return [
-        (rs, cs, nr, th, nc, tw, srs, scs)
-        for rs, nr, th, srs in row_parts if nr
-        for cs, nc, tw, scs in col_parts if nc
+        (rs, cs, nr, th, nc, tw, srs, scs) for rs, nr, th, srs in row_parts if nr for cs, nc, tw, scs in col_parts if nc
     ]
 
 
@@ -93,20 +93,40 @@ def adam8bit_step_(
     """
     rows, cols = param.shape
     state = (exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales)
-    if rows == 1 and tile_h == 1 and cols > tile_w and all(t.is_contiguous() for t in (param, exp_avg_codes, exp_avg_sq_codes)):
+    if (
+        rows == 1
+        and tile_h == 1
+        and cols > tile_w
+        and all(t.is_contiguous() for t in (param, exp_avg_codes, exp_avg_sq_codes))
+    ):
         # 1-D blocks: the full ones as the rows of a (blocks x tile_w) matrix, so they band.
         full = cols // tile_w
         rest = (slice(None), slice(full * tile_w, cols))
         grad = grad.contiguous()
         _step_bands(
-            param[0, : full * tile_w].view(full, tile_w), grad[0, : full * tile_w].view(full, tile_w),
-            exp_avg_codes[0, : full * tile_w].view(full, tile_w), exp_avg_scales[0, :full].view(full, 1),
-            exp_avg_sq_codes[0, : full * tile_w].view(full, tile_w), exp_avg_sq_scales[0, :full].view(full, 1),
-            1, tile_w, hyper,
+            param[0, : full * tile_w].view(full, tile_w),
+            grad[0, : full * tile_w].view(full, tile_w),
+            exp_avg_codes[0, : full * tile_w].view(full, tile_w),
+            exp_avg_scales[0, :full].view(full, 1),
+            exp_avg_sq_codes[0, : full * tile_w].view(full, tile_w),
+            exp_avg_sq_scales[0, :full].view(full, 1),
+            1,
+            tile_w,
+            hyper,
         )
         if full * tile_w < cols:
             tail = (slice(None), slice(full, full + 1))
-            _step_bands(param[rest], grad[rest], exp_avg_codes[rest], exp_avg_scales[tail], exp_avg_sq_codes[rest], exp_avg_sq_scales[tail], 1, tile_w, hyper)
+            _step_bands(
+                param[rest],
+                grad[rest],
+                exp_avg_codes[rest],
+                exp_avg_scales[tail],
+                exp_avg_sq_codes[rest],
+                exp_avg_sq_scales[tail],
+                1,
+                tile_w,
+                hyper,
+            )
         return
     _step_bands(param, grad, *state, tile_h, tile_w, hyper)
 
@@ -131,9 +151,21 @@ def _step_band(p, g, m_codes, m_scales, v_codes, v_scales, tile_h: int, tile_w: 
     g32 = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
     fused = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     fused(
-        [p32], [g32], [m], [v], [], [_step_tensor(hyper.step, p32.device)],
-        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
-        amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+        [p32],
+        [g32],
+        [m],
+        [v],
+        [],
+        [_step_tensor(hyper.step, p32.device)],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
     )
     if p32 is not p:
         p.copy_(p32)

@@ -11,7 +11,6 @@ CI runs it on CPU under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -43,9 +42,25 @@ def _quantize(x, q_ptr):
 
 @triton.jit
 def _adam8bit_tile_kernel(
-    p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr, qs_ptr, qu_ptr, table_ptr,
-    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, scale_floor,
-    DECOUPLED: tl.constexpr, BLOCK: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    mc_ptr,
+    ms_ptr,
+    vc_ptr,
+    vs_ptr,
+    qs_ptr,
+    qu_ptr,
+    table_ptr,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bias_correction2_sqrt,
+    scale_floor,
+    DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     row = table_ptr + tile * 6
@@ -83,7 +98,9 @@ def _adam8bit_tile_kernel(
     tl.store(vc_ptr + offsets, _quantize(v / v_scale, qu_ptr).to(tl.uint8), mask=mask)
 
 
-def tile_table(members: list[tuple[int, tuple[int, int], int]], tile_h_w: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+def tile_table(
+    members: list[tuple[int, tuple[int, int], int]], tile_h_w: list[tuple[int, int]], device: torch.device
+) -> torch.Tensor:
     """The per-tile table of a run. ``members``: ``(element offset, (rows, cols), first scale
     index)`` per parameter; ``tile_h_w``: each one's full tile height and width."""
     parts = []
@@ -93,24 +110,32 @@ def tile_table(members: list[tuple[int, tuple[int, int], int]], tile_h_w: list[t
         tr, tc = -(-rows // th), -(-cols // tw)
         ti = torch.arange(tr).repeat_interleave(tc)
         tj = torch.arange(tc).repeat(tr)
-        part = torch.stack([
-            offset + ti * th * cols + tj * tw,
-            torch.full_like(ti, cols),
-            torch.clamp(rows - ti * th, max=th),
-            torch.clamp(cols - tj * tw, max=tw),
-            torch.full_like(ti, tw),
-            scale_start + ti * tc + tj,
-        ], dim=1)
+        part = torch.stack(
+            [
+                offset + ti * th * cols + tj * tw,
+                torch.full_like(ti, cols),
+                torch.clamp(rows - ti * th, max=th),
+                torch.clamp(cols - tj * tw, max=tw),
+                torch.full_like(ti, tw),
+                scale_start + ti * tc + tj,
+            ],
+            dim=1,
+        )
         parts.append(part)
     table = torch.cat(parts) if parts else torch.zeros((0, _TABLE_COLUMNS), dtype=torch.int64)
     return table.to(device=device, dtype=torch.int64).contiguous()
 
 
 def adam8bit_tiles_(
-    param: torch.Tensor, grad: torch.Tensor,
-    exp_avg_codes: torch.Tensor, exp_avg_scales: torch.Tensor,
-    exp_avg_sq_codes: torch.Tensor, exp_avg_sq_scales: torch.Tensor,
-    table: torch.Tensor, max_tile_numel: int, hyper: AdamHyper,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg_codes: torch.Tensor,
+    exp_avg_scales: torch.Tensor,
+    exp_avg_sq_codes: torch.Tensor,
+    exp_avg_sq_scales: torch.Tensor,
+    table: torch.Tensor,
+    max_tile_numel: int,
+    hyper: AdamHyper,
 ) -> None:
     """Step every tile listed in ``table`` (all tensors contiguous, indexed as flat)."""
     if table.shape[0] == 0:
@@ -120,9 +145,23 @@ def adam8bit_tiles_(
             raise ValueError("adam8bit_tiles_ needs contiguous tensors")
     device = param.device
     _adam8bit_tile_kernel[(table.shape[0],)](
-        param, grad, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
-        dynamic_map(True, device), dynamic_map(False, device), table,
-        hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step_size,
-        hyper.bias_correction2_sqrt, SCALE_FLOOR,
-        DECOUPLED=hyper.decoupled, BLOCK=triton.next_power_of_2(max_tile_numel),
+        param,
+        grad,
+        exp_avg_codes,
+        exp_avg_scales,
+        exp_avg_sq_codes,
+        exp_avg_sq_scales,
+        dynamic_map(True, device),
+        dynamic_map(False, device),
+        table,
+        hyper.lr,
+        hyper.beta1,
+        hyper.beta2,
+        hyper.eps,
+        hyper.weight_decay,
+        hyper.step_size,
+        hyper.bias_correction2_sqrt,
+        SCALE_FLOOR,
+        DECOUPLED=hyper.decoupled,
+        BLOCK=triton.next_power_of_2(max_tile_numel),
     )

@@ -68,7 +68,7 @@ def _round_up_thresholds(signed: bool) -> torch.Tensor:
     """``t[c]`` for c in 0..254: the smallest fp32 ``x`` with ``x - q[c] >= half_gap[c]``."""
     values = dynamic_map(signed, "cpu")
     low, half = values[:-1], (values[1:] - values[:-1]) * 0.5
-    rounds_up = lambda x: (x - low) >= half  # noqa: E731 - fp32 arithmetic, as torchao's
+    rounds_up = lambda x: (x - low) >= half  # fp32 arithmetic, as torchao's
     t = low + half  # within an ulp or two of the threshold: walk to it
     while not rounds_up(t).all():
         t = torch.where(rounds_up(t), t, torch.nextafter(t, torch.full_like(t, 2.0)))
@@ -93,8 +93,8 @@ def _bucket_table(signed: bool, device: torch.device | str = "cpu") -> torch.Ten
     buckets = torch.arange(_BUCKETS, dtype=torch.int64)
     negative = buckets >= _BUCKETS // 2
     # Smallest and largest float of a bucket (bit patterns grow away from zero on both sides).
-    to_int32 = lambda bits: (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32)  # noqa: E731
-    as_float = lambda bits: torch.nan_to_num(to_int32(bits).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)  # noqa: E731
+    to_int32 = lambda bits: (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32)
+    as_float = lambda bits: torch.nan_to_num(to_int32(bits).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)
     smallest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, _LOW, 0))
     largest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, 0, _LOW))
     base = torch.searchsorted(t, smallest, right=False)
@@ -118,7 +118,9 @@ def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = 
     # The unsigned map's thresholds are all positive: negative floats' buckets hold none, so
     # their position never matters and the plain low bits do.
     position = _position(bits) if signed else bits & _LOW
-    codes = _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
+    codes = (
+        _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
+    )
     if out is None:
         return codes.to(torch.uint8).view(normalized.shape)
     out.copy_(codes.view(out.shape))

@@ -40,6 +40,7 @@ every path goes through :func:`.specs.other_dims_box` for that.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed.tensor._api as dtensor_api
@@ -79,11 +80,17 @@ from vescale_plugins.ragged.dtensor.random_init import (
 from vescale_plugins.ragged.dtensor.redistribute import redistribute_local_tensor
 from vescale_plugins.ragged.dtensor.specs import ORIGINAL, aten, other_dims_slice
 
-__all__ = ["install", "make_dtensor", "set_local_tensor", "concatenate_meshes", "every_copy_of_mesh", "other_dims_slice"]
+__all__ = [
+    "install",
+    "make_dtensor",
+    "set_local_tensor",
+    "concatenate_meshes",
+    "every_copy_of_mesh",
+    "other_dims_slice",
+]
 
 
-
-def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionType:
+def _redirect(original: Callable[..., Any], replacement: Callable[..., Any]) -> types.FunctionType:
     """Make ``original`` itself call ``replacement``; return an untouched copy of it.
 
     torch modules and user code bind these functions by name (``from ... import
@@ -92,7 +99,10 @@ def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionT
     is changed instead: its code becomes a call to ``replacement``, and ``replacement``
     calls the returned copy for what it leaves to torch. Import order no longer matters.
     """
-    copy = types.FunctionType(original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__)
+    assert isinstance(original, types.FunctionType)  # torch's Python functions: code to swap
+    copy = types.FunctionType(
+        original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__
+    )
     copy.__kwdefaults__ = original.__kwdefaults__
     copy.__qualname__, copy.__doc__, copy.__module__ = original.__qualname__, original.__doc__, original.__module__
     copy.__dict__.update(original.__dict__)
@@ -105,8 +115,15 @@ def _redirect(original: types.FunctionType, replacement: Any) -> types.FunctionT
     original.__code__ = namespace["trampoline"].__code__
     original.__defaults__ = None
     original.__kwdefaults__ = None
-    original.__wrapped__ = copy  # inspect.signature shows the real signature
+    original.__dict__["__wrapped__"] = copy  # inspect.signature shows the real signature
     return copy
+
+
+def _replace_methods(cls: type, **methods: Callable[..., Any]) -> None:
+    """Set methods of a torch class to ours (the hook points; torch's originals are in
+    ORIGINAL). By ``setattr``: mypy refuses assignments to methods, and these are deliberate."""
+    for name, method in methods.items():
+        setattr(cls, name, method)
 
 
 def install() -> None:
@@ -126,19 +143,24 @@ def install() -> None:
     )
     # Module-level functions (and from_local, a staticmethod) are redirected in place, so
     # references taken before this import reach our code too.
-    ORIGINAL["redistribute_local_tensor"] = _redirect(dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor)
+    ORIGINAL["redistribute_local_tensor"] = _redirect(
+        dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor
+    )
     ORIGINAL["distribute_tensor"] = _redirect(dtensor_api.distribute_tensor, distribute_tensor)
     ORIGINAL["compute_local_shape_and_global_offset"] = _redirect(
         dtensor_utils.compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
     )
     ORIGINAL["from_local"] = _redirect(DTensor.__dict__["from_local"].__func__, from_local)
-    dispatcher_cls._propagate_op_sharding_dispatch_slow_path = propagate_op_sharding_dispatch_slow_path
+    _replace_methods(dispatcher_cls, _propagate_op_sharding_dispatch_slow_path=propagate_op_sharding_dispatch_slow_path)
     DTensor._op_dispatcher._custom_op_handlers[aten.linalg_vector_norm.default] = vector_norm_handler
     DTensor._op_dispatcher._custom_op_handlers[aten._foreach_norm.Scalar] = foreach_norm_handler
     for op in RANDOM_INPLACE:
         DTensor._op_dispatcher._custom_op_handlers[op] = random_inplace_handler
-    DTensor.__create_write_items__ = create_write_items
-    DTensor.__create_chunk_list__ = create_chunk_list
-    DTensor.__get_tensor_shard__ = get_tensor_shard
-    DTensor.__deepcopy__ = dtensor_deepcopy
-    DTensor.__reduce_ex__ = dtensor_reduce_ex
+    _replace_methods(
+        DTensor,
+        __create_write_items__=create_write_items,
+        __create_chunk_list__=create_chunk_list,
+        __get_tensor_shard__=get_tensor_shard,
+        __deepcopy__=dtensor_deepcopy,
+        __reduce_ex__=dtensor_reduce_ex,
+    )

@@ -23,7 +23,7 @@ from vescale_plugins.ragged.dtensor.specs import (
     ORIGINAL,
     has_ragged,
     other_dims_box,
-    ragged_mesh_dim,
+    ragged_placement,
     shift_offsets,
 )
 from vescale_plugins.ragged.layout import flat_interval_boxes
@@ -32,8 +32,7 @@ from vescale_plugins.ragged.layout import flat_interval_boxes
 def _local_boxes(t: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """(global offsets, sizes, start in the local flat storage) for each box of this rank;
     next to tensor-parallel shards, the boxes of the ragged cut of this rank's TP shard."""
-    i = ragged_mesh_dim(t._spec)
-    placement = t.placements[i]
+    i, placement = ragged_placement(t.placements)
     inner, inner_offsets = other_dims_box(t.placements, t.device_mesh, t.shape)
     rank_slice = placement.layout(inner).slices[t.device_mesh.get_local_rank(i)]
     boxes, local_start = [], 0
@@ -74,6 +73,5 @@ def get_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
     for offsets, sizes, start in _local_boxes(self):
         if torch.Size(offsets) == index.offset:
             return flat[start : start + math.prod(sizes)].view(sizes)
+    assert index.offset is not None  # DCP looks a shard up by the offset of its chunk
     raise ValueError(f"{index.fqn}: no local ragged chunk at offset {tuple(index.offset)}")
-
-

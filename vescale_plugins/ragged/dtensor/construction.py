@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,14 +18,19 @@ from vescale_plugins.ragged.dtensor.specs import (
     other_dims_box,
     other_dims_local_shape,
     other_dims_slice,
-    ragged_mesh_dim,
+    ragged_placement,
     shift_offsets,
 )
 from vescale_plugins.ragged.layout import flat_interval_boxes
-from vescale_plugins.ragged.placement import RaggedShard
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, src_data_rank: int | None = 0) -> DTensor:
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
     """``torch.distributed.tensor.distribute_tensor`` that also accepts RaggedShard placements."""
     if placements is None or not has_ragged(placements) or isinstance(tensor, DTensor):
         return ORIGINAL["distribute_tensor"](tensor, device_mesh, placements, src_data_rank=src_data_rank)
@@ -41,13 +47,22 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if src_data_rank is not None and mesh._is_current_rank_part_of_mesh():
         for i in range(mesh.ndim):
             torch.distributed.broadcast(full, group_src=src_data_rank, group=mesh.get_group(i))
-    i = ragged_mesh_dim(DTensorSpec(mesh, placements))
-    local = placements[i].split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
+    i, ragged = ragged_placement(placements)
+    local = ragged.split_full(other_dims_slice(full, placements, mesh).contiguous(), mesh.get_local_rank(i)).clone()
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad)
 
 
-def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, run_check: bool = False, shape: torch.Size | None = None, stride: tuple[int, ...] | None = None, **kwargs: Any) -> DTensor:
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = False,
+    shape: torch.Size | None = None,
+    stride: tuple[int, ...] | None = None,
+    **kwargs: Any,
+) -> DTensor:
     """``DTensor.from_local`` that validates RaggedShard placements before building the DTensor."""
     if placements is not None and has_ragged(placements):
         if shape is None or stride is None:
@@ -59,19 +74,23 @@ def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None
         if mesh is None:
             raise ValueError("DTensor.from_local with a RaggedShard placement needs an explicit device_mesh")
         check_spec(tuple(placements), mesh, shape)
-        i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+        i, ragged = ragged_placement(placements)
         inner = other_dims_local_shape(placements, mesh, shape)
-        expected = placements[i].layout(inner).slices[mesh.get_local_rank(i)].local_shape
+        expected = ragged.layout(inner).slices[mesh.get_local_rank(i)].local_shape
         if tuple(local_tensor.shape) != tuple(expected):
             raise ValueError(
                 f"DTensor.from_local: local tensor of shape {tuple(local_tensor.shape)} on mesh rank "
-                f"{mesh.get_local_rank(i)}, but {placements[i]!r} of global shape {tuple(shape)} puts "
+                f"{mesh.get_local_rank(i)}, but {ragged!r} of global shape {tuple(shape)} puts "
                 f"a local tensor of shape {tuple(expected)} there"
             )
-    return ORIGINAL["from_local"](local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, **kwargs)
+    return ORIGINAL["from_local"](
+        local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, **kwargs
+    )
 
 
-def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], skip_offset: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def compute_local_shape_and_global_offset(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], skip_offset: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """torch's local-shape-and-offset query, answered for a ragged shard that is one box.
 
     Row-wise shards (the runtime's) are one box of whole rows; an element-wise shard is
@@ -80,13 +99,16 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
     if not has_ragged(placements):
         return ORIGINAL["compute_local_shape_and_global_offset"](global_shape, mesh, placements, skip_offset)
     check_spec(tuple(placements), mesh, global_shape)
-    i = next(j for j, p in enumerate(placements) if isinstance(p, RaggedShard))
+    i, ragged = ragged_placement(placements)
     inner, inner_offsets = other_dims_box(placements, mesh, global_shape)
-    rank_slice = placements[i].layout(inner).slices[mesh.get_local_rank(i)]
-    boxes = [(shift_offsets(o, inner_offsets), s) for o, s in flat_interval_boxes(inner, rank_slice.offset, rank_slice.length)]
+    rank_slice = ragged.layout(inner).slices[mesh.get_local_rank(i)]
+    boxes = [
+        (shift_offsets(o, inner_offsets), s)
+        for o, s in flat_interval_boxes(inner, rank_slice.offset, rank_slice.length)
+    ]
     if len(boxes) > 1:
         raise ValueError(
-            f"{placements[i]!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
+            f"{ragged!r} on shape {tuple(global_shape)}: this rank's shard is {len(boxes)} boxes, "
             "not one; use a row-wise RaggedShard (dims=(0,)) where a single local box is required"
         )
     if not boxes:
@@ -94,5 +116,3 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
         return empty, inner_offsets
     offsets, sizes = boxes[0]
     return tuple(sizes), tuple(offsets)
-
-

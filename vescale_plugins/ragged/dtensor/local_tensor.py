@@ -3,7 +3,8 @@ at new storage, and copied or pickled even when the view sits at a storage offse
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,7 +27,14 @@ def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
-def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: torch.Size, stride: tuple[int, ...], requires_grad: bool = False) -> DTensor:
+def make_dtensor(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool = False,
+) -> DTensor:
     """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return dtensor_at_offset_zero(local, spec, requires_grad)
@@ -43,7 +51,9 @@ def dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad
     """
     if local.storage_offset() == 0:
         return DTensor(local, spec, requires_grad=requires_grad)
-    alias = torch.empty(0, dtype=local.dtype, device=local.device).set_(local.untyped_storage(), 0, local.shape, local.stride())
+    alias = torch.empty(0, dtype=local.dtype, device=local.device).set_(
+        local.untyped_storage(), 0, local.shape, local.stride()
+    )
     dtensor = DTensor(alias, spec, requires_grad=requires_grad)
     dtensor._local_tensor = local
     return dtensor
@@ -72,5 +82,3 @@ def dtensor_reduce_ex(self: DTensor, protocol: int) -> Any:
     if self.storage_offset() == 0:
         return ORIGINAL["__reduce_ex__"](self, protocol)
     return ORIGINAL["__reduce_ex__"](_offset_free(self), protocol)
-
-

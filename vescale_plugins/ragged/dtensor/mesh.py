@@ -17,5 +17,3 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are those of ``meshes`` (submeshes of one root, by name), as FSDP2
     builds its (dp, tp) mesh for tensor-parallel parameters; no collective."""
     return DeviceMesh._concatenate(meshes)
-
-

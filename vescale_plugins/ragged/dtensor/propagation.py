@@ -5,7 +5,7 @@ once per layout."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
@@ -48,8 +48,13 @@ _FUSED_OPTIMIZER_PREFIXES = ("aten::_foreach_", "aten::_fused_adam", "aten::_fus
 
 
 def _is_layout_preserving(op: torch._ops.OpOverload) -> bool:
-    return op in _LAYOUT_PRESERVING or torch.Tag.pointwise in op.tags or (
-        op.name().startswith(_FUSED_OPTIMIZER_PREFIXES) and op not in (aten._foreach_norm.Scalar, aten._foreach_max.default)
+    return (
+        op in _LAYOUT_PRESERVING
+        or torch.Tag.pointwise in op.tags
+        or (
+            op.name().startswith(_FUSED_OPTIMIZER_PREFIXES)
+            and op not in (aten._foreach_norm.Scalar, aten._foreach_max.default)
+        )
     )
 
 
@@ -95,11 +100,15 @@ def _layout_preserving_rule(schema: OpSchema, out_meta: Any) -> OutputSharding |
             return spec
         return with_placements(spec, ref.placements)
 
-    foreach = len(refs) > 1 or any(isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensorSpec) for a in schema.args_schema)
+    foreach = len(refs) > 1 or any(
+        isinstance(a, (list, tuple)) and a and isinstance(a[0], DTensorSpec) for a in schema.args_schema
+    )
     if foreach:
         new_args = tuple(
-            type(a)(target(x, refs[j]) for j, x in enumerate(a)) if isinstance(a, (list, tuple)) and a and any(isinstance(x, DTensorSpec) for x in a)
-            else target(a, refs[0]) for a in schema.args_schema
+            type(a)(target(x, refs[j]) for j, x in enumerate(a))
+            if isinstance(a, (list, tuple)) and a and any(isinstance(x, DTensorSpec) for x in a)
+            else target(a, refs[0])
+            for a in schema.args_schema
         )
     else:
         new_args = tuple(target(a, refs[0]) for a in schema.args_schema)
@@ -107,12 +116,15 @@ def _layout_preserving_rule(schema: OpSchema, out_meta: Any) -> OutputSharding |
     needs = new_args != tuple(schema.args_schema) or new_kwargs != dict(schema.kwargs_schema)
     redistribute_schema = OpSchema(schema.op, new_args, new_kwargs, schema.schema_info) if needs else None
 
+    output_spec: DTensorSpec | tuple[DTensorSpec | None, ...] | None
     if out_meta is None:
         output_spec = None
     elif isinstance(out_meta, TensorMeta):
         output_spec = spec_like(refs[0], out_meta)
     else:
-        output_spec = tuple(spec_like(refs[j if foreach else 0], m) if m is not None else None for j, m in enumerate(out_meta))
+        output_spec = tuple(
+            spec_like(refs[j if foreach else 0], m) if m is not None else None for j, m in enumerate(out_meta)
+        )
     return OutputSharding(output_spec, redistribute_schema=redistribute_schema, needs_redistribute=needs)
 
 
@@ -122,7 +134,10 @@ def _full_reduction_rule(schema: OpSchema, out_meta: Any) -> OutputSharding | No
     if kind is None or not isinstance(schema.args_schema[0], DTensorSpec):
         return None
     spec = schema.args_schema[0]
-    dims = schema.args_schema[1] if len(schema.args_schema) > 1 else schema.kwargs_schema.get("dim")
+    # aten.sum's dim is ``int[1]?``: a list of dims or None.
+    dims = cast(
+        "list[int] | None", schema.args_schema[1] if len(schema.args_schema) > 1 else schema.kwargs_schema.get("dim")
+    )
     if dims not in (None, []) and sorted(d % max(spec.ndim, 1) for d in dims) != list(range(spec.ndim)):
         return None
     if any(p.is_partial() for p in spec.placements):
@@ -153,7 +168,10 @@ def _replicate_fallback(propagator: Any, schema: OpSchema) -> OutputSharding:
         return a
 
     replicated = OpSchema(
-        op, pytree.tree_map(replicate, schema.args_schema), pytree.tree_map(replicate, schema.kwargs_schema), schema.schema_info
+        op,
+        pytree.tree_map(replicate, schema.args_schema),
+        pytree.tree_map(replicate, schema.kwargs_schema),
+        schema.schema_info,
     )
     result = ORIGINAL["propagate_non_cached"](propagator, replicated)
     if result.redistribute_schema is None:
@@ -184,9 +202,9 @@ def _schema_has_ragged(schema: OpSchema | None) -> bool:
     )
 
 
-def propagate_op_sharding_dispatch_slow_path(self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> object:
+def propagate_op_sharding_dispatch_slow_path(
+    self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool
+) -> object:
     if _schema_has_ragged(op_info.schema):
         return _propagate_ragged(self.sharding_propagator, op_info.schema)
     return ORIGINAL["slow_path"](self, op_call, args, kwargs, op_info, try_cache)
-
-

@@ -13,7 +13,7 @@ from vescale_plugins.ragged.dtensor.specs import (
     call_torch_default,
     has_ragged,
     other_dims_slice,
-    ragged_mesh_dim,
+    ragged_placement,
 )
 
 RANDOM_INPLACE = (
@@ -38,7 +38,7 @@ _PIECEWISE_ON_CPU = (aten.uniform_.default, aten.normal_.default)
 _RANDOM_PIECE = 1 << 16
 
 
-def random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
+def random_inplace_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     """Fill a ragged shard with its slice of a full-tensor draw from the default generator.
 
     Every rank draws as if it drew the whole tensor with the same generator state, so sharded
@@ -50,17 +50,17 @@ def random_inplace_handler(op: Any, args: tuple, kwargs: dict) -> Any:
     """
     target = args[0]
     if not (isinstance(target, DTensor) and has_ragged(target.placements)):
-        return call_torch_default(op, args, kwargs)
-    i = ragged_mesh_dim(target._spec)
+        return call_torch_default(op_call, args, kwargs)
+    i, ragged = ragged_placement(target.placements)
     rank = target.device_mesh.get_local_rank(i)
     local = target._local_tensor
-    if op in _PIECEWISE_ON_CPU and local.device.type == "cpu" and target.ndim and len(target.placements) == 1:
-        part = target.placements[i].layout(target.shape).slices[rank]
-        _draw_local_part_of_full(op, local.view(-1), part.offset, target.numel(), args[1:], kwargs)
+    if op_call in _PIECEWISE_ON_CPU and local.device.type == "cpu" and target.ndim and len(target.placements) == 1:
+        part = ragged.layout(target.shape).slices[rank]
+        _draw_local_part_of_full(op_call, local.view(-1), part.offset, target.numel(), args[1:], kwargs)
         return target
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-    op(full, *args[1:], **kwargs)
-    local.copy_(target.placements[i].split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
+    op_call(full, *args[1:], **kwargs)
+    local.copy_(ragged.split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
     return target
 
 
@@ -79,5 +79,3 @@ def _draw_local_part_of_full(op: Any, out: torch.Tensor, start: int, numel: int,
         if low < high:
             out[low - start : high - start].copy_(drawn[low - position : high - position])
         position += size
-
-

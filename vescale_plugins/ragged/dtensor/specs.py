@@ -3,7 +3,8 @@ the checks and arithmetic of RaggedShard specs next to other placements (TP/EP s
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +29,15 @@ def ragged_mesh_dim(spec: DTensorSpec) -> int | None:
     return None
 
 
+def ragged_placement(placements: Sequence[Placement]) -> tuple[int, RaggedShard]:
+    """The mesh dim of the (first) RaggedShard in ``placements`` and that placement, for
+    placements known to hold one (callers have checked :func:`has_ragged`)."""
+    for i, p in enumerate(placements):
+        if isinstance(p, RaggedShard):
+            return i, p
+    raise ValueError(f"placements {tuple(placements)} hold no RaggedShard")
+
+
 def check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> None:
     """Validate ragged placements against a mesh and shape; raise before any collective."""
     ragged_dims = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
@@ -37,10 +47,9 @@ def check_spec(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequenc
         )
     if not ragged_dims:
         return
-    i = ragged_dims[0]
-    placement = placements[i]
+    i, placement = ragged_placement(placements)
     placement.check_mesh_dim_size(mesh.size(i), shape)
-    _check_composition(placements, mesh, shape, i)
+    _check_composition(placements, mesh, shape, i, placement)
     placement.layout(other_dims_local_shape(placements, mesh, shape))
 
 
@@ -54,24 +63,28 @@ def has_other_shards(placements: Sequence[Placement]) -> bool:
     return any(p.is_shard() and not isinstance(p, RaggedShard) for p in placements)
 
 
-def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int) -> None:
+def _check_composition(
+    placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int], i: int, ragged: RaggedShard
+) -> None:
     """Plain ``Shard``/``Replicate`` on the other mesh dims; a later Shard that splits the
     ragged rows asks for ``StridedRaggedShard`` with its split factor (the layout names its
     order). Uneven Shards are fine: each rank's ragged layout is of its own local shape."""
-    ragged = placements[i]
     split_factor = 1
     for j, p in enumerate(placements):
         if j == i or not p.is_shard():
             continue
         if type(p) is not Shard:
-            raise NotImplementedError(f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate")
+            raise NotImplementedError(
+                f"placements {tuple(placements)}: {p!r} next to a RaggedShard is not supported; use Shard or Replicate"
+            )
         if j > i and p.dim % len(shape) < len(ragged.dims):
             split_factor *= mesh.size(j)
     strided = getattr(ragged, "split_factor", 1)
     if strided != split_factor:
         fix = (
             f"StridedRaggedShard({ragged.dims}, {ragged.local_units}, split_factor={split_factor})"
-            if split_factor > 1 else f"RaggedShard({ragged.dims}, {ragged.local_units})"
+            if split_factor > 1
+            else f"RaggedShard({ragged.dims}, {ragged.local_units})"
         )
         raise ValueError(
             f"placements {tuple(placements)}: the RaggedShard cuts each rank's local tensor of the "
@@ -79,7 +92,9 @@ def _check_composition(placements: Sequence[Placement], mesh: DeviceMesh, shape:
         )
 
 
-def other_dims_box(placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def other_dims_box(
+    placements: Sequence[Placement], mesh: DeviceMesh, shape: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and global offsets of this rank's local tensor under the placements other than
     the RaggedShard (torch's own chunking, uneven included): the tensor the RaggedShard cuts."""
     others = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
@@ -102,15 +117,12 @@ def other_dims_slice(full: torch.Tensor, placements: Sequence[Placement], mesh: 
     return full
 
 
-
 def spec_like(ref: DTensorSpec, meta: TensorMeta) -> DTensorSpec:
     return DTensorSpec(ref.mesh, ref.placements, tensor_meta=meta)
 
 
 def with_placements(spec: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
-
-
 
 
 def call_torch_default(op: Any, args: Any, kwargs: Any) -> Any:
@@ -123,8 +135,5 @@ def call_torch_default(op: Any, args: Any, kwargs: Any) -> Any:
         handlers[op] = ours
 
 
-
-
 def shift_offsets(offsets: Sequence[int], by: Sequence[int]) -> tuple[int, ...]:
     return tuple(o + b for o, b in zip(offsets, by))
-
