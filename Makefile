@@ -9,11 +9,6 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
-# What ruff checks and formats: the core for now, `.` once the other packages are formatted
-# (the ruff hooks' `files` in .pre-commit-config.yaml follow it).
-LINT_PATHS ?= vescale_plugins/__init__.py vescale_plugins/record.py vescale_plugins/wrap.py \
-	vescale_plugins/ragged vescale_plugins/planner vescale_plugins/dbuffer vescale_plugins/runtime \
-	vescale_plugins/checkpoint vescale_plugins/observe vescale_plugins/optim
 
 .PHONY: test bench setup lint
 
@@ -39,8 +34,8 @@ test: $(STAMP)
 
 # mypy and the contracts read their configuration (and paths) from pyproject.toml.
 lint: $(LINT_STAMP)
-	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

@@ -39,7 +39,7 @@ def _commits_atomically(accelerator: Accelerator, directory: Any) -> bool:
 def _save_state(self: Accelerator, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
     if not _commits_atomically(self, output_dir):
         return _original_save_state(self, output_dir, *args, **kwargs)
-    output_dir = os.path.expanduser(output_dir)  # type: ignore[arg-type]
+    output_dir = os.path.expanduser(output_dir)  # type: ignore[arg-type]  # not None: _commits_atomically returned True
     with committed_directory(output_dir) as staging:
         _original_save_state(self, str(staging), *args, **kwargs)
     return output_dir
@@ -48,7 +48,7 @@ def _save_state(self: Accelerator, output_dir: str | None = None, *args: Any, **
 @functools.wraps(_original_load_state)
 def _load_state(self: Accelerator, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
     if _commits_atomically(self, input_dir):
-        input_dir = str(resolve_committed(os.path.expanduser(input_dir)))  # type: ignore[arg-type]
+        input_dir = str(resolve_committed(os.path.expanduser(input_dir)))  # type: ignore[arg-type]  # not None: _commits_atomically returned True
     return _original_load_state(self, input_dir, *args, **kwargs)
 
 

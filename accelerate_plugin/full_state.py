@@ -8,7 +8,6 @@ the keys on every rank before broadcasting, so a mismatched state dict fails ins
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn

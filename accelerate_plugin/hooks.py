@@ -35,7 +35,8 @@ import inspect
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import accelerate.accelerator
 import accelerate.utils
@@ -136,7 +137,7 @@ def _accelerator_init(self: Accelerator, *args: Any, **kwargs: Any) -> None:
     _original_init(*bound.args, **bound.kwargs)
 
 
-_accelerator_init._vescale_hook = True  # type: ignore[attr-defined]
+_accelerator_init._vescale_hook = True  # type: ignore[attr-defined]  # a marker attribute on a function
 
 
 @functools.wraps(_original_state_init)
@@ -192,4 +193,3 @@ def _promote_cpu_state(state: AcceleratorState, plugin: VeScaleFSDPPlugin) -> No
     state.fsdp_plugin = plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-

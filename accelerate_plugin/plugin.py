@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch.nn as nn
 from accelerate import FullyShardedDataParallelPlugin
@@ -57,12 +58,16 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
 
     block_size_fn: BlockSizeFn | str | None = field(
         default=None,
-        metadata={"help": "veScale: rows per block that must not straddle two ranks, as a callable (name, param) -> int | None or 'module:function'."},
+        metadata={
+            "help": "veScale: rows per block that must not straddle two ranks, as a callable (name, param) -> int | None or 'module:function'."
+        },
     )
 
     find_unused_parameters: bool | None = field(
         default=None,
-        metadata={"help": "DDP's find_unused_parameters, accepted for compatibility: veScale-FSDP always handles parameters that get gradients on some ranks only (MoE routing)."},
+        metadata={
+            "help": "DDP's find_unused_parameters, accepted for compatibility: veScale-FSDP always handles parameters that get gradients on some ranks only (MoE routing)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -91,7 +96,7 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
             raise TypeError(f"block_size_fn must be a callable (name, param) -> int | None, got {self.block_size_fn!r}")
 
     @classmethod
-    def from_fsdp_plugin(cls, plugin: FullyShardedDataParallelPlugin) -> "VeScaleFSDPPlugin":
+    def from_fsdp_plugin(cls, plugin: FullyShardedDataParallelPlugin) -> VeScaleFSDPPlugin:
         """The veScale plugin with every setting of a stock plugin (e.g. one ``transformers.Trainer`` built)."""
         if isinstance(plugin, cls):
             return plugin

@@ -8,7 +8,8 @@ as under FSDP2; the sharding itself is ``vescale_plugins.wrap.shard_model``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,7 +65,11 @@ def _units(policy: Callable[[nn.Module], bool] | None) -> Callable[[nn.Module], 
             return []
         # A container without a forward (ModuleList) can never be a unit: no hook would run.
         # FSDP1's size policy skipped them; Accelerate's FSDP2 port would crash on them.
-        chosen = [m for m in get_module_children_bottom_up(model)[:-1] if policy(m) and type(m).forward is not nn.Module.forward]
+        chosen = [
+            m
+            for m in get_module_children_bottom_up(model)[:-1]
+            if policy(m) and type(m).forward is not nn.Module.forward
+        ]
         # Accelerate's predicate sees through an activation-checkpoint wrapper, so it matches
         # both the wrapper and the layer inside; the wrapper is the unit (its forward runs the
         # recomputation), the layer inside must not become a second, empty one.
@@ -88,4 +93,3 @@ def _upcast_trainable_params(model: nn.Module) -> None:
     for param in model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.to(torch.float32)
-

@@ -47,5 +47,5 @@ def install() -> None:
             warnings.warn(SAVES_NOTHING, UserWarning, stacklevel=2)
         return original(self, output_dir, _internal_call)
 
-    save_model._vescale_hook = True  # type: ignore[attr-defined]
+    save_model._vescale_hook = True  # type: ignore[attr-defined]  # a marker attribute on a function
     trainer_class.save_model = save_model

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, TensorDataset
-
 from tiny_decoder import TinyDecoder
+from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, SEQ = 97, 16
 

@@ -18,11 +18,11 @@ import argparse
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning_train import counting_sequences
+from tiny_decoder import TinyDecoder
 from torch.utils.data import DataLoader
 
 import lightning_strategy  # noqa: F401  (registers strategy="vescale_fsdp")
-from lightning_train import counting_sequences
-from tiny_decoder import TinyDecoder
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,7 +40,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    fabric = L.Fabric(strategy="vescale_fsdp", accelerator=args.accelerator, devices=args.devices, precision=args.precision)
+    fabric = L.Fabric(
+        strategy="vescale_fsdp", accelerator=args.accelerator, devices=args.devices, precision=args.precision
+    )
     fabric.launch()
     fabric.seed_everything(0)
 

@@ -20,10 +20,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny_decoder import TinyDecoder
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_strategy  # noqa: F401  (registers strategy="vescale_fsdp")
-from tiny_decoder import TinyDecoder
 
 
 class LitDecoder(L.LightningModule):
@@ -82,7 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
-    parser.add_argument("--max-steps", type=int, default=None, help=f"stop at this global step (default: {DEFAULT_STEPS}, or {DEFAULT_STEPS} more than --resume's checkpoint)")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help=f"stop at this global step (default: {DEFAULT_STEPS}, or {DEFAULT_STEPS} more than --resume's checkpoint)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-batch")
     parser.add_argument("--output-dir", default="lightning_train_output")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")

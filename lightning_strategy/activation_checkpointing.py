@@ -13,9 +13,9 @@ parameters for the recomputation in either case.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -29,20 +29,20 @@ from .options import module_classes
 
 __all__ = ["ActivationCheckpointingPolicy", "LayerCheckpointing"]
 
-ActivationCheckpointingPolicy = Union[
-    Iterable[Union[type[nn.Module], str]], ModuleWrapPolicy, Callable[[nn.Module, bool, int], bool], None
-]
+ActivationCheckpointingPolicy = (
+    Iterable[type[nn.Module] | str] | ModuleWrapPolicy | Callable[[nn.Module, bool, int], bool] | None
+)
 
 
 @dataclass(frozen=True)
 class LayerCheckpointing:
     """Which modules to wrap for recomputation: layer ``classes`` (types or names), or torch's ``auto_wrap_policy``."""
 
-    classes: tuple[Union[type[nn.Module], str], ...] = ()
+    classes: tuple[type[nn.Module] | str, ...] = ()
     auto_wrap_policy: Any = None
 
     @classmethod
-    def from_policy(cls, policy: ActivationCheckpointingPolicy) -> "LayerCheckpointing | None":
+    def from_policy(cls, policy: ActivationCheckpointingPolicy) -> LayerCheckpointing | None:
         """Check ``policy`` (at strategy construction); ``None`` when nothing is to be checkpointed."""
         if policy is None:
             return None
@@ -74,7 +74,9 @@ class LayerCheckpointing:
             )
             return
         if self.auto_wrap_policy is not None:
-            apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, auto_wrap_policy=self.auto_wrap_policy)
+            apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=checkpoint_wrapper, auto_wrap_policy=self.auto_wrap_policy
+            )
             return
         if not any(self._selects(m) for m in model.modules()):
             wanted = sorted(c if isinstance(c, str) else c.__name__ for c in self.classes)

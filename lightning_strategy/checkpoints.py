@@ -13,8 +13,9 @@ Two formats, as with Lightning's FSDP strategies:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -60,7 +61,7 @@ def is_full_checkpoint(path: Path) -> bool:
     return path.is_file()
 
 
-def single_optimizer(optimizers: Sequence[Optimizer]) -> Optional[Optimizer]:
+def single_optimizer(optimizers: Sequence[Optimizer]) -> Optimizer | None:
     """A sharded checkpoint holds one optimizer (what ``vescale_plugins.checkpoint.state_dicts`` stores)."""
     if len(optimizers) > 1:
         raise NotImplementedError(
@@ -79,11 +80,11 @@ def run_on_rank_zero(action: Callable[[], None], *, is_global_zero: bool, broadc
     The broadcast doubles as a barrier, and no rank is left waiting in a collective for a rank
     that died writing a file (a hang is the worst way to report a full disk or a bad path).
     """
-    error: Optional[Exception] = None
+    error: Exception | None = None
     if is_global_zero:
         try:
             action()
-        except Exception as exc:  # noqa: BLE001  (re-raised on every rank below)
+        except Exception as exc:
             error = exc
     error = broadcast(error)
     if error is not None:
@@ -93,7 +94,7 @@ def run_on_rank_zero(action: Callable[[], None], *, is_global_zero: bool, broadc
 def save_sharded_checkpoint(
     path: Path,
     module: nn.Module,
-    optimizer: Optional[Optimizer],
+    optimizer: Optimizer | None,
     metadata: dict[str, Any],
     *,
     is_global_zero: bool,
@@ -107,7 +108,9 @@ def save_sharded_checkpoint(
     with committed_directory(path) as staging:
         write_sharded(staging, module, optimizer)
         run_on_rank_zero(
-            lambda: torch.save(metadata, staging / METADATA_FILENAME), is_global_zero=is_global_zero, broadcast=broadcast
+            lambda: torch.save(metadata, staging / METADATA_FILENAME),
+            is_global_zero=is_global_zero,
+            broadcast=broadcast,
         )
 
 
@@ -134,7 +137,7 @@ def save_full_checkpoint(
 
 
 def load_sharded_checkpoint(
-    path: Path, module: nn.Module, optimizer: Optional[Optimizer], weights_only: Optional[bool] = None
+    path: Path, module: nn.Module, optimizer: Optimizer | None, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load shards into ``module`` (and ``optimizer`` if the checkpoint has its state); return the metadata."""
     path = resolve_committed(path)
@@ -150,7 +153,7 @@ def _has_optimizer_state(path: Path) -> bool:
     return any(key.startswith(f"{OPTIMIZER_KEY}.") for key in stored)
 
 
-def load_file(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def load_file(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """A full checkpoint's contents, memory-mapped so that every rank can read it cheaply."""
     return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
 

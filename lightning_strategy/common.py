@@ -5,7 +5,7 @@ Lightning's ``ParallelStrategy``, whose abstract members it supplies)."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,21 +34,21 @@ class VeScaleFSDPCommon:
     # Each strategy's: its Lightning launcher class, and when its device mesh comes to exist.
     _launcher_class: type
     _mesh_exists: str
-    parallel_devices: Optional[list[torch.device]]
+    parallel_devices: list[torch.device] | None
 
     def _configure(
         self,
-        process_group_backend: Optional[str],
-        timeout: Optional[timedelta],
+        process_group_backend: str | None,
+        timeout: timedelta | None,
         auto_wrap_policy: WrapPolicy,
-        reshard_after_forward: Union[bool, int, None],
-        mp_policy: Optional[MixedPrecisionPolicy],
-        block_size_fn: Optional[BlockSizeFn],
+        reshard_after_forward: bool | int | None,
+        mp_policy: MixedPrecisionPolicy | None,
+        block_size_fn: BlockSizeFn | None,
         state_dict_type: StateDictType,
         device_mesh: DeviceMeshRequest,
         activation_checkpointing_policy: ActivationCheckpointingPolicy,
         find_unused_parameters: bool,
-        data_parallel_size: Union[int, Literal["auto"]],
+        data_parallel_size: int | Literal["auto"],
         tensor_parallel_size: int,
     ) -> None:
         """Check and keep the strategy's arguments. Called first in ``__init__``: a bad
@@ -65,7 +65,7 @@ class VeScaleFSDPCommon:
         self._state_dict_type = state_dict_type
         self._device_mesh_request = device_mesh
         self._parallel_sizes = (data_parallel_size, tensor_parallel_size)
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._device_mesh: DeviceMesh | None = None
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -83,7 +83,7 @@ class VeScaleFSDPCommon:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property

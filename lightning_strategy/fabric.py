@@ -9,10 +9,11 @@ gradients, ``save`` / ``load`` write and read sharded or full checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -31,16 +32,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from vescale_plugins import BlockSizeFn
 from vescale_plugins.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from vescale_plugins import BlockSizeFn
 from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
+from .activation_checkpointing import ActivationCheckpointingPolicy
+from .common import VeScaleFSDPCommon
 from .model_setup import (
     gradient_sync_disabled,
     has_meta_tensors,
@@ -55,8 +58,6 @@ from .options import (
     WrapPolicy,
     data_parallel_mesh,
 )
-from .activation_checkpointing import ActivationCheckpointingPolicy
-from .common import VeScaleFSDPCommon
 from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
 
 __all__ = ["VeScaleFSDPFabricStrategy"]
@@ -83,31 +84,42 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         auto_wrap_policy: WrapPolicy = None,
-        reshard_after_forward: Union[bool, int, None] = None,
-        mp_policy: Optional[MixedPrecisionPolicy] = None,
-        block_size_fn: Optional[BlockSizeFn] = None,
+        reshard_after_forward: bool | int | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        block_size_fn: BlockSizeFn | None = None,
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
-        parallelize_fn: Optional[Callable[[nn.Module, DeviceMesh], nn.Module]] = None,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
     ) -> None:
         self._configure(
-            process_group_backend, timeout, auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn,
-            state_dict_type, device_mesh, activation_checkpointing_policy, find_unused_parameters,
-            data_parallel_size, tensor_parallel_size,
+            process_group_backend,
+            timeout,
+            auto_wrap_policy,
+            reshard_after_forward,
+            mp_policy,
+            block_size_fn,
+            state_dict_type,
+            device_mesh,
+            activation_checkpointing_policy,
+            find_unused_parameters,
+            data_parallel_size,
+            tensor_parallel_size,
         )
         if parallelize_fn is not None and not callable(parallelize_fn):
-            raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, got {parallelize_fn!r}")
+            raise TypeError(
+                f"parallelize_fn must be a function (module, device_mesh) -> module, got {parallelize_fn!r}"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -124,10 +136,10 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def precision(self) -> VeScaleFSDPFabricPrecision:
         if self._precision is None:
             self._precision = VeScaleFSDPFabricPrecision()
-        return self._precision  # type: ignore[return-value]
+        return self._precision  # type: ignore[return-value]  # only ever ours (here or via as_vescale_precision in the setter); the base types it as the base class
 
     @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
+    def precision(self, precision: Precision | None) -> None:
         # Fabric builds a stock plugin from `precision=` and sets it here: translate it (or fail).
         self._precision = None if precision is None else as_vescale_precision(precision, VeScaleFSDPFabricPrecision)
 
@@ -151,9 +163,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         reset_seed()
         self._set_up_processes()
 
-    def all_reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return processes.all_reduce(tensor, group, reduce_op)
 
     # -- the model -----------------------------------------------------------------------
@@ -173,8 +183,8 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         )
 
     def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """Shard the model, then point the optimizers (built over the unsharded parameters) at the shards."""
         self._checkpoint_layers(module)  # first: the wrappers are part of the parameters' names
         names = parameter_names(module)
@@ -192,7 +202,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         if not has_meta_tensors(module):  # meta tensors are materialised on the device after sharding
             module.to(self.root_device)
 
-    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         # With empty_init the model is built on the meta device; setup shards it, then each rank
         # allocates and initialises only its shards.
         stack = ExitStack()
@@ -204,8 +214,8 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         self,
         module: nn.Module,
         optimizer: Optimizer,
-        max_norm: Union[float, int],
-        norm_type: Union[float, int] = 2.0,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the global norm over all ranks' shards; returns that norm as a plain tensor."""
@@ -217,9 +227,9 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def save_checkpoint(
         self,
         path: _PATH,
-        state: dict[str, Union[nn.Module, Optimizer, Any]],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Sharded: a directory (shards through DCP, other entries in ``meta.pt``). Full: one file from rank 0.
 
@@ -231,9 +241,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         module_key, module = _sharded_module(state)
         reshard_all(module)
         optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-        metadata = {
-            key: _state_of(obj) for key, obj in state.items() if key != module_key and key not in optimizers
-        }
+        metadata = {key: _state_of(obj) for key, obj in state.items() if key != module_key and key not in optimizers}
         if self._state_dict_type == "sharded":
             if filter is not None:
                 raise NotImplementedError(
@@ -255,9 +263,9 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def load_checkpoint(
         self,
         path: _PATH,
-        state: Optional[Union[nn.Module, Optimizer, dict[str, Union[nn.Module, Optimizer, Any]]]] = None,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
         strict: bool = True,
-        weights_only: Optional[bool] = None,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load either format into the objects in ``state`` (in place); return what was not asked for.
 

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins import VeScaleFSDPModule

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -41,12 +41,12 @@ __all__ = [
 UnitFn = Callable[[nn.Module], list[nn.Module]]
 # The layer classes (types or class names) to shard as units, as Lightning's FSDPStrategy accepts
 # them (a set of classes or torch's ModuleWrapPolicy), or a function that returns the units.
-WrapPolicy = Union[Iterable[Union[type[nn.Module], str]], type[nn.Module], str, UnitFn, None]
+WrapPolicy = Iterable[type[nn.Module] | str] | type[nn.Module] | str | UnitFn | None
 StateDictType = Literal["sharded", "full"]
 # None (the default: shard over every rank), a mesh, or its shape: ``(world_size,)`` to shard,
 # ``(replicas, shard_size)`` for hybrid sharding (replicate across, shard within), as
 # Lightning's FSDPStrategy takes ``device_mesh`` for HYBRID_SHARD.
-DeviceMeshRequest = Union[DeviceMesh, tuple[int, ...], None]
+DeviceMeshRequest = DeviceMesh | tuple[int, ...] | None
 # Lightning's ModelParallelStrategy's mesh dim names: configure_model applies tensor parallelism
 # on ``device_mesh["tensor_parallel"]``; the strategy shards over the other dims.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
@@ -63,7 +63,7 @@ class ShardingOptions:
     decides it.
     """
 
-    unit_classes: tuple[Union[type[nn.Module], str], ...] | None = None
+    unit_classes: tuple[type[nn.Module] | str, ...] | None = None
     unit_fn: UnitFn | None = None
     reshard_after_forward: bool | int | None = None
     mp_policy: MixedPrecisionPolicy | None = None
@@ -78,10 +78,12 @@ class ShardingOptions:
         mp_policy: MixedPrecisionPolicy | None,
         block_size_fn: BlockSizeFn | None,
         find_unused_parameters: bool = False,
-    ) -> "ShardingOptions":
+    ) -> ShardingOptions:
         """Check a strategy's sharding arguments and normalise the wrap policy."""
-        if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)) or (
-            type(reshard_after_forward) is int and reshard_after_forward < 1
+        if (
+            reshard_after_forward is not None
+            and not isinstance(reshard_after_forward, (bool, int))
+            or (type(reshard_after_forward) is int and reshard_after_forward < 1)
         ):
             raise ValueError(
                 f"reshard_after_forward={reshard_after_forward!r}: use True (free gathered parameters after each "
@@ -129,13 +131,15 @@ class ShardingOptions:
         return units
 
 
-def module_classes(policy: Union[type, str, Iterable[Any]], argument: str) -> tuple[Union[type[nn.Module], str], ...]:
+def module_classes(policy: type | str | Iterable[Any], argument: str) -> tuple[type[nn.Module] | str, ...]:
     """``policy``, one or several nn.Module classes or class names, as a tuple; a ``TypeError``
     naming ``argument`` when it names anything else or nothing."""
     classes = (policy,) if isinstance(policy, (type, str)) else tuple(policy)
     bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
     if bad or not classes:
-        raise TypeError(f"{argument} must name nn.Module classes (a set of types or class names), got {bad or 'nothing'}")
+        raise TypeError(
+            f"{argument} must name nn.Module classes (a set of types or class names), got {bad or 'nothing'}"
+        )
     return classes
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 
 def set_world_ranks(
-    cluster_environment: Optional[ClusterEnvironment],
+    cluster_environment: ClusterEnvironment | None,
     node_rank: int,
     local_rank: int,
     num_processes: int,
@@ -54,8 +54,8 @@ def set_world_ranks(
 def init_process_group(
     cluster_environment: ClusterEnvironment,
     root_device: torch.device,
-    backend: Optional[str],
-    timeout: Optional[timedelta],
+    backend: str | None,
+    timeout: timedelta | None,
 ) -> str:
     """Create the default process group unless it exists (torchrun, a test harness); returns the backend.
 
@@ -93,7 +93,7 @@ def broadcast(obj: T, src: int = 0) -> T:
     return holder[0]
 
 
-def all_reduce(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+def all_reduce(tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
     """All-reduce a tensor (``self.log(..., sync_dist=True)`` lands here); other values pass through."""
     if isinstance(tensor, torch.Tensor):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -8,11 +8,11 @@ classes named in ``auto_wrap_policy``, then the LightningModule itself as the ro
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -30,13 +30,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from vescale_plugins import BlockSizeFn
 from vescale_plugins.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from vescale_plugins import BlockSizeFn
 from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
@@ -100,30 +100,39 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         auto_wrap_policy: WrapPolicy = None,
-        reshard_after_forward: Union[bool, int, None] = None,
-        mp_policy: Optional[MixedPrecisionPolicy] = None,
-        block_size_fn: Optional[BlockSizeFn] = None,
+        reshard_after_forward: bool | int | None = None,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        block_size_fn: BlockSizeFn | None = None,
         state_dict_type: StateDictType = "sharded",
         device_mesh: DeviceMeshRequest = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
     ) -> None:
         self._configure(
-            process_group_backend, timeout, auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn,
-            state_dict_type, device_mesh, activation_checkpointing_policy, find_unused_parameters,
-            data_parallel_size, tensor_parallel_size,
+            process_group_backend,
+            timeout,
+            auto_wrap_policy,
+            reshard_after_forward,
+            mp_policy,
+            block_size_fn,
+            state_dict_type,
+            device_mesh,
+            activation_checkpointing_policy,
+            find_unused_parameters,
+            data_parallel_size,
+            tensor_parallel_size,
         )
-        self._checkpointed_model: Optional[torch.nn.Module] = None
+        self._checkpointed_model: torch.nn.Module | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -139,10 +148,10 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def precision_plugin(self) -> VeScaleFSDPPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = VeScaleFSDPPrecision()
-        return self._precision_plugin  # type: ignore[return-value]
+        return self._precision_plugin  # type: ignore[return-value]  # only ever ours (here or via as_vescale_precision in the setter); the base types it as the base class
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         # The Trainer builds a stock plugin from `precision=` and sets it here: translate it (or fail).
         self._precision_plugin = None if plugin is None else as_vescale_precision(plugin, VeScaleFSDPPrecision)
 
@@ -180,9 +189,9 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
 
     def reduce(
         self,
-        tensor: Union[torch.Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+        tensor: torch.Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
     ) -> Any:
         return processes.all_reduce(tensor, group, reduce_op)
 
@@ -223,7 +232,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
         self.model.to(self.root_device)
 
     @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # With empty_init the model is built on the meta device; setup shards it, then each rank
         # allocates and initialises only its shards.
         device = torch.device("meta") if empty_init else self.root_device
@@ -253,7 +262,9 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._through_root_forward("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
-    def _through_root_forward(self, method_name: str, step_context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    def _through_root_forward(
+        self, method_name: str, step_context: Callable[[], Any], args: tuple, kwargs: dict
+    ) -> Any:
         assert self.model is not None and self.lightning_module is not None
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with step_context():
@@ -305,9 +316,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint loaded the optimizer already
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Sharded: a directory (shards through DCP + ``meta.pt``). Full: one file from rank 0."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not support storage_options")
@@ -330,7 +339,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
             path, self.model, optimizer, metadata, is_global_zero=self.is_global_zero, broadcast=self.broadcast
         )
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load either format into the sharded model (and, when fitting, its optimizer); return the rest."""
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None

@@ -27,7 +27,9 @@ IMPLS = ("torch", "vescale")
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--fsdp-impl", choices=IMPLS, default="vescale",
+        "--fsdp-impl",
+        choices=IMPLS,
+        default="vescale",
         help="fully_shard implementation the ``impl`` fixture gives, e.g. to the FSDP2 compatibility suite (default: vescale)",
     )
 
@@ -65,7 +67,10 @@ def _processes_refused_unless_distributed(item):
         if item.get_closest_marker("distributed") is None:
 
             def refuse(*args, **kwargs):
-                pytest.fail(f"{item.nodeid} starts a process or a process group: mark it @pytest.mark.distributed", pytrace=False)
+                pytest.fail(
+                    f"{item.nodeid} starts a process or a process group: mark it @pytest.mark.distributed",
+                    pytrace=False,
+                )
 
             monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
             monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -111,7 +111,9 @@ def _load_state(path: str, state_dict_type: str) -> None:
             assert loaded["state"].keys() == expected["optimizer"]["state"].keys()
             for name, state in expected["optimizer"]["state"].items():
                 for key, value in state.items():
-                    torch.testing.assert_close(loaded["state"][name][key], value, **EXACT, msg=lambda m: f"{name}.{key}: {m}")
+                    torch.testing.assert_close(
+                        loaded["state"][name][key], value, **EXACT, msg=lambda m: f"{name}.{key}: {m}"
+                    )
         assert lr.scheduler.last_epoch == SAVE_AT * 2  # saved at 2 ranks: Accelerate steps it twice per step
         # It trains on at the new world size.
         _train(accelerator, model, optimizer, _take(loader, 1), lr)

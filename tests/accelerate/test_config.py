@@ -75,12 +75,23 @@ def test_plugin_is_fsdp2_and_reads_the_fsdp_variables_of_a_launch_config(clean_f
 
 def test_a_stock_fsdp2_plugin_converts_with_all_its_settings(clean_fsdp_env):
     stock = FullyShardedDataParallelPlugin(
-        fsdp_version=2, reshard_after_forward=False, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["Block"], state_dict_type="FULL_STATE_DICT", activation_checkpointing=True,
+        fsdp_version=2,
+        reshard_after_forward=False,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+        state_dict_type="FULL_STATE_DICT",
+        activation_checkpointing=True,
     )
     ours = VeScaleFSDPPlugin.from_fsdp_plugin(stock)
     assert isinstance(ours, VeScaleFSDPPlugin) and VeScaleFSDPPlugin.from_fsdp_plugin(ours) is ours
-    for name in ("reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap", "state_dict_type", "activation_checkpointing", "cpu_offload"):
+    for name in (
+        "reshard_after_forward",
+        "auto_wrap_policy",
+        "transformer_cls_names_to_wrap",
+        "state_dict_type",
+        "activation_checkpointing",
+        "cpu_offload",
+    ):
         assert getattr(ours, name) == getattr(stock, name), name
 
 
@@ -186,7 +197,11 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
         Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=1))
     messages.append(str(error.value))
     with accelerate_env():
-        accelerator = Accelerator(fsdp_plugin=VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["NoSuchBlock"]))
+        accelerator = Accelerator(
+            fsdp_plugin=VeScaleFSDPPlugin(
+                auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["NoSuchBlock"]
+            )
+        )
         model = make_decoder()
         with pytest.raises(ValueError) as error:
             accelerator.prepare(model, adamw(model))
@@ -218,8 +233,11 @@ def _sharded_by_vescale(model: torch.nn.Module) -> bool:
 
 def _environment_route() -> None:
     launch_config = dict(
-        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
-        FSDP_TRANSFORMER_CLS_TO_WRAP="Block", FSDP_RESHARD_AFTER_FORWARD="false",
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_TRANSFORMER_CLS_TO_WRAP="Block",
+        FSDP_RESHARD_AFTER_FORWARD="false",
     )
     # What `accelerate launch` with an FSDP2 config and the runner give a script that builds
     # `Accelerator()` itself.
@@ -232,13 +250,17 @@ def _environment_route() -> None:
         assert _sharded_by_vescale(model) and all(is_sharded(layer) for layer in model.layers)
     # What transformers.Trainer does with --fsdp arguments: build a stock plugin itself.
     with accelerate_env(ACCELERATE_USE_VESCALE_FSDP="1"):
-        stock = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"])
+        stock = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
+        )
         accelerator = Accelerator(fsdp_plugin=stock)
         assert isinstance(accelerator.state.fsdp_plugin, VeScaleFSDPPlugin)
         assert _sharded_by_vescale(_train_one_step(accelerator))
     # A ParallelismConfig with only a data-parallel shard dim is a 1-D mesh: accepted.
     with accelerate_env():
-        accelerator = Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_shard_size=dist.get_world_size()))
+        accelerator = Accelerator(
+            fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_shard_size=dist.get_world_size())
+        )
         assert _sharded_by_vescale(_train_one_step(accelerator))
     # Without the variable the hooks stay out of the way, whatever stock Accelerate then does
     # (under torchrun on a machine without GPUs: every process trains alone).
@@ -285,7 +307,9 @@ def _hybrid_sharding_from_a_parallelism_config():
     """``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)``: HSDP, as FSDP2 under
     Accelerate; one step equals plain ``fully_shard`` on the same 2-D mesh."""
     with accelerate_env():
-        accelerator = Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+        accelerator = Accelerator(
+            fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)
+        )
         model = _train_one_step(accelerator)
     mesh = next(model.parameters()).device_mesh
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)

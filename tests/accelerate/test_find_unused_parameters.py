@@ -34,7 +34,11 @@ def test_accelerate_plugin_field_environment_and_ddp_kwargs_routes(monkeypatch):
 def _accelerate_prepare(env_value: str | None, ddp_find_unused: bool | None):
     env = {FIND_UNUSED_PARAMETERS_ENV: env_value} if env_value is not None else {}
     with accelerate_env(**env):
-        handlers = [DistributedDataParallelKwargs(find_unused_parameters=ddp_find_unused)] if ddp_find_unused is not None else None
+        handlers = (
+            [DistributedDataParallelKwargs(find_unused_parameters=ddp_find_unused)]
+            if ddp_find_unused is not None
+            else None
+        )
         accelerator = Accelerator(fsdp_plugin=VeScaleFSDPPlugin(), cpu=True, kwargs_handlers=handlers)
         model = TwoBlocks()
         out = io.StringIO()

@@ -27,9 +27,9 @@ import torch.distributed as dist
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from tests.support.accelerate_harness import accelerate_env  # noqa: E402
-from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
-from tests.support.launched import launch  # noqa: E402
+from tests.support.accelerate_harness import accelerate_env  # noqa: E402  (after the importorskip above)
+from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402  (after the importorskip above)
+from tests.support.launched import launch  # noqa: E402  (after the importorskip above)
 
 LAUNCH_TIMEOUT_S = 420  # each of two launches, within the module's 900 s
 FSDP2_CONFIG = """\
@@ -66,8 +66,20 @@ def vescale(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("hf_trainer_vescale")
     (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
     launch(
-        [*ACCELERATE, "--config_file", str(out / "fsdp2.yaml"), "-m", "accelerate_plugin.run", "tests/support/hf_trainer_run.py",
-         "--out", str(out), "--runs", ",".join(VESCALE_RUNS), "--save", ",".join(SAVED_RUNS)],
+        [
+            *ACCELERATE,
+            "--config_file",
+            str(out / "fsdp2.yaml"),
+            "-m",
+            "accelerate_plugin.run",
+            "tests/support/hf_trainer_run.py",
+            "--out",
+            str(out),
+            "--runs",
+            ",".join(VESCALE_RUNS),
+            "--save",
+            ",".join(SAVED_RUNS),
+        ],
         timeout_s=LAUNCH_TIMEOUT_S,
     )
     return out, _results(out)
@@ -77,8 +89,17 @@ def vescale(tmp_path_factory) -> tuple[Path, list[dict]]:
 def ddp(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_trainer_ddp")
     launch(
-        [*ACCELERATE, "--multi_gpu", "tests/support/hf_trainer_run.py", "--out", str(out), "--runs", ",".join(f"{m}:plain" for m in MODELS)],
-        timeout_s=LAUNCH_TIMEOUT_S, env={"ACCELERATE_USE_CPU": "true"},
+        [
+            *ACCELERATE,
+            "--multi_gpu",
+            "tests/support/hf_trainer_run.py",
+            "--out",
+            str(out),
+            "--runs",
+            ",".join(f"{m}:plain" for m in MODELS),
+        ],
+        timeout_s=LAUNCH_TIMEOUT_S,
+        env={"ACCELERATE_USE_CPU": "true"},
     )
     return _results(out)
 
@@ -93,8 +114,12 @@ def test_trainer_on_vescale_matches_ddp(vescale, ddp, run):
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "plugin_ac")
         assert len(got["losses"]) == 4 and len(got["grad_norms"]) == 2
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}")
-        torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), msg=lambda m: f"grad norms: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
+        )
+        torch.testing.assert_close(
+            torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), msg=lambda m: f"grad norms: {m}"
+        )
         assert got["params"].keys() == want["params"].keys()
         for key, value in want["params"].items():
             torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
@@ -139,7 +164,9 @@ def _bert_with_its_default_units_is_refused() -> None:
     with accelerate_env():
         accelerator = Accelerator(fsdp_plugin=VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap"))
         model = make_model("bert")  # _no_split_modules = [BertEmbeddings, BertLayer]
-        with pytest.raises(ValueError, match=r"'cls\.predictions\.decoder\.weight' \(managed as 'word_embeddings\.weight'\)"):
+        with pytest.raises(
+            ValueError, match=r"'cls\.predictions\.decoder\.weight' \(managed as 'word_embeddings\.weight'\)"
+        ):
             accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
         dist.barrier()  # no rank is left inside a collective
 

@@ -36,11 +36,25 @@ def _example_model_module():
 
 
 def test_accelerate_launch_with_an_fsdp2_config_trains_with_vescale(tmp_path):
-    _launch([
-        "--config_file", "examples/accelerate_fsdp2.yaml", "--num_processes", "2", "--main_process_port", "0",
-        "-m", "accelerate_plugin.run", "examples/accelerate_train.py",
-        "--steps", str(STEPS), "--accumulation", str(ACCUMULATION), "--output_dir", str(tmp_path),
-    ])
+    _launch(
+        [
+            "--config_file",
+            "examples/accelerate_fsdp2.yaml",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            "0",
+            "-m",
+            "accelerate_plugin.run",
+            "examples/accelerate_train.py",
+            "--steps",
+            str(STEPS),
+            "--accumulation",
+            str(ACCUMULATION),
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["distributed_type"] == "DistributedType.FSDP" and summary["num_processes"] == 2
     assert summary["parameter_placements"] == ["RaggedShard"]

@@ -28,7 +28,9 @@ def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> N
     mp_policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":
         # What Accelerate's mixed_precision="bf16" means for an FSDP2 plugin.
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16
+        )
     plain = shard_decoder(clone(initial), mp_policy=mp_policy)
     plain_opt = adamw(plain)
     plain_lr = decaying_lr(plain_opt)
@@ -36,11 +38,15 @@ def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> N
     reference_opt = adamw(reference)
 
     with accelerate_env():
-        accelerator = Accelerator(fsdp_plugin=decoder_plugin(), gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision)
+        accelerator = Accelerator(
+            fsdp_plugin=decoder_plugin(), gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision
+        )
         assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
         model = clone(initial)
         optimizer = adamw(model)
-        model, optimizer, loader, lr = accelerator.prepare(model, optimizer, token_loader(optimizer_steps * accumulation), decaying_lr(optimizer))
+        model, optimizer, loader, lr = accelerator.prepare(
+            model, optimizer, token_loader(optimizer_steps * accumulation), decaying_lr(optimizer)
+        )
         assert all(isinstance(p.placements[0], RaggedShard) for p in model.parameters())
         assert accelerator.unwrap_model(model) is model
 
@@ -48,7 +54,11 @@ def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> N
             with accelerator.accumulate(model):
                 loss = loss_fn(model(tokens), targets)
                 accelerator.backward(loss)
-                norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM) if accelerator.sync_gradients else None
+                norm = (
+                    accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                    if accelerator.sync_gradients
+                    else None
+                )
                 optimizer.step()
                 lr.step()
                 optimizer.zero_grad()

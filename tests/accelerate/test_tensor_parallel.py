@@ -23,7 +23,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_plugin import VeScaleFSDPPlugin
 from tests.support.accelerate_harness import accelerate_env
-from tests.support.tp_transformer import BATCH, SEQ, VOCAB, Transformer, assert_trained_like_fsdp2_and_unsharded, default_adamw, lm_loss, tensor_parallel
+from tests.support.tp_transformer import (
+    BATCH,
+    SEQ,
+    VOCAB,
+    Transformer,
+    assert_trained_like_fsdp2_and_unsharded,
+    default_adamw,
+    lm_loss,
+    tensor_parallel,
+)
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,10 +49,14 @@ def _matches_fsdp2_and_unsharded(root: str) -> None:
     initial = Transformer()
     with accelerate_env():
         plugin = VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"])
-        accelerator = Accelerator(fsdp_plugin=plugin, parallelism_config=ParallelismConfig(dp_shard_size=DP, tp_size=TP))
+        accelerator = Accelerator(
+            fsdp_plugin=plugin, parallelism_config=ParallelismConfig(dp_shard_size=DP, tp_size=TP)
+        )
         mesh = accelerator.torch_device_mesh
         model = tensor_parallel(copy.deepcopy(initial), mesh["tp"])
-        model, optimizer, loader = accelerator.prepare(model, default_adamw(model), DataLoader(_tokens(), batch_size=BATCH))
+        model, optimizer, loader = accelerator.prepare(
+            model, default_adamw(model), DataLoader(_tokens(), batch_size=BATCH)
+        )
         wq = model.layers[0].attn.wq.weight
         assert wq.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
         assert type(wq.placements[0]) is StridedRaggedShard and wq.placements[1] == Shard(0)
@@ -59,7 +72,9 @@ def _matches_fsdp2_and_unsharded(root: str) -> None:
         assert len(batches) == STEPS
 
         tp_groups = mesh["dp_shard", "tp"].mesh.tolist()
-        assert_trained_like_fsdp2_and_unsharded(model, initial, batches, losses, tp_groups, mesh["tp"], mesh["dp_shard"], CLIP)
+        assert_trained_like_fsdp2_and_unsharded(
+            model, initial, batches, losses, tp_groups, mesh["tp"], mesh["dp_shard"], CLIP
+        )
 
         # A checkpoint with TP: a step taken from it after load_state is the step taken right
         # after save_state, bit for bit (parameters and AdamW's moments and step came back).

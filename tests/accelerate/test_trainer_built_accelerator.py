@@ -19,8 +19,12 @@ from vescale_plugins import RaggedShard
 transformers = pytest.importorskip("transformers")
 
 LAUNCH_ENV = dict(
-    ACCELERATE_USE_VESCALE_FSDP="1", ACCELERATE_USE_CPU="true", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2",
-    FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer",
+    ACCELERATE_USE_VESCALE_FSDP="1",
+    ACCELERATE_USE_CPU="true",
+    ACCELERATE_USE_FSDP="true",
+    FSDP_VERSION="2",
+    FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+    FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer",
 )
 
 
@@ -38,15 +42,29 @@ class RandomTokens(Dataset):
 def _trainer_trains_with_vescale(output_dir: str) -> list[float]:
     with accelerate_env(**LAUNCH_ENV):
         config = transformers.LlamaConfig(
-            vocab_size=101, hidden_size=48, intermediate_size=97, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64,
+            vocab_size=101,
+            hidden_size=48,
+            intermediate_size=97,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
         )
         torch.manual_seed(0)
         args = transformers.TrainingArguments(
-            output_dir=output_dir, max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3, max_grad_norm=1.0,
-            optim="adamw_torch", save_strategy="no", logging_steps=1, report_to=[],
+            output_dir=output_dir,
+            max_steps=2,
+            per_device_train_batch_size=2,
+            learning_rate=1e-3,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            save_strategy="no",
+            logging_steps=1,
+            report_to=[],
         )
-        trainer = transformers.Trainer(model=transformers.LlamaForCausalLM(config), args=args, train_dataset=RandomTokens())
+        trainer = transformers.Trainer(
+            model=transformers.LlamaForCausalLM(config), args=args, train_dataset=RandomTokens()
+        )
         trainer.train()
         assert isinstance(trainer.accelerator.state.fsdp_plugin, VeScaleFSDPPlugin)
         params = list(trainer.model_wrapped.parameters())

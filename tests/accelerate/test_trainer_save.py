@@ -15,7 +15,11 @@ def test_trainer_save_model_warns_where_it_would_write_nothing(monkeypatch):
     from accelerate_plugin import trainer_save
 
     calls = []
-    monkeypatch.setattr(transformers_trainer.Trainer, "save_model", lambda self, output_dir=None, _internal_call=False: calls.append(_internal_call))
+    monkeypatch.setattr(
+        transformers_trainer.Trainer,
+        "save_model",
+        lambda self, output_dir=None, _internal_call=False: calls.append(_internal_call),
+    )
     trainer_save.install()
     save_model = transformers_trainer.Trainer.save_model
 

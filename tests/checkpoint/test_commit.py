@@ -206,7 +206,9 @@ def test_truncated_file_is_named(tmp_path, committed_old):
     shard = old_copy / "__1_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
-    with pytest.raises(CheckpointCorruptError, match=rf"__1_0\.distcp: {size // 2} bytes on disk, but {size} bytes were committed"):
+    with pytest.raises(
+        CheckpointCorruptError, match=rf"__1_0\.distcp: {size // 2} bytes on disk, but {size} bytes were committed"
+    ):
         _load(old_copy)
     shard.unlink()
     with pytest.raises(CheckpointCorruptError, match=r"__1_0\.distcp: missing"):

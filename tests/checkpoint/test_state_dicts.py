@@ -104,7 +104,12 @@ def _state_dicts_keep_names_and_round_trip():
     for (name, p), (_, q) in zip(third.named_parameters(), reference.named_parameters()):
         assert torch.equal(p.full_tensor(), q), name
         unit_buffer = p._local_tensor.untyped_storage().data_ptr()
-        assert any(unit_buffer == b.sharded.untyped_storage().data_ptr() for m in third.modules() if hasattr(m, "_vescale_fsdp_unit") for b in m._vescale_fsdp_unit.dbuffers), name
+        assert any(
+            unit_buffer == b.sharded.untyped_storage().data_ptr()
+            for m in third.modules()
+            if hasattr(m, "_vescale_fsdp_unit")
+            for b in m._vescale_fsdp_unit.dbuffers
+        ), name
 
 
 @pytest.mark.parametrize("world", [2, 3])

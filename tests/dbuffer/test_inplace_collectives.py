@@ -130,10 +130,26 @@ def test_collectives_benchmark_cli_runs_and_reports_the_temporaries():
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "vescale_plugins.bench", "collectives", "--world-size", "2", "--shard-mib", "0.01", "--repeats", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.bench",
+        "collectives",
+        "--world-size",
+        "2",
+        "--shard-mib",
+        "0.01",
+        "--repeats",
+        "2",
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = {line.split("  ")[1].strip(): line for line in completed.stdout.splitlines() if line.startswith("  ")}
-    assert set(lines) == {"gloo all_gather_into_tensor", "in-place all-gather", "gloo reduce_scatter_tensor", "in-place reduce-scatter"}, completed.stdout
+    assert set(lines) == {
+        "gloo all_gather_into_tensor",
+        "in-place all-gather",
+        "gloo reduce_scatter_tensor",
+        "in-place reduce-scatter",
+    }, completed.stdout
     assert lines["in-place all-gather"].endswith("temporaries   0.00 MiB"), completed.stdout
     assert lines["in-place reduce-scatter"].endswith("temporaries   0.00 MiB"), completed.stdout

@@ -89,19 +89,31 @@ def _multi_buffer_parity():
             losses.append(total / world)
         torch.testing.assert_close(losses[0], ref_loss, **TOL)
         torch.testing.assert_close(losses[0], losses[1], **TOL)
-        for (name, p), (_, q), (_, r) in zip(ours.named_parameters(), theirs.named_parameters(), reference.named_parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL, msg=lambda m: f"grad {name} vs unsharded: {m}")
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), **TOL, msg=lambda m: f"grad {name} vs FSDP2: {m}")
+        for (name, p), (_, q), (_, r) in zip(
+            ours.named_parameters(), theirs.named_parameters(), reference.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(
+                p.grad.full_tensor(), r.grad, **TOL, msg=lambda m: f"grad {name} vs unsharded: {m}"
+            )
+            torch.testing.assert_close(
+                p.grad.full_tensor(), q.grad.full_tensor(), **TOL, msg=lambda m: f"grad {name} vs FSDP2: {m}"
+            )
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        for (name, p), (_, q), (_, r) in zip(ours.named_parameters(), theirs.named_parameters(), reference.named_parameters(), strict=True):
-            torch.testing.assert_close(p.full_tensor(), r.detach(), **PARAM_TOL, msg=lambda m: f"param {name} vs unsharded: {m}")
-            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **PARAM_TOL, msg=lambda m: f"param {name} vs FSDP2: {m}")
+        for (name, p), (_, q), (_, r) in zip(
+            ours.named_parameters(), theirs.named_parameters(), reference.named_parameters(), strict=True
+        ):
+            torch.testing.assert_close(
+                p.full_tensor(), r.detach(), **PARAM_TOL, msg=lambda m: f"param {name} vs unsharded: {m}"
+            )
+            torch.testing.assert_close(
+                p.full_tensor(), q.full_tensor(), **PARAM_TOL, msg=lambda m: f"param {name} vs FSDP2: {m}"
+            )
 
     with record_run(ours, opts[1]) as record:
         x, y = _batch(STEPS, world)
-        _loss(ours, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+        _loss(ours, x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]).backward()
         record.mark_step()
     units = {tuple(u["modules"]): u for u in record.to_dict()["sharding"]["units"]}
     block = units[("block",)]

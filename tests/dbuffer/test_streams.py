@@ -87,7 +87,11 @@ def _protocol_of_one_gather_and_reduce():
     try:
         gather = dbuffer.all_gather(async_op=True)
         # Issued on the all-gather stream after it waited for compute; memory is that stream's.
-        assert api.log == [("wait_stream", "all_gather", "compute"), ("allocate", "all_gather"), ("record", "all_gather", 1)], api.log
+        assert api.log == [
+            ("wait_stream", "all_gather", "compute"),
+            ("allocate", "all_gather"),
+            ("record", "all_gather", 1),
+        ], api.log
         gather.wait()
         assert api.log[-1] == ("wait_event", "compute", 1)
         for index, tensor in enumerate(full):
@@ -96,7 +100,11 @@ def _protocol_of_one_gather_and_reduce():
         api.log.clear()
         dbuffer.fill_unsharded_grad({index: tensor * (rank + 1) for index, tensor in enumerate(full)})
         reduce = dbuffer.reduce_scatter(divide_factor=world, accumulate=False, async_op=True)
-        assert api.log == [("allocate", "compute"), ("wait_stream", "reduce_scatter", "compute"), ("record", "reduce_scatter", 2)], api.log
+        assert api.log == [
+            ("allocate", "compute"),
+            ("wait_stream", "reduce_scatter", "compute"),
+            ("record", "reduce_scatter", 2),
+        ], api.log
         assert dbuffer.has_unsharded_grad  # the input stays until compute has waited for it
         reduce.wait()
         assert api.log[-1] == ("wait_event", "compute", 2) and not dbuffer.has_unsharded_grad

@@ -102,10 +102,15 @@ def _ours_copy_nothing():
     opt = adamw(model)
     _train_step(model, opt, 0)
     recorder = _LibraryOps()
-    targets = [(dbuffer_module.DBuffer, "all_gather"), (dbuffer_module.DBuffer, "reduce_scatter"),
-               (handles_module.GatherHandle, "wait"), (handles_module.ReduceScatterHandle, "wait"),
-               (dbuffer_module, "all_gather_into"), (dbuffer_module, "reduce_scatter_into"),
-               (handles_module, "wait_collective")]
+    targets = [
+        (dbuffer_module.DBuffer, "all_gather"),
+        (dbuffer_module.DBuffer, "reduce_scatter"),
+        (handles_module.GatherHandle, "wait"),
+        (handles_module.ReduceScatterHandle, "wait"),
+        (dbuffer_module, "all_gather_into"),
+        (dbuffer_module, "reduce_scatter_into"),
+        (handles_module, "wait_collective"),
+    ]
     originals = _record_library_paths(recorder, targets)
     try:
         with recorder:

@@ -27,14 +27,17 @@ def api(impl: str) -> types.SimpleNamespace:
 
     if impl == "torch":
         return types.SimpleNamespace(
-            fully_shard=fsdp.fully_shard, FSDPModule=fsdp.FSDPModule,
-            register_fsdp_forward_method=fsdp.register_fsdp_forward_method, UnshardHandle=fsdp.UnshardHandle,
+            fully_shard=fsdp.fully_shard,
+            FSDPModule=fsdp.FSDPModule,
+            register_fsdp_forward_method=fsdp.register_fsdp_forward_method,
+            UnshardHandle=fsdp.UnshardHandle,
         )
     if impl == "vescale":
         import vescale_plugins
 
         return types.SimpleNamespace(
-            fully_shard=vescale_plugins.fully_shard, FSDPModule=fsdp.FSDPModule,
+            fully_shard=vescale_plugins.fully_shard,
+            FSDPModule=fsdp.FSDPModule,
             register_fsdp_forward_method=vescale_plugins.register_fsdp_forward_method,
             UnshardHandle=fsdp.UnshardHandle,
         )

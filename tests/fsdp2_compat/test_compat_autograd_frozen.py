@@ -27,7 +27,7 @@ from torch.testing._internal.common_fsdp import MLP, DoubleLinear, check_sharded
 from ._compat import api, tc
 
 T = 180
-vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
+vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
 RAF = [True, False, 2]
 
 
@@ -147,7 +147,12 @@ class _ToContainer(nn.Module):
         self.container_type = container_type
 
     def forward(self, x):
-        return {list: lambda: [x], "namedtuple": lambda: _NT(x, torch.ones_like(x)), tuple: lambda: (x,), dict: lambda: {"x": x}}[self.container_type]()
+        return {
+            list: lambda: [x],
+            "namedtuple": lambda: _NT(x, torch.ones_like(x)),
+            tuple: lambda: (x,),
+            dict: lambda: {"x": x},
+        }[self.container_type]()
 
 
 class _FromContainer(nn.Module):
@@ -166,7 +171,9 @@ def _nontensor_activations(impl, container_name):
     torch.manual_seed(42)
     local_batch_size, dim = 2, 24
     global_batch_size = world_size * local_batch_size
-    model = nn.Sequential(_ToContainer(container_type), _Module(dim), _Module(dim), _Module(dim), _FromContainer(container_type))
+    model = nn.Sequential(
+        _ToContainer(container_type), _Module(dim), _Module(dim), _Module(dim), _FromContainer(container_type)
+    )
     ref_model = copy.deepcopy(model)
     for module in model:
         A.fully_shard(module)
@@ -206,7 +213,11 @@ def _fsdp2_internal_checks(impl, assert_numel):
         yield None
         return
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import RegisterPostBackwardFunction
-    from torch.testing._internal.common_fsdp import patch_reduce_scatter, patch_register_post_backward_hook_backward, reduce_scatter_with_assert
+    from torch.testing._internal.common_fsdp import (
+        patch_reduce_scatter,
+        patch_register_post_backward_hook_backward,
+        reduce_scatter_with_assert,
+    )
 
     orig_backward = RegisterPostBackwardFunction.backward
 
@@ -269,9 +280,18 @@ def _train_mixed_requires_grad_per_group(impl, reshard_after_forward, use_activa
 @pytest.mark.parametrize("freeze_after_init", [False, True])
 @pytest.mark.parametrize("use_activation_checkpointing", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", RAF)
-def test_train_mixed_requires_grad_per_group(dist_run, impl, reshard_after_forward, use_activation_checkpointing, freeze_after_init):
-    dist_run(_train_mixed_requires_grad_per_group, _world(reshard_after_forward), impl, reshard_after_forward,
-             use_activation_checkpointing, freeze_after_init, timeout=T)
+def test_train_mixed_requires_grad_per_group(
+    dist_run, impl, reshard_after_forward, use_activation_checkpointing, freeze_after_init
+):
+    dist_run(
+        _train_mixed_requires_grad_per_group,
+        _world(reshard_after_forward),
+        impl,
+        reshard_after_forward,
+        use_activation_checkpointing,
+        freeze_after_init,
+        timeout=T,
+    )
 
 
 def _train_mixed_requires_grad_across_groups(impl, reshard_after_forward, unfreeze_params):
@@ -322,7 +342,14 @@ def _train_mixed_requires_grad_across_groups(impl, reshard_after_forward, unfree
 @pytest.mark.parametrize("unfreeze_params", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", RAF)
 def test_train_mixed_requires_grad_across_groups(dist_run, impl, reshard_after_forward, unfreeze_params):
-    dist_run(_train_mixed_requires_grad_across_groups, _world(reshard_after_forward), impl, reshard_after_forward, unfreeze_params, timeout=T)
+    dist_run(
+        _train_mixed_requires_grad_across_groups,
+        _world(reshard_after_forward),
+        impl,
+        reshard_after_forward,
+        unfreeze_params,
+        timeout=T,
+    )
 
 
 def _multi_forward_mixed_requires_grad(impl, reshard_after_forward):

@@ -21,7 +21,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs
 from ._compat import api, tc
 
 T = 180
-vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
+vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
 
 
 # -- test_fully_shard_clip_grad_norm_.py -------------------------------------------------
@@ -60,7 +60,9 @@ def _clip_grad_norm_1d(impl, norm_type):
         ref_total_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=max_norm, norm_type=norm_type)
         comm_mode = CommDebugMode()
         with comm_mode:
-            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm, norm_type=norm_type, foreach=True)
+            total_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), max_norm=max_norm, norm_type=norm_type, foreach=True
+            )
         tc.assertEqual(ref_total_norm, total_norm.full_tensor())
         tc.assertEqual(comm_mode.get_comm_counts()[torch.ops.c10d_functional.all_reduce], len(total_norm.placements))
         for param, grad in zip(ref_model.parameters(), ref_grads):
@@ -101,7 +103,11 @@ def _gradient_scaler(impl, has_inf, test_2d=False):
         mesh_2d = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
         dp_mesh, tp_mesh = mesh_2d["dp"], mesh_2d["tp"]
         model = nn.Sequential(MLP(2), MLP(2), MLP(2))
-        plan = {f"{i}.{name}": style() for i in range(3) for name, style in (("in_proj", ColwiseParallel), ("out_proj", RowwiseParallel))}
+        plan = {
+            f"{i}.{name}": style()
+            for i in range(3)
+            for name, style in (("in_proj", ColwiseParallel), ("out_proj", RowwiseParallel))
+        }
         model = parallelize_module(model, device_mesh=tp_mesh, parallelize_plan=plan)
         for module in model:
             A.fully_shard(module, mesh=dp_mesh)
@@ -215,8 +221,16 @@ def _ddp_A_fsdp_B_ddp_C(impl):
     fsdped = {n for n, m in test_model.named_modules() if isinstance(m, A.FSDPModule)}
     tc.assertEqual(fsdped, {"module_b", "module_b.lin_b"})
     ddp_ignored = [n for n, _ in test_model.module_b.named_parameters("module_b")]
-    tc.assertEqual(set(ddp_ignored), {"module_b.subtrahend", "module_b.lin_b.weight", "module_b.lin_b.bias",
-                                      "module_b.module_c.lin_c.weight", "module_b.module_c.lin_c.bias"})
+    tc.assertEqual(
+        set(ddp_ignored),
+        {
+            "module_b.subtrahend",
+            "module_b.lin_b.weight",
+            "module_b.lin_b.bias",
+            "module_b.module_c.lin_c.weight",
+            "module_b.module_c.lin_c.bias",
+        },
+    )
     ddp_ignored = [n for n in ddp_ignored if name_to_param[n] not in ignored]
     tc.assertEqual(set(ddp_ignored), {"module_b.subtrahend", "module_b.lin_b.weight", "module_b.lin_b.bias"})
     DDP._set_params_and_buffers_to_ignore_for_model(module=test_model, params_and_buffers_to_ignore=ddp_ignored)
@@ -259,7 +273,9 @@ def _raise_scalar_parameter(impl):
         A.fully_shard(model)
 
 
-@pytest.mark.vescale_differs("0-dim parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
+@pytest.mark.vescale_differs(
+    "0-dim parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)"
+)
 def test_raise_scalar_parameter(dist_run, impl):
     dist_run(_raise_scalar_parameter, 2, impl, timeout=T)
 
@@ -271,7 +287,9 @@ def _raise_noncontiguous_parameter(impl):
         A.fully_shard(conv2d)
 
 
-@pytest.mark.vescale_differs("non-contiguous parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)")
+@pytest.mark.vescale_differs(
+    "non-contiguous parameters: FSDP2 refuses them, veScale-FSDP shards them exactly (tests/runtime/test_fsdp2_edge_cases.py::test_zero_dim_and_non_contiguous_parameters_train_exactly)"
+)
 def test_raise_noncontiguous_parameter(dist_run, impl):
     dist_run(_raise_noncontiguous_parameter, 2, impl, timeout=T)
 
@@ -307,7 +325,7 @@ def _meta_device_1d_init(impl):
     # Initialise from the reference values (the original re-runs reset_parameters with the
     # same seed; the values are the point, not the initialiser).
     with torch.no_grad():
-        for (name, p), ref_p in zip(meta_model.named_parameters(), ref_model.parameters()):
+        for (_name, p), ref_p in zip(meta_model.named_parameters(), ref_model.parameters()):
             p.copy_(torch.distributed.tensor.distribute_tensor(ref_p, p.device_mesh, p.placements))
         for b, ref_b in zip(meta_model.buffers(), ref_model.buffers()):
             b.copy_(ref_b)

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from ._compat import api, tc
 
 T = 180
-vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
+vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
 RAF = [False, True, 2]
 LOW_PRECISION_SUM_ORDER = (
     "bf16/fp16 reduction at W=4 (reshard_after_forward=2 runs on 4 ranks): our point-to-point "
@@ -51,7 +51,9 @@ def _reduce_scatter_dtype_check(impl, dtype):
     def assert_fn(output):
         tc.assertEqual(output.dtype, dtype)
 
-    return patch_reduce_scatter(functools.partial(reduce_scatter_with_assert, tc, dist.reduce_scatter_tensor, assert_fn))
+    return patch_reduce_scatter(
+        functools.partial(reduce_scatter_with_assert, tc, dist.reduce_scatter_tensor, assert_fn)
+    )
 
 
 def _init_models_and_optims(A, reshard_after_forward, param_dtype, reduce_dtype):
@@ -215,7 +217,9 @@ def _reduce_dtype_after_frozen_first_forward(impl):
             tc.assertEqual(param.grad.dtype, torch.float32)
 
 
-@pytest.mark.skip(reason="excluded: FSDP2 itself fails on CPU (its private param group's _reduce_dtype is None, not float32)")
+@pytest.mark.skip(
+    reason="excluded: FSDP2 itself fails on CPU (its private param group's _reduce_dtype is None, not float32)"
+)
 def test_reduce_dtype_after_frozen_first_forward(dist_run, impl):
     dist_run(_reduce_dtype_after_frozen_first_forward, 2, impl, timeout=T)
 
@@ -344,8 +348,12 @@ def _structured_input_output(impl, container_type, param_dtype, reduce_dtype):
     torch.manual_seed(42)
     dim, local_batch_size = 16, 2
     global_batch_size = world_size * local_batch_size
-    model = nn.Sequential(_ToContainer(container_type), _ContainerModule(container_type, dim),
-                          _ContainerModule(container_type, dim), _FromContainer(container_type))
+    model = nn.Sequential(
+        _ToContainer(container_type),
+        _ContainerModule(container_type, dim),
+        _ContainerModule(container_type, dim),
+        _FromContainer(container_type),
+    )
     ref_model = copy.deepcopy(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for module in model:
@@ -394,7 +402,11 @@ def _structured_input_output(impl, container_type, param_dtype, reduce_dtype):
 
 
 @pytest.mark.parametrize("container_type", ["dataclass", "nested_dataclass", "namedtuple"])
-@pytest.mark.parametrize("mp_config", [(None, None), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32reduce"])
+@pytest.mark.parametrize(
+    "mp_config",
+    [(None, None), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+    ids=["fp32", "bf16", "bf16-fp32reduce"],
+)
 def test_structured_input_output(dist_run, impl, container_type, mp_config):
     dist_run(_structured_input_output, 2, impl, container_type, *mp_config, timeout=T)
 
@@ -495,7 +507,9 @@ def _submodules_with_external_inputs(impl, enable_submodule_cast):
     forward_inputs = {}
     model = ToyModel(forward_inputs)
     x = torch.zeros(2, 100, dtype=torch.float32)
-    A.fully_shard(model.l2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, cast_forward_inputs=enable_submodule_cast))
+    A.fully_shard(
+        model.l2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, cast_forward_inputs=enable_submodule_cast)
+    )
     A.fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
     model(x).sum().backward()
     tc.assertEqual(forward_inputs["model_input_x"].dtype, torch.float16)
@@ -542,8 +556,12 @@ def _checkpoint_recompute_casts(impl, recompute_cast):
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     else:
         checkpoint_input_dtype = torch.bfloat16
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                         output_dtype=torch.float32, cast_forward_inputs=False)
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.bfloat16,
+            output_dtype=torch.float32,
+            cast_forward_inputs=False,
+        )
     torch.manual_seed(42)
     model = Model(checkpoint_input_dtype)
     A.fully_shard(model.linear1, mp_policy=mp_policy)
@@ -595,7 +613,9 @@ def _norm_modules(impl, param_dtype):
     inner(model, torch.randn((3, 1, 9, 9)))
 
 
-@pytest.mark.skip(reason="excluded: FSDP2 itself fails on CPU (BatchNorm2d: 'expected scalar type BFloat16/Half but found Float')")
+@pytest.mark.skip(
+    reason="excluded: FSDP2 itself fails on CPU (BatchNorm2d: 'expected scalar type BFloat16/Half but found Float')"
+)
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_norm_modules(dist_run, impl, param_dtype):
     dist_run(_norm_modules, 2, impl, param_dtype, timeout=T)

@@ -21,7 +21,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs
 from ._compat import api, tc
 
 T = 180
-vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)  # noqa: E731
+vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
 
 
 def _state_dict_save_load(model, impl):
@@ -97,11 +97,17 @@ def _cached_state_dict(impl, mlp_dim, mutate_after_state_dict):
     sd = model.state_dict()
     tc.assertIsInstance(model.weight, DTensor)
     if not mutate_after_state_dict:
-        tc.assertTrue(sd["weight"]._local_tensor.untyped_storage().data_ptr() == model.weight._local_tensor.untyped_storage().data_ptr())
+        tc.assertTrue(
+            sd["weight"]._local_tensor.untyped_storage().data_ptr()
+            == model.weight._local_tensor.untyped_storage().data_ptr()
+        )
     else:
         # The original moves to CPU and back to CUDA; on CPU, a dtype round trip reallocates.
         model = model.to(torch.float64).to(torch.float32)
-        tc.assertTrue(sd["weight"]._local_tensor.untyped_storage().data_ptr() != model.weight._local_tensor.untyped_storage().data_ptr())
+        tc.assertTrue(
+            sd["weight"]._local_tensor.untyped_storage().data_ptr()
+            != model.weight._local_tensor.untyped_storage().data_ptr()
+        )
     torch.manual_seed(42 + dist.get_rank())
     inp = torch.rand(mlp_dim, mlp_dim)
     for _ in range(5):
@@ -109,7 +115,10 @@ def _cached_state_dict(impl, mlp_dim, mutate_after_state_dict):
         model(inp).sum().backward()
         optim.step()
         if not mutate_after_state_dict:
-            tc.assertTrue(sd["weight"]._local_tensor.untyped_storage().data_ptr() == model.weight._local_tensor.untyped_storage().data_ptr())
+            tc.assertTrue(
+                sd["weight"]._local_tensor.untyped_storage().data_ptr()
+                == model.weight._local_tensor.untyped_storage().data_ptr()
+            )
 
 
 @pytest.mark.parametrize("mutate_after_state_dict", [True, False])

@@ -28,16 +28,22 @@ from .test_compat_state_dict import _state_dict_save_load
 T = 180  # seconds per case
 
 
-def _parallelize(model: MLPStack, tp_mesh, dp_mesh, use_activation_checkpointing: bool, fully_shard, **fsdp_kwargs) -> MLPStack:
+def _parallelize(
+    model: MLPStack, tp_mesh, dp_mesh, use_activation_checkpointing: bool, fully_shard, **fsdp_kwargs
+) -> MLPStack:
     # MLPStack.parallelize (without sequence parallelism) with the switch's fully_shard
-    parallelize_module(model, tp_mesh, {
-        "0.in_proj": ColwiseParallel(use_local_output=False),
-        "0.out_proj": RowwiseParallel(use_local_output=False),
-        "1.in_proj": ColwiseParallel(use_local_output=False),
-        "1.out_proj": RowwiseParallel(use_local_output=False),
-        "2.in_proj": ColwiseParallel(use_local_output=False),
-        "2.out_proj": RowwiseParallel(),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "0.in_proj": ColwiseParallel(use_local_output=False),
+            "0.out_proj": RowwiseParallel(use_local_output=False),
+            "1.in_proj": ColwiseParallel(use_local_output=False),
+            "1.out_proj": RowwiseParallel(use_local_output=False),
+            "2.in_proj": ColwiseParallel(use_local_output=False),
+            "2.out_proj": RowwiseParallel(),
+        },
+    )
     for module in model:
         if use_activation_checkpointing:
             checkpoint(module)
@@ -48,13 +54,31 @@ def _parallelize(model: MLPStack, tp_mesh, dp_mesh, use_activation_checkpointing
 
 def _2d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
     global_mesh = init_device_mesh("cpu", (1, 2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp", "tp"))
-    _mlp_with_nd_mesh(impl, global_mesh["dp"], global_mesh["tp"], global_mesh["dp"].get_group(), reshard_after_forward, use_activation_checkpointing, mlp_dim)
+    _mlp_with_nd_mesh(
+        impl,
+        global_mesh["dp"],
+        global_mesh["tp"],
+        global_mesh["dp"].get_group(),
+        reshard_after_forward,
+        use_activation_checkpointing,
+        mlp_dim,
+    )
 
 
 def _3d_mlp_with_nd_mesh(impl, reshard_after_forward, use_activation_checkpointing, mlp_dim):
-    global_mesh = init_device_mesh("cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    global_mesh = init_device_mesh(
+        "cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
     dp_mesh = global_mesh["dp_replicate", "dp_shard"]
-    _mlp_with_nd_mesh(impl, dp_mesh, global_mesh["tp"], dp_mesh._flatten().get_group(), reshard_after_forward, use_activation_checkpointing, mlp_dim)
+    _mlp_with_nd_mesh(
+        impl,
+        dp_mesh,
+        global_mesh["tp"],
+        dp_mesh._flatten().get_group(),
+        reshard_after_forward,
+        use_activation_checkpointing,
+        mlp_dim,
+    )
 
 
 def _mlp_with_nd_mesh(impl, dp_mesh, tp_mesh, dp_pg, reshard_after_forward, use_activation_checkpointing, mlp_dim):
@@ -63,7 +87,14 @@ def _mlp_with_nd_mesh(impl, dp_mesh, tp_mesh, dp_pg, reshard_after_forward, use_
     model = MLPStack(mlp_dim)
     ref_model = copy.deepcopy(model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2, foreach=False)
-    _parallelize(model, tp_mesh, dp_mesh, use_activation_checkpointing, A.fully_shard, reshard_after_forward=reshard_after_forward)
+    _parallelize(
+        model,
+        tp_mesh,
+        dp_mesh,
+        use_activation_checkpointing,
+        A.fully_shard,
+        reshard_after_forward=reshard_after_forward,
+    )
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     torch.manual_seed(42 + dp_pg.rank() + 1)
     for iter_idx in range(10):
@@ -80,7 +111,7 @@ def _mlp_with_nd_mesh(impl, dp_mesh, tp_mesh, dp_pg, reshard_after_forward, use_
             _optim.step()
         tc.assertEqual(losses[0], losses[1])
     names = (*dp_mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         tc.assertIsInstance(p, DTensor)
         tc.assertEqual(p.device_mesh.ndim, len(names))
         tc.assertEqual(len(p.placements), len(names))
@@ -107,9 +138,12 @@ def test_3d_mlp_with_nd_mesh(dist_run, impl, reshard_after_forward, use_activati
 # -- test_fully_shard_state_dict.py: 2-D state dicts (DP x TP, HSDP x TP) --------------------
 
 _TP_PLAN = {
-    "0.in_proj": ColwiseParallel(), "0.out_proj": RowwiseParallel(),
-    "1.in_proj": ColwiseParallel(), "1.out_proj": RowwiseParallel(),
-    "2.in_proj": ColwiseParallel(), "2.out_proj": RowwiseParallel(),
+    "0.in_proj": ColwiseParallel(),
+    "0.out_proj": RowwiseParallel(),
+    "1.in_proj": ColwiseParallel(),
+    "1.out_proj": RowwiseParallel(),
+    "2.in_proj": ColwiseParallel(),
+    "2.out_proj": RowwiseParallel(),
 }
 
 
@@ -149,7 +183,9 @@ def test_dp_tp_state_dict_save_load(dist_run, impl, mlp_dim):
 
 
 def _hsdp_tp_state_dict_save_load(impl, mlp_dim):
-    global_mesh = init_device_mesh("cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    global_mesh = init_device_mesh(
+        "cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
     _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp_replicate", "dp_shard"], global_mesh["tp"])
     _state_dict_save_load(model, impl)
 
@@ -174,9 +210,14 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules, dp_replicate=1):
         dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         sparse = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("efsdp", "ep"))
         efsdp_mesh = sparse["efsdp"]
-        dp_mesh_info, efsdp_mesh_info = FSDPMeshInfo(dp_mesh, shard_mesh_dim=0), FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0)
+        dp_mesh_info, efsdp_mesh_info = (
+            FSDPMeshInfo(dp_mesh, shard_mesh_dim=0),
+            FSDPMeshInfo(efsdp_mesh, shard_mesh_dim=0),
+        )
     else:
-        sparse = init_device_mesh("cpu", (dp_replicate, world // dp_replicate // 2, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        sparse = init_device_mesh(
+            "cpu", (dp_replicate, world // dp_replicate // 2, 2), mesh_dim_names=("dp_replicate", "efsdp", "ep")
+        )
         sparse["efsdp", "ep"]._flatten("dp_shard")
         dp_mesh, efsdp_mesh = sparse["dp_replicate", "dp_shard"], sparse["dp_replicate", "efsdp"]
         dp_mesh_info = HSDPMeshInfo(dp_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
@@ -196,9 +237,11 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules, dp_replicate=1):
             return ShardPlacementResult(placement=Shard(0), mesh_info=dp_mesh_info)
 
         A.fully_shard(block, mesh=dp_mesh, shard_placement_fn=_shard_placement_fn)
-    A.fully_shard([model.tok_embeddings, model.norm, model.output], mesh=dp_mesh, reshard_after_forward=reshard_non_layer_modules)
+    A.fully_shard(
+        [model.tok_embeddings, model.norm, model.output], mesh=dp_mesh, reshard_after_forward=reshard_non_layer_modules
+    )
     A.fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_non_layer_modules)
-    for (name, param), (_, ref_param) in zip(model.named_parameters(), ref_model.named_parameters()):
+    for (_name, param), (_, ref_param) in zip(model.named_parameters(), ref_model.named_parameters()):
         tc.assertEqual(param.full_tensor(), ref_param)
     experts_w1 = model.layers[0].expert_layer.experts.w1
     tc.assertEqual(experts_w1.device_mesh.mesh_dim_names, (*efsdp_mesh.mesh_dim_names, "ep"))

@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint, replicate
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    apply_activation_checkpointing,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP, check_sharded_parity
@@ -270,7 +273,9 @@ def _train_parity_single_group(impl, lin_shapes, use_shard_placement_fn):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("lin_shapes", [[(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]], ids=["16x15", "7x15", "16x17"])
+@pytest.mark.parametrize(
+    "lin_shapes", [[(16, 15), (15, 8)], [(7, 15), (15, 3)], [(16, 17), (17, 8)]], ids=["16x15", "7x15", "16x17"]
+)
 def test_train_parity_single_group_shard_dim0(dist_run, impl, world_size, lin_shapes):
     dist_run(_train_parity_single_group, world_size, impl, lin_shapes, False, timeout=T)
 
@@ -441,8 +446,13 @@ def _train_parity_with_activation_checkpointing(impl, reshard_after_forward, che
     torch.manual_seed(42)
     vocab_size = 1024
     model_args = ModelArgs(
-        n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64, dropout_p=0,
-        checkpoint_activations=(checkpoint_impl == "utils"), weight_tying=module_grouping != "mem_eff",
+        n_layers=3,
+        n_heads=4,
+        vocab_size=vocab_size,
+        max_seq_len=64,
+        dropout_p=0,
+        checkpoint_activations=(checkpoint_impl == "utils"),
+        weight_tying=module_grouping != "mem_eff",
     )
     model = Transformer(model_args)
     ref_model = replicate(copy.deepcopy(model))
@@ -488,14 +498,21 @@ def _train_parity_with_activation_checkpointing(impl, reshard_after_forward, che
         check_sharded_parity(tc, ref_model, model, prefixes_to_ignore=prefixes_to_ignore)
 
 
-
-
 @pytest.mark.parametrize("module_grouping", ["block", "mem_eff", "mem_eff_weight_tied"])
-@pytest.mark.parametrize("checkpoint_impl", [
-    "composable", "utils", "wrapper"])
+@pytest.mark.parametrize("checkpoint_impl", ["composable", "utils", "wrapper"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_train_parity_with_activation_checkpointing(dist_run, impl, reshard_after_forward, checkpoint_impl, module_grouping):
-    dist_run(_train_parity_with_activation_checkpointing, 2, impl, reshard_after_forward, checkpoint_impl, module_grouping, timeout=T)
+def test_train_parity_with_activation_checkpointing(
+    dist_run, impl, reshard_after_forward, checkpoint_impl, module_grouping
+):
+    dist_run(
+        _train_parity_with_activation_checkpointing,
+        2,
+        impl,
+        reshard_after_forward,
+        checkpoint_impl,
+        module_grouping,
+        timeout=T,
+    )
 
 
 def _grouped_module_cast_forward_inputs(impl):
@@ -639,7 +656,16 @@ def _partial_group_forward_then_standalone(impl, reshard_after_forward, weight_t
 @pytest.mark.parametrize("weight_tying", [False, True])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_partial_group_forward_then_standalone(dist_run, impl, reshard_after_forward, weight_tying, mp_policy_mode):
-    dist_run(_partial_group_forward_then_standalone, 2, impl, reshard_after_forward, weight_tying, mp_policy_mode, False, timeout=T)
+    dist_run(
+        _partial_group_forward_then_standalone,
+        2,
+        impl,
+        reshard_after_forward,
+        weight_tying,
+        mp_policy_mode,
+        False,
+        timeout=T,
+    )
 
 
 def test_partial_group_forward_then_standalone_ac(dist_run, impl):
@@ -733,8 +759,14 @@ def _double_forward_with_nested_fsdp_and_checkpoint(impl, reshard_after_forward,
     A = api(impl)
     torch.manual_seed(42)
     vocab_size = 1024
-    model_args = ModelArgs(n_layers=3, n_heads=4, vocab_size=vocab_size, max_seq_len=64, dropout_p=0,
-                           checkpoint_activations=(checkpoint_impl == "utils"))
+    model_args = ModelArgs(
+        n_layers=3,
+        n_heads=4,
+        vocab_size=vocab_size,
+        max_seq_len=64,
+        dropout_p=0,
+        checkpoint_activations=(checkpoint_impl == "utils"),
+    )
     model = Transformer(model_args)
     if checkpoint_impl == "composable":
         for module in model.modules():
@@ -758,7 +790,9 @@ def _double_forward_with_nested_fsdp_and_checkpoint(impl, reshard_after_forward,
 @pytest.mark.parametrize("checkpoint_impl", ["composable", "utils"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_double_forward_with_nested_fsdp_and_checkpoint(dist_run, impl, reshard_after_forward, checkpoint_impl):
-    dist_run(_double_forward_with_nested_fsdp_and_checkpoint, 2, impl, reshard_after_forward, checkpoint_impl, timeout=T)
+    dist_run(
+        _double_forward_with_nested_fsdp_and_checkpoint, 2, impl, reshard_after_forward, checkpoint_impl, timeout=T
+    )
 
 
 def _double_partial_forward_then_backward(impl):
@@ -1096,9 +1130,16 @@ def _train_parity_hsdp(impl, reshard_after_forward):
 
     A = api(impl)
     global_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for use_activation_checkpointing, mlp_dim, sync_gradients_at_last_batch in itertools.product([False, True], [3, 17], [True, False]):
+    for use_activation_checkpointing, mlp_dim, sync_gradients_at_last_batch in itertools.product(
+        [False, True], [3, 17], [True, False]
+    ):
         torch.manual_seed(42)
-        model = nn.Sequential(nn.LayerNorm(mlp_dim, bias=False), MLP(mlp_dim, dim_multiplier=3), MLP(mlp_dim), MLP(mlp_dim, dim_multiplier=3))
+        model = nn.Sequential(
+            nn.LayerNorm(mlp_dim, bias=False),
+            MLP(mlp_dim, dim_multiplier=3),
+            MLP(mlp_dim),
+            MLP(mlp_dim, dim_multiplier=3),
+        )
         ref_model = copy.deepcopy(model)
         replicate(ref_model)
         ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)

@@ -22,7 +22,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from lightning_strategy import VeScaleFSDPStrategy
-from tests.support.lightning_harness import ACCUMULATE, CLIP, LAYERS, MICRO_BATCHES, LitDecoder, dataset, launched_by_harness, loader, make_trainer
+from tests.support.lightning_harness import (
+    ACCUMULATE,
+    CLIP,
+    LAYERS,
+    MICRO_BATCHES,
+    LitDecoder,
+    dataset,
+    launched_by_harness,
+    loader,
+    make_trainer,
+)
 from tests.support.models import Block, loss_fn
 from tests.support.parity import adamw
 
@@ -115,7 +125,9 @@ def _checkpointing_matches_ddp(root: str, forms: list[str]) -> None:
             assert wrappers == (LAYERS if "policy" in form else 0), (form, wrappers)
             # Recomputed: each block's forward ran again in backward.
             assert calls == (plain_calls if form == "no_checkpointing" else 2 * plain_calls), (form, calls)
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), msg=lambda m: f"{form} losses: {m}")
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(want_losses), msg=lambda m: f"{form} losses: {m}"
+            )
             assert params.keys() == want_params.keys(), form
             for name, value in want_params.items():
                 torch.testing.assert_close(params[name], value, msg=lambda m: f"{form} {name}: {m}")

@@ -49,21 +49,32 @@ BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch
 
 @pytest.mark.parametrize(
     "precision, policy, module_dtype",
-    [("32-true", MixedPrecisionPolicy(), torch.float32), ("bf16-mixed", BF16_MIXED, torch.float32), ("bf16-true", MixedPrecisionPolicy(), torch.bfloat16)],
+    [
+        ("32-true", MixedPrecisionPolicy(), torch.float32),
+        ("bf16-mixed", BF16_MIXED, torch.float32),
+        ("bf16-true", MixedPrecisionPolicy(), torch.bfloat16),
+    ],
 )
 def test_precision_maps_to_the_mixed_precision_policy(precision, policy, module_dtype):
     trainer_strategy = _trainer(strategy="vescale_fsdp", precision=precision).strategy
     fabric_strategy = _fabric(strategy="vescale_fsdp", precision=precision).strategy
-    for strategy, plugin in ((trainer_strategy, trainer_strategy.precision_plugin), (fabric_strategy, fabric_strategy.precision)):
+    for strategy, plugin in (
+        (trainer_strategy, trainer_strategy.precision_plugin),
+        (fabric_strategy, fabric_strategy.precision),
+    ):
         assert strategy.mp_policy == policy
         assert plugin.convert_module(make_decoder(layers=1)).embed.weight.dtype == module_dtype
     explicit = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    assert _trainer(strategy=VeScaleFSDPStrategy(mp_policy=explicit), precision=precision).strategy.mp_policy == explicit
+    assert (
+        _trainer(strategy=VeScaleFSDPStrategy(mp_policy=explicit), precision=precision).strategy.mp_policy == explicit
+    )
 
 
 @pytest.mark.parametrize("precision", ["16-true", "64-true"])
 def test_unsupported_precision_fails_when_the_trainer_is_built(precision):
-    with pytest.raises(ValueError, match=rf"precision='{precision}' is not supported by the vescale_fsdp strategy; use one of"):
+    with pytest.raises(
+        ValueError, match=rf"precision='{precision}' is not supported by the vescale_fsdp strategy; use one of"
+    ):
         _trainer(strategy="vescale_fsdp", precision=precision)
     with pytest.raises(ValueError, match=rf"precision='{precision}' is not supported"):
         _fabric(strategy="vescale_fsdp", precision=precision)
@@ -105,7 +116,9 @@ def test_wrap_policy_picks_units_like_lightnings_fsdp_strategy():
     assert ShardingOptions.from_arguments(None, None, None, None).units(model) == blocks  # every ModuleList block
     for policy in ({Block}, {"Block"}, Block, ModuleWrapPolicy({Block}), lambda m: list(m.layers)):
         assert ShardingOptions.from_arguments(policy, None, None, None).units(model) == blocks
-    with pytest.raises(ValueError, match=r"names \['Layer'\], but Decoder contains no module .* \(it contains: .*'Block'"):
+    with pytest.raises(
+        ValueError, match=r"names \['Layer'\], but Decoder contains no module .* \(it contains: .*'Block'"
+    ):
         ShardingOptions.from_arguments({"Layer"}, None, None, None).units(model)
     with pytest.raises(ValueError, match="not submodules of Decoder"):
         ShardingOptions.from_arguments(lambda m: [m], None, None, None).units(model)

@@ -44,7 +44,9 @@ def _train_save_continue(root):
         losses = [_step(fabric, model, optimizer, step) for step in range(SAVE_AT)]
         state = {"model": model, "optimizer": optimizer, "step": SAVE_AT}
         fabric.save(f"{root}/sharded", state)
-        full_writer = Fabric(strategy=VeScaleFSDPFabricStrategy(state_dict_type="full"), accelerator="cpu", devices=fabric.world_size)
+        full_writer = Fabric(
+            strategy=VeScaleFSDPFabricStrategy(state_dict_type="full"), accelerator="cpu", devices=fabric.world_size
+        )
         full_writer.launch()
         full_writer.save(f"{root}/full.ckpt", state)
         with pytest.raises(IsADirectoryError, match="it is a directory"):  # rank 0 fails to write: every rank raises
@@ -68,7 +70,11 @@ def _load_and_continue(root, checkpoint):
 
         plain = fabric.setup_module(make_decoder(seed=3, layers=LAYERS))
         fabric.load_raw(f"{root}/plain.pt", plain)  # a plain model's state dict loads into a sharded one
-        assert_same_params(full_params(plain.module), {n: p.detach() for n, p in make_decoder(seed=4, layers=LAYERS).named_parameters()}, EXACT)
+        assert_same_params(
+            full_params(plain.module),
+            {n: p.detach() for n, p in make_decoder(seed=4, layers=LAYERS).named_parameters()},
+            EXACT,
+        )
     return losses
 
 
@@ -81,7 +87,10 @@ def test_save_and_load_sharded_and_full_at_another_world_size(dist_run, tmp_path
             later = dist_run(_load_and_continue, world, root, checkpoint)[0]
             tol = EXACT if world == 2 else TOL
             torch.testing.assert_close(
-                torch.tensor(later), torch.tensor(reference[SAVE_AT:]), **tol, msg=lambda m: f"{checkpoint} at W={world}: {m}"
+                torch.tensor(later),
+                torch.tensor(reference[SAVE_AT:]),
+                **tol,
+                msg=lambda m: f"{checkpoint} at W={world}: {m}",
             )
 
     # The full file loads into a plain, unsharded model and holds what the shards hold.

@@ -22,8 +22,8 @@ import torch
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402
-from tests.support.launched import launch  # noqa: E402
+from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402  (after the importorskip above)
+from tests.support.launched import launch  # noqa: E402  (after the importorskip above)
 
 LAUNCH_TIMEOUT_S = 540
 VESCALE_RUNS = [f"{m}:vescale_fsdp:{v}" for m in MODELS for v in ("plain", "hf_ac")] + [
@@ -37,7 +37,17 @@ DDP_RUNS = [f"{m}:ddp:plain" for m in MODELS]
 def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("hf_lightning")
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launch([*torchrun, "tests/support/hf_lightning_run.py", "--out", str(out), "--runs", ",".join(DDP_RUNS + VESCALE_RUNS)], timeout_s=LAUNCH_TIMEOUT_S)
+    launch(
+        [
+            *torchrun,
+            "tests/support/hf_lightning_run.py",
+            "--out",
+            str(out),
+            "--runs",
+            ",".join(DDP_RUNS + VESCALE_RUNS),
+        ],
+        timeout_s=LAUNCH_TIMEOUT_S,
+    )
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -51,7 +61,9 @@ def test_lightning_vescale_matches_ddp(launched, run):
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "policy_ac")
         assert len(got["losses"]) == 4
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
+        )
         assert got["params"].keys() == want["params"].keys()
         for key, value in want["params"].items():
             torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")

@@ -70,7 +70,11 @@ def plain_loop(data: Dataset, precision: str, accumulate: int, clip: float | Non
 
 def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None):
     """The same loop written for Fabric, as its docs show (setup, no_backward_sync, clip_gradients)."""
-    fabric = make_fabric(precision=precision, strategy=VeScaleFSDPFabricStrategy(device_mesh=mesh_shape)) if mesh_shape else make_fabric(precision=precision)
+    fabric = (
+        make_fabric(precision=precision, strategy=VeScaleFSDPFabricStrategy(device_mesh=mesh_shape))
+        if mesh_shape
+        else make_fabric(precision=precision)
+    )
     model = make_decoder(seed=0, layers=LAYERS)
     model, optimizer = fabric.setup(model, adamw(model))  # optimizer built before sharding, as with DDP
     losses, synced = [], []
@@ -89,10 +93,14 @@ def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | No
     return losses, full_params(model.module), synced
 
 
-def trainer_loop(root: str, data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None):
+def trainer_loop(
+    root: str, data: Dataset, precision: str, accumulate: int, clip: float | None, mesh_shape: tuple | None = None
+):
     module = LitDecoder()
     strategy = VeScaleFSDPStrategy(device_mesh=mesh_shape) if mesh_shape else "vescale_fsdp"
-    trainer = make_trainer(root, strategy=strategy, precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    trainer = make_trainer(
+        root, strategy=strategy, precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    )
     trainer.fit(module, loader(data))
     return module.losses, full_params(module, prefix="model."), module.backward_reduce_scatters
 
@@ -102,10 +110,16 @@ def _three_ways(root, precision, accumulate, clip, mesh_shape=None):
     with launched_by_harness():
         want_losses, want_params = plain_loop(data, precision, accumulate, clip, mesh_shape)
         fabric_losses, fabric_params, fabric_synced = fabric_loop(data, precision, accumulate, clip, mesh_shape)
-        trainer_losses, trainer_params, trainer_synced = trainer_loop(root, data, precision, accumulate, clip, mesh_shape)
+        trainer_losses, trainer_params, trainer_synced = trainer_loop(
+            root, data, precision, accumulate, clip, mesh_shape
+        )
     assert len(want_losses) == MICRO_BATCHES
-    torch.testing.assert_close(torch.tensor(fabric_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Fabric losses: {m}")
-    torch.testing.assert_close(torch.tensor(trainer_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Trainer losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(fabric_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Fabric losses: {m}"
+    )
+    torch.testing.assert_close(
+        torch.tensor(trainer_losses), torch.tensor(want_losses), **EXACT, msg=lambda m: f"Trainer losses: {m}"
+    )
     assert_same_params(fabric_params, want_params, EXACT)
     assert_same_params(trainer_params, want_params, EXACT)
     # Accumulating micro-batches communicate nothing; the last one of each step reduces every unit.

@@ -19,7 +19,15 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_strategy import VeScaleFSDPStrategy
-from tests.support.lightning_harness import ACCUMULATE, CLIP, MICRO_BATCHES, dataset, launched_by_harness, loader, make_trainer
+from tests.support.lightning_harness import (
+    ACCUMULATE,
+    CLIP,
+    MICRO_BATCHES,
+    dataset,
+    launched_by_harness,
+    loader,
+    make_trainer,
+)
 from tests.support.models import VOCAB
 
 pytestmark = pytest.mark.timeout(600)  # several Trainer fits on a busy 2-core machine
@@ -30,7 +38,10 @@ class MoELayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.router = nn.Linear(HIDDEN, EXPERTS)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN)) for _ in range(EXPERTS))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+            for _ in range(EXPERTS)
+        )
 
     def forward(self, x: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
         gates = self.router(x.mean(1)).softmax(-1)
@@ -67,7 +78,9 @@ class LitMoE(LightningModule):
 
 
 def _params(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()
+    }
 
 
 def _fit(root: str, strategy) -> LitMoE:

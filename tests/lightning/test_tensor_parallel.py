@@ -23,7 +23,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from tests.support.lightning_harness import launched_by_harness, make_fabric, make_trainer
-from tests.support.tp_transformer import BATCH, SEQ, VOCAB, Transformer, assert_same, assert_trained_like_fsdp2_and_unsharded, default_adamw, lm_loss, tensor_parallel
+from tests.support.tp_transformer import (
+    BATCH,
+    SEQ,
+    VOCAB,
+    Transformer,
+    assert_same,
+    assert_trained_like_fsdp2_and_unsharded,
+    default_adamw,
+    lm_loss,
+    tensor_parallel,
+)
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
@@ -101,7 +111,9 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
     initial = Transformer()
     with launched_by_harness():
         ours, mesh, batches, losses = (_trainer_run if front_end == "trainer" else _fabric_run)(root, initial)
-    names = ("data_parallel", "tensor_parallel") if front_end == "trainer" else ("replicate", "shard", "tensor_parallel")
+    names = (
+        ("data_parallel", "tensor_parallel") if front_end == "trainer" else ("replicate", "shard", "tensor_parallel")
+    )
     assert mesh.mesh_dim_names == names and mesh.size() == DP * TP
     dp_names = names[:-1]
     wq = ours.layers[0].attn.wq.weight
@@ -112,7 +124,9 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
 
     # Every rank's batches: a tensor-parallel group shares them, the data-parallel groups split the data.
     tp_groups = mesh.mesh.reshape(-1, TP).tolist()
-    assert_trained_like_fsdp2_and_unsharded(ours, initial, batches, losses, tp_groups, mesh["tensor_parallel"], mesh[dp_names], CLIP)
+    assert_trained_like_fsdp2_and_unsharded(
+        ours, initial, batches, losses, tp_groups, mesh["tensor_parallel"], mesh[dp_names], CLIP
+    )
 
 
 @pytest.mark.parametrize("front_end", ["trainer", "fabric"])
@@ -123,7 +137,8 @@ def test_tensor_parallel_x_vescale_fsdp_matches_fsdp2_and_unsharded(dist_run, tm
 def _fabric_tp(initial: Transformer, state_dict_type: str = "sharded"):
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("data_parallel", "tensor_parallel"))
     strategy = VeScaleFSDPFabricStrategy(
-        device_mesh=mesh, parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"]),
+        device_mesh=mesh,
+        parallelize_fn=lambda m, mesh: tensor_parallel(m, mesh["tensor_parallel"]),
         state_dict_type=state_dict_type,
     )
     fabric = make_fabric(strategy=strategy)
@@ -158,7 +173,12 @@ def _checkpoints_round_trip(root: str) -> None:
         assert fabric2.load(f"{root}/sharded", state) == {} and state["step"] == 1
         assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
         for step in (1, 2):  # the optimizer state came back too: the same updates, bit for bit
-            torch.testing.assert_close(_tp_step(fabric2, restored, restored_optimizer, step), _tp_step(fabric, model, optimizer, step), rtol=0, atol=0)
+            torch.testing.assert_close(
+                _tp_step(fabric2, restored, restored_optimizer, step),
+                _tp_step(fabric, model, optimizer, step),
+                rtol=0,
+                atol=0,
+            )
         assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
     full = torch.load(f"{root}/full.ckpt", weights_only=False)
     assert set(full) == {"model", "optimizer"}

@@ -110,7 +110,9 @@ def _meta_init_materialises_after_sharding(root):
     eager = make_decoder(layers=2)
     torch.manual_seed(5)
     _reset_like_lightning(eager)
-    assert_same_params(full_params(module, prefix="model."), {n: p.detach() for n, p in eager.named_parameters()}, EXACT)
+    assert_same_params(
+        full_params(module, prefix="model."), {n: p.detach() for n, p in eager.named_parameters()}, EXACT
+    )
 
 
 def test_init_module_empty_init_builds_on_meta_and_setup_materialises(dist_run, tmp_path):
@@ -144,7 +146,9 @@ def _policy_naming_no_module(root):
     module = LitDecoder()
     with launched_by_harness():
         trainer = make_trainer(root, strategy=VeScaleFSDPStrategy(auto_wrap_policy={"TransformerBlock"}))
-        with pytest.raises(ValueError, match=r"names \['TransformerBlock'\], but LitDecoder contains no module") as error:
+        with pytest.raises(
+            ValueError, match=r"names \['TransformerBlock'\], but LitDecoder contains no module"
+        ) as error:
             trainer.fit(module, loader(dataset(dist.get_world_size())))
     assert not any(isinstance(p, DTensor) for p in module.parameters())  # failed before touching the model
     return str(error.value)
@@ -205,9 +209,13 @@ def test_checkpoints_resume_identically_at_the_same_and_another_world_size(dist_
 
     for ckpt in (sharded, full):
         same_world = dist_run(_resume, 2, root, str(ckpt))[0]
-        torch.testing.assert_close(torch.tensor(same_world), second_epoch, **EXACT, msg=lambda m: f"{ckpt.parent.name} at W=2: {m}")
+        torch.testing.assert_close(
+            torch.tensor(same_world), second_epoch, **EXACT, msg=lambda m: f"{ckpt.parent.name} at W=2: {m}"
+        )
         other_world = dist_run(_resume, 3, root, str(ckpt))[0]
-        torch.testing.assert_close(torch.tensor(other_world), second_epoch, **TOL, msg=lambda m: f"{ckpt.parent.name} at W=3: {m}")
+        torch.testing.assert_close(
+            torch.tensor(other_world), second_epoch, **TOL, msg=lambda m: f"{ckpt.parent.name} at W=3: {m}"
+        )
 
     # The full file is a standard Lightning checkpoint: a plain, unsharded module loads it as is,
     # and its weights are the ones the sharded checkpoint holds.
@@ -216,4 +224,6 @@ def test_checkpoints_resume_identically_at_the_same_and_another_world_size(dist_
     from_shards = torch.load(tmp_path / "converted.pt", weights_only=False)[MODEL_KEY]
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p.detach(), from_shards[name], **PARAM_TOL, msg=lambda m: f"{name}: {m}")
-    assert {"state_dict", "optimizer_states", "epoch", "global_step", "loops"} <= set(torch.load(full, weights_only=False))
+    assert {"state_dict", "optimizer_states", "epoch", "global_step", "loops"} <= set(
+        torch.load(full, weights_only=False)
+    )

@@ -25,7 +25,9 @@ def _train(model, opt, steps, record=None):
 
 def _recorded_run():
     world = dist.get_world_size()
-    model = shard_decoder(make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = shard_decoder(
+        make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     opt = adamw(model)
     _train(model, opt, 1)
     with record_run(model, opt) as record:
@@ -59,6 +61,7 @@ def _recorded_run():
     m = d["memory"]
     assert m["peak_bytes_by_kind"]["unsharded_params"] > 0 and m["peak_bytes_by_kind"]["unsharded_grads"] > 0
     assert m["sharded_state_bytes"]["optimizer_state"] > 0
+
     # One unit's gradient buffer alive at a time: a unit's buffer is made after it reshards
     # and after the previous unit's reduce-scatter has freed that unit's buffer.
     def grad_buffer_bytes(module):

@@ -140,7 +140,9 @@ def test_full_state_dict(dist_run):
 
 def _misaligned_is_refused():
     model = fully_shard(UnevenParams())  # one-row blocks: tiles cut by rank boundaries
-    with pytest.raises(ValueError, match=r"AdamW8bit: 'a' \(shape \(1031, 40\).*block_size_fn=vescale_plugins.optim.tile_rows\(32\)"):
+    with pytest.raises(
+        ValueError, match=r"AdamW8bit: 'a' \(shape \(1031, 40\).*block_size_fn=vescale_plugins.optim.tile_rows\(32\)"
+    ):
         AdamW8bit(model.named_parameters())
 
 

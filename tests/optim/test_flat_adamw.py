@@ -73,7 +73,13 @@ def _sharded_matches_unsharded():
         for p, r in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-5, atol=1e-7)
             # Continue from identical gradients so the optimizer comparison is exact.
-            p.grad.to_local().copy_(p.grad.placements[0].split_full(r.grad.contiguous(), dist.get_rank()) if p.dim() else r.grad if p.to_local().numel() else p.grad.to_local())
+            p.grad.to_local().copy_(
+                p.grad.placements[0].split_full(r.grad.contiguous(), dist.get_rank())
+                if p.dim()
+                else r.grad
+                if p.to_local().numel()
+                else p.grad.to_local()
+            )
         opt.step()
         ref_opt.step()
         opt.zero_grad()

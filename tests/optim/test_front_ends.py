@@ -16,7 +16,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_strategy import VeScaleFSDPFabricStrategy
 from tests.support.accelerate_harness import accelerate_env, decoder_plugin, token_loader
-from tests.support.lightning_harness import LAYERS, LitDecoder, dataset, launched_by_harness, loader, make_fabric, make_trainer
+from tests.support.lightning_harness import (
+    LAYERS,
+    LitDecoder,
+    dataset,
+    launched_by_harness,
+    loader,
+    make_fabric,
+    make_trainer,
+)
 from tests.support.models import PER_RANK, clone, local_batch, loss_fn, make_decoder
 from tests.support.parity import EXACT, assert_same_params, full_params, shard_decoder
 from tests.support.uneven_params import ADAM8BIT_STATE_KEYS
@@ -63,7 +71,10 @@ def _same_adamw8bit_runs(model, optimizer, plain, plain_optimizer):
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
         for key in ADAM8BIT_STATE_KEYS:
-            assert torch.equal(optimizer.state[p][key].full_tensor(), plain_optimizer.state[q][key].full_tensor()), (name, key)
+            assert torch.equal(optimizer.state[p][key].full_tensor(), plain_optimizer.state[q][key].full_tensor()), (
+                name,
+                key,
+            )
 
 
 # ----------------------------------------------------------------------------------
@@ -81,7 +92,9 @@ def _trainer_matches_plain_loop(root):
     with launched_by_harness():
         model = shard_model(make_decoder(seed=0, layers=LAYERS))
         optimizer = _muon(model)
-        sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0)
+        sampler = DistributedSampler(
+            data, num_replicas=dist.get_world_size(), rank=dist.get_rank(), shuffle=True, seed=0
+        )
         for tokens, targets in DataLoader(data, batch_size=PER_RANK, sampler=sampler):
             loss_fn(model(tokens), targets).backward()
             optimizer.step()

@@ -85,8 +85,14 @@ def _reference_params(steps, **hyper):
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hyper", [HYPER, dict(lr=0.01, nesterov=False, adjust_lr_fn="match_rms_adamw"),
-                                   dict(lr=0.05, weight_decay=0.0, momentum=0.9, ns_steps=3, eps=1e-5, ns_coefficients=(3.0, -3.2, 1.2))])
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        HYPER,
+        dict(lr=0.01, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+        dict(lr=0.05, weight_decay=0.0, momentum=0.9, ns_steps=3, eps=1e-5, ns_coefficients=(3.0, -3.2, 1.2)),
+    ],
+)
 def test_plain_tensors_match_torch_muon_bitwise(hyper):
     want = _reference_params(STEPS, **hyper)
     params = [nn.Parameter(_full(shape, ("param", i))) for i, shape in enumerate(SHAPES)]
@@ -103,8 +109,12 @@ def test_defaults_and_argument_errors_are_torchs():
     torch_defaults = torch.optim.Muon([nn.Parameter(torch.zeros(2, 2))]).defaults
     ours = Muon([nn.Parameter(torch.zeros(2, 2))]).defaults
     assert {k: ours[k] for k in torch_defaults} == torch_defaults
-    for bad, message in [(dict(lr=-1.0), "Learning rate"), (dict(momentum=-0.1), "momentum"),
-                         (dict(weight_decay=-1.0), "weight decay"), (dict(adjust_lr_fn="cubic"), "not supported")]:
+    for bad, message in [
+        (dict(lr=-1.0), "Learning rate"),
+        (dict(momentum=-0.1), "momentum"),
+        (dict(weight_decay=-1.0), "weight decay"),
+        (dict(adjust_lr_fn="cubic"), "not supported"),
+    ]:
         with pytest.raises(ValueError, match=message):
             Muon([nn.Parameter(torch.zeros(2, 2))], **bad)
 
@@ -143,8 +153,12 @@ def test_one_optimizer_steps_muon_and_adamw_groups_like_torchs_pair():
     reference.load_state_dict(model.state_dict())
     opt = Muon(muon_param_groups(model, adamw_lr=3e-3, adamw_weight_decay=0.05), lr=0.02)
     muon, adamw = split_muon_params(reference)
-    torch_opts = [torch.optim.Muon([p for _, p in muon], lr=0.02),
-                  torch.optim.AdamW([p for _, p in adamw], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, foreach=False)]
+    torch_opts = [
+        torch.optim.Muon([p for _, p in muon], lr=0.02),
+        torch.optim.AdamW(
+            [p for _, p in adamw], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, foreach=False
+        ),
+    ]
     for step in range(3):
         tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step))
         for m in (model, reference):
@@ -194,7 +208,9 @@ def test_sharded_matches_unsharded_torch_muon_after_five_steps(dist_run, world):
 
 
 def test_sharded_without_nesterov_and_with_match_rms_adamw(dist_run):
-    dist_run(_sharded_matches_unsharded, 3, dict(lr=0.01, nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.0))
+    dist_run(
+        _sharded_matches_unsharded, 3, dict(lr=0.01, nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.0)
+    )
 
 
 def _count_one_step():
@@ -232,14 +248,19 @@ def _replicated(mesh):
 
 def _two_groups(mesh):
     world = dist.get_world_size()
-    meshes = [DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu", mesh_dim_names=(name,)) for name in ("a", "b")]
+    meshes = [
+        DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu", mesh_dim_names=(name,)) for name in ("a", "b")
+    ]
     return [nn.Parameter(distribute_tensor(torch.zeros(6, 4), m, [RaggedShard((0,), (1,) * world)])) for m in meshes]
 
 
 def _errors_before_any_collective():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    cases = [(_fsdp2_shard, r"Shard\(dim=0\).*FSDP2.*vescale_plugins.fully_shard"), (_replicated, r"Replicate.*needs RaggedShard"),
-             (_two_groups, "different process groups")]
+    cases = [
+        (_fsdp2_shard, r"Shard\(dim=0\).*FSDP2.*vescale_plugins.fully_shard"),
+        (_replicated, r"Replicate.*needs RaggedShard"),
+        (_two_groups, "different process groups"),
+    ]
     for make_params, match in cases:
         params = make_params(mesh)
         with CommDebugMode() as mode, pytest.raises(ValueError, match=match):

@@ -46,18 +46,18 @@ def test_exact_solver_matches_brute_force(problem):
 
 @settings(EXHAUSTIVE, max_examples=300)
 @given(
-    st.integers(0, 60), st.integers(1, 30), st.integers(1, 8), st.integers(1, 12),
+    st.integers(0, 60),
+    st.integers(1, 30),
+    st.integers(1, 8),
+    st.integers(1, 12),
     st.sampled_from([1, 2, 3, 4]),
 )
-def test_earliest_start_is_the_first_valid_position(
-    cursor, blocks_in_tensor, block, shard, alignment
-):
+def test_earliest_start_is_the_first_valid_position(cursor, blocks_in_tensor, block, shard, alignment):
     shard *= alignment
     numel = blocks_in_tensor * block
     step = block * alignment // math.gcd(block, alignment)
     found = earliest_start(cursor, numel, shard, alignment, step, shard % block == 0)
-    valid = [s for s in range(cursor, cursor + 4 * shard + numel)
-             if start_is_valid(s, numel, block, shard, alignment)]
+    valid = [s for s in range(cursor, cursor + 4 * shard + numel) if start_is_valid(s, numel, block, shard, alignment)]
     assert found == (valid[0] if valid else None)
 
 
@@ -76,8 +76,7 @@ def brute_force_orders_fit(numels, blocks, world, alignment, shard) -> bool:
         cursor = 0
         for index in order:
             step = blocks[index] * alignment // math.gcd(blocks[index], alignment)
-            start = earliest_start(cursor, numels[index], shard, alignment, step,
-                                   shard % blocks[index] == 0)
+            start = earliest_start(cursor, numels[index], shard, alignment, step, shard % blocks[index] == 0)
             if start is None:
                 break
             cursor = start + numels[index]

@@ -35,7 +35,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Deterministic, database-free runs: CI sees the same examples every time.
 PROPERTY = settings(
-    derandomize=True, database=None, deadline=None, max_examples=600,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=600,
     suppress_health_check=[HealthCheck.too_slow],
 )
 
@@ -64,7 +67,8 @@ def test_guarantees_hold_on_random_problems(problem):
 
 @settings(PROPERTY, max_examples=300)
 @given(
-    st.integers(1, 10**12), st.sampled_from([1, 7, 128, 4096, 7168 * 16]),
+    st.integers(1, 10**12),
+    st.sampled_from([1, 7, 128, 4096, 7168 * 16]),
     st.sampled_from([2, 3, 7, 8, 1024, 8191, 8192]),
 )
 def test_single_huge_tensor_spanning_many_ranks(blocks_in_tensor, block, world):
@@ -176,9 +180,7 @@ def test_bad_alignment():
 
 @pytest.mark.distributed
 def test_same_plan_every_time_and_every_hash_seed():
-    problem = (
-        [7168 * 2048] * 6 + [16384 * 7168, 1536, 512 * 32768], [7168] * 6 + [16384, 1, 512], 1000
-    )
+    problem = ([7168 * 2048] * 6 + [16384 * 7168, 1536, 512 * 32768], [7168] * 6 + [16384, 1, 512], 1000)
     first = plan_layout(*problem)
     clear_plan_cache()
     assert plan_layout(*problem) == first
@@ -188,8 +190,12 @@ def test_same_plan_every_time_and_every_hash_seed():
     )
     outputs = {
         subprocess.run(
-            [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed},
-            capture_output=True, text=True, check=True,
+            [sys.executable, "-c", script],
+            cwd=REPO,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         for seed in ("0", "4242")
     }
@@ -234,9 +240,15 @@ def test_cost_model_rejects_nonsense():
 
 @pytest.mark.parametrize(
     "model, billions",
-    [("Llama-3-8B", 8.03), ("Llama-3-70B", 70.55), ("Llama-3.1-405B", 405.85),
-     ("Mixtral-8x7B", 46.70), ("Qwen3-30B-A3B", 30.53), ("DeepSeek-V3-671B", 671.03),
-     ("GPT-OSS-120B", 116.83)],
+    [
+        ("Llama-3-8B", 8.03),
+        ("Llama-3-70B", 70.55),
+        ("Llama-3.1-405B", 405.85),
+        ("Mixtral-8x7B", 46.70),
+        ("Qwen3-30B-A3B", 30.53),
+        ("DeepSeek-V3-671B", 671.03),
+        ("GPT-OSS-120B", 116.83),
+    ],
 )
 def test_catalogue_matches_published_parameter_counts(model, billions):
     assert round(CATALOG[model].numel / 1e9, 2) == billions

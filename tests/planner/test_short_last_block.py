@@ -19,7 +19,10 @@ from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.placement import earliest_start
 
 PROPERTY = settings(
-    derandomize=True, database=None, deadline=None, max_examples=150,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=150,
     suppress_health_check=[HealthCheck.too_slow],
 )
 
@@ -68,7 +71,9 @@ def test_split_plans_keep_short_blocks_whole(problem):
     for index in range(len(numels)):
         layout, slot = plan.layout_of(index)
         start = layout.offsets[slot]
-        for boundary in range((start // layout.shard_size + 1) * layout.shard_size, start + numels[index], layout.shard_size):
+        for boundary in range(
+            (start // layout.shard_size + 1) * layout.shard_size, start + numels[index], layout.shard_size
+        ):
             assert (boundary - start) % blocks[index] == 0
 
 
@@ -85,7 +90,8 @@ def test_1031_rows_in_32_row_tiles(world):
 @settings(PROPERTY, max_examples=60)
 @given(
     st.lists(st.tuples(st.integers(1, 9), st.integers(1, 20)), min_size=1, max_size=3),
-    st.integers(1, 6), st.sampled_from([1, 2, 3]),
+    st.integers(1, 6),
+    st.sampled_from([1, 2, 3]),
 )
 def test_planner_bound_and_exact_optimum_against_brute_force(tensors, world, alignment):
     blocks = [b for b, _ in tensors]

@@ -20,8 +20,9 @@ from vescale_plugins.planner.split_bounds import (
 from vescale_plugins.planner.split_spill import SMALL_COUNT, spill_partitions
 from vescale_plugins.tools.model_catalog import CATALOG, block_size
 
-SMALL = settings(derandomize=True, database=None, deadline=None, max_examples=60,
-                 suppress_health_check=[HealthCheck.too_slow])
+SMALL = settings(
+    derandomize=True, database=None, deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def catalogue_unit(model: str, rows: int, name: str = "decoder_layer"):
@@ -58,11 +59,14 @@ def test_moe_split_reaches_the_bound_on_any_split():
     assert 0.005 < best.padding_ratio < 0.006
 
 
-@pytest.mark.parametrize("model, rows, world, at_least", [
-    ("Llama-3-70B", 1, 8192, 0.0195),   # half-row down blocks: no split fills every rank
-    ("Llama-3-70B", 16, 1024, 0.097),   # down has 512 blocks for 1024 ranks
-    ("GPT-OSS-120B", 16, 1024, 0.0194),
-])
+@pytest.mark.parametrize(
+    "model, rows, world, at_least",
+    [
+        ("Llama-3-70B", 1, 8192, 0.0195),  # half-row down blocks: no split fills every rank
+        ("Llama-3-70B", 16, 1024, 0.097),  # down has 512 blocks for 1024 ranks
+        ("GPT-OSS-120B", 16, 1024, 0.0194),
+    ],
+)
 def test_bound_proves_cells_out_of_reach_and_the_planner_meets_it(model, rows, world, at_least):
     numels, blocks = catalogue_unit(model, rows)
     bound = split_padding_lower_bound(numels, blocks, world, max_buffers=4)
@@ -105,9 +109,13 @@ def test_spilling_experts_takes_qwen3_below_one_percent(rows, world, before):
 
 @SMALL
 @given(
-    st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8, 12]), st.integers(1, 6),
-                       st.integers(1, 40)), min_size=1, max_size=4),
-    st.sampled_from([4, 16, 64, 96]), st.sampled_from([1, 2]),
+    st.lists(
+        st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8, 12]), st.integers(1, 6), st.integers(1, 40)),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from([4, 16, 64, 96]),
+    st.sampled_from([1, 2]),
 )
 def test_spill_partitions_cover_the_unit_and_score_their_parts(kinds, world, alignment):
     # Kinds of (block, blocks per tensor, count): counts past SMALL_COUNT get spilled.
@@ -124,12 +132,12 @@ def test_spill_partitions_cover_the_unit_and_score_their_parts(kinds, world, ali
         # The value is the summed bounds of these parts: never below the bound on any split
         # (exact here, the instances being small), never above a plan of them.
         parts_bound = sum(
-            padding_lower_bound([numels[i] for i in part], [blocks[i] for i in part], world,
-                                alignment=alignment) for part in partition)
+            padding_lower_bound([numels[i] for i in part], [blocks[i] for i in part], world, alignment=alignment)
+            for part in partition
+        )
         assert value == max(0, parts_bound - tiny_elements)
         if problem.transitions <= EXACT_TRANSITIONS:
-            assert value >= split_padding_lower_bound(numels, blocks, world,
-                                                      alignment=alignment, max_buffers=budget)
+            assert value >= split_padding_lower_bound(numels, blocks, world, alignment=alignment, max_buffers=budget)
         assert previous is None or value <= previous
         previous = value
 
@@ -158,7 +166,7 @@ def _exact_split_padding(numels, blocks, world, alignment, budget):
         first, rest = items[0], items[1:]
         for partition in parts_of(rest, most):
             for k in range(len(partition)):
-                yield partition[:k] + [[first] + partition[k]] + partition[k + 1:]
+                yield partition[:k] + [[first] + partition[k]] + partition[k + 1 :]
             if len(partition) < most:
                 yield [[first]] + partition
 
@@ -173,15 +181,15 @@ def _exact_split_padding(numels, blocks, world, alignment, budget):
 
 @SMALL
 @given(
-    st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 7]), st.integers(1, 9)),
-             min_size=1, max_size=4),
-    st.sampled_from([2, 3, 5, 8]), st.sampled_from([1, 2]), st.integers(1, 3),
+    st.lists(st.tuples(st.sampled_from([1, 2, 3, 4, 6, 7]), st.integers(1, 9)), min_size=1, max_size=4),
+    st.sampled_from([2, 3, 5, 8]),
+    st.sampled_from([1, 2]),
+    st.integers(1, 3),
 )
 def test_bound_never_exceeds_the_exact_optimum(tensors, world, alignment, budget):
     blocks = [block for block, _ in tensors]
     numels = [block * count for block, count in tensors]
-    bound = split_padding_lower_bound(numels, blocks, world, alignment=alignment,
-                                      max_buffers=budget)
+    bound = split_padding_lower_bound(numels, blocks, world, alignment=alignment, max_buffers=budget)
     optimum = _exact_split_padding(numels, blocks, world, alignment, budget)
     assert 0 <= bound <= optimum
     assert within(numels, blocks, world, budget, alignment=alignment).padding >= optimum

@@ -39,7 +39,13 @@ def _everything_on_a_2d_mesh(ragged_mesh_dim):
         torch.testing.assert_close(torch.linalg.vector_norm(d, math.inf).full_tensor(), full.abs().max())
         torch.testing.assert_close(d.sum().full_tensor(), full.sum())
 
-        moved_units = tuple(reversed(units)) if units[0] != units[-1] else (1, 1) if math.prod(shape[: len(dims)]) % 2 == 0 else units
+        moved_units = (
+            tuple(reversed(units))
+            if units[0] != units[-1]
+            else (1, 1)
+            if math.prod(shape[: len(dims)]) % 2 == 0
+            else units
+        )
         moved = d.redistribute(mesh, _placements(ragged_mesh_dim, RaggedShard(dims, moved_units)))
         assert torch.equal(moved.full_tensor(), full)
         assert torch.equal(d.redistribute(mesh, [Replicate(), Replicate()]).to_local(), full)
@@ -48,7 +54,9 @@ def _everything_on_a_2d_mesh(ragged_mesh_dim):
         partial_placements[ragged_mesh_dim] = Partial()
         partial_placements[1 - ragged_mesh_dim] = Partial()
         contribution = full / 4
-        p = torch.distributed.tensor.DTensor.from_local(contribution, mesh, partial_placements, shape=full.shape, stride=full.stride())
+        p = torch.distributed.tensor.DTensor.from_local(
+            contribution, mesh, partial_placements, shape=full.shape, stride=full.stride()
+        )
         torch.testing.assert_close(p.redistribute(mesh, placements).full_tensor(), full)
 
         param, dense = torch.nn.Parameter(distribute_tensor(full, mesh, placements)), torch.nn.Parameter(full.clone())
@@ -72,12 +80,21 @@ def test_ragged_with_replicate_on_a_2d_mesh(dist_run, ragged_mesh_dim):
 
 def _save_2d(path):
     mesh = init_device_mesh("cpu", (2, 2))
-    dcp.save({f"t{i}": distribute_tensor(_full(s), mesh, [Replicate(), RaggedShard(d, u)]) for i, (s, d, u) in enumerate(CASES)}, checkpoint_id=path)
+    dcp.save(
+        {
+            f"t{i}": distribute_tensor(_full(s), mesh, [Replicate(), RaggedShard(d, u)])
+            for i, (s, d, u) in enumerate(CASES)
+        },
+        checkpoint_id=path,
+    )
 
 
 def _load_1d(path):
     mesh = init_device_mesh("cpu", (3,))
-    state = {f"t{i}": distribute_tensor(torch.zeros(s), mesh, [RaggedShard(d, (1, 0, 1) if s[0] % 2 == 0 else (1, 1, 1))]) for i, (s, d, u) in enumerate(CASES)}
+    state = {
+        f"t{i}": distribute_tensor(torch.zeros(s), mesh, [RaggedShard(d, (1, 0, 1) if s[0] % 2 == 0 else (1, 1, 1))])
+        for i, (s, d, u) in enumerate(CASES)
+    }
     dcp.load(state, checkpoint_id=path)
     for i, (s, _, _) in enumerate(CASES):
         assert torch.equal(state[f"t{i}"].full_tensor(), _full(s)), i
@@ -87,4 +104,3 @@ def test_checkpoint_from_2d_mesh_loads_on_1d_mesh(dist_run, tmp_path):
     path = str(tmp_path / "ckpt")
     dist_run(_save_2d, 4, path)
     dist_run(_load_1d, 3, path)
-

@@ -35,7 +35,7 @@ def _ragged_state(units_index):
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     state = {}
-    for name, (shape, dims, *units) in TENSORS.items():
+    for name, (_shape, dims, *units) in TENSORS.items():
         state[name] = distribute_tensor(_reference(name), mesh, [RaggedShard(dims, units[units_index])])
     return state
 
@@ -75,9 +75,7 @@ def test_save_at_two_load_at_three_with_other_units(dist_run, tmp_path):
     metadata = dcp.FileSystemReader(path).read_metadata()
     for name, (shape, dims, units, _) in TENSORS.items():
         layout = RaggedShard(dims, units).layout(shape)
-        expected = [
-            [o for o, _ in flat_interval_boxes(shape, s.offset, s.length)] for s in layout.slices
-        ]
+        expected = [[o for o, _ in flat_interval_boxes(shape, s.offset, s.length)] for s in layout.slices]
         assert [chunks[name] for chunks in saved_chunks] == expected
         stored = sorted(tuple(c.offsets) for c in metadata.state_dict_metadata[name].chunks)
         assert stored == sorted(o for per_rank in expected for o in per_rank)

@@ -113,10 +113,11 @@ def _redistribute_each_way():
             partial = DTensor.from_local(contribution, mesh, [Partial()], shape=full.shape, stride=full.stride())
             reduced, counts = comm_counts(lambda: partial.redistribute(mesh, [src]))
             total = full.float() * (world * (world + 1) / 2)
-            torch.testing.assert_close(reduced.to_local().float(), src.split_full(total.to(dtype), rank).float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(
+                reduced.to_local().float(), src.split_full(total.to(dtype), rank).float(), rtol=1e-2, atol=1e-2
+            )
             if world > 1:
                 assert counts == {"reduce_scatter": 1}, counts
-
 
             # Ragged -> Partial is internal to DTensor: it is the backward of Partial -> Ragged.
             if dtype == torch.float32:
@@ -198,7 +199,9 @@ def _elementwise_and_reductions():
 
             torch.testing.assert_close(a.sum().full_tensor(), fa.sum(), **tol)
             for ord in (2, 1, 3, math.inf):
-                torch.testing.assert_close(torch.linalg.vector_norm(a, ord).full_tensor(), torch.linalg.vector_norm(fa, ord), **tol)
+                torch.testing.assert_close(
+                    torch.linalg.vector_norm(a, ord).full_tensor(), torch.linalg.vector_norm(fa, ord), **tol
+                )
             torch.testing.assert_close(a.norm().full_tensor(), fa.norm(), **tol)
             torch.testing.assert_close(a.mean().full_tensor(), fa.mean(), **tol)
             torch.testing.assert_close(a.sum(dim=0).full_tensor(), fa.sum(dim=0), **tol)
@@ -216,7 +219,11 @@ def _views_and_inplace_reshapes_are_refused():
     units = UNITS[dist.get_world_size()]
     full = _full((4 * sum(units), 3), torch.float32)
     a = distribute_tensor(full, _mesh(), [RaggedShard((0,), units)])
-    for name, fn in {"view": lambda: a.view(-1), "transpose": lambda: a.t(), "in-place transpose": lambda: a.t_()}.items():
+    for name, fn in {
+        "view": lambda: a.view(-1),
+        "transpose": lambda: a.t(),
+        "in-place transpose": lambda: a.t_(),
+    }.items():
         try:
             fn()
         except (NotImplementedError, RuntimeError) as e:
@@ -271,7 +278,9 @@ def _optimizers_match_dense():
                 if "fused" in name:
                     # The fused CPU kernels vectorise by length: a shard's SIMD/tail split differs
                     # from the full tensor's, so results agree to rounding, not bit for bit.
-                    torch.testing.assert_close(r.full_tensor(), d.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+                    torch.testing.assert_close(
+                        r.full_tensor(), d.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}"
+                    )
                 else:
                     assert torch.equal(r.full_tensor(), d.detach()), (name, foreach)
 
@@ -310,8 +319,14 @@ def _bad_input_raises_everywhere():
     mesh = _mesh()
     full = torch.randn(6, 4)
     cases = {
-        "units per mesh rank": (RaggedShard((0,), (1,) * (world + 1)), f"{world + 1} local_units for a mesh dim of {world} ranks"),
-        "rows do not divide": (RaggedShard((0,), (1,) * (world - 1) + (5 - world,)), "sum(local_units) must divide the 6 rows"),
+        "units per mesh rank": (
+            RaggedShard((0,), (1,) * (world + 1)),
+            f"{world + 1} local_units for a mesh dim of {world} ranks",
+        ),
+        "rows do not divide": (
+            RaggedShard((0,), (1,) * (world - 1) + (5 - world,)),
+            "sum(local_units) must divide the 6 rows",
+        ),
     }
     for name, (placement, message) in cases.items():
         for call in (

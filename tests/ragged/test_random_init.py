@@ -28,7 +28,13 @@ def test_a_piecewise_draw_equals_the_slice_of_one_full_draw(monkeypatch, op, arg
         full = torch.empty(numel, dtype=dtype)
         op(full, *args)
         next_draw = torch.rand(3)
-        for start, length in ((0, numel), (0, numel // 2), (numel // 3, numel - numel // 3), (numel - 1, 1), (numel // 2, 0)):
+        for start, length in (
+            (0, numel),
+            (0, numel // 2),
+            (numel // 3, numel - numel // 3),
+            (numel - 1, 1),
+            (numel // 2, 0),
+        ):
             torch.manual_seed(numel)
             part = torch.empty(length, dtype=dtype)
             bridge._draw_local_part_of_full(op, part, start, numel, args, {})

@@ -60,17 +60,24 @@ def _composed_dtensor_paths():
         assert torch.equal(back.to_local(), d.to_local())
         # another ragged layout on the same TP shards: one all-to-all
         moved_units = tuple(reversed(ragged.local_units)) if sum(ragged.local_units[::-1][:1]) else (1, 1)
-        moved = type(ragged)(*([ragged.dims, moved_units] + ([ragged.split_factor] if isinstance(ragged, StridedRaggedShard) else [])))
+        moved = type(ragged)(
+            *([ragged.dims, moved_units] + ([ragged.split_factor] if isinstance(ragged, StridedRaggedShard) else []))
+        )
         torch.testing.assert_close(d.redistribute(mesh, (moved, tp)).full_tensor(), full)
         # norms (what clip_grad_norm_ computes) and a full reduction
         for ord in (2.0, float("inf"), 1.0):
-            torch.testing.assert_close(torch.linalg.vector_norm(d, ord).full_tensor(), torch.linalg.vector_norm(full, ord))
+            torch.testing.assert_close(
+                torch.linalg.vector_norm(d, ord).full_tensor(), torch.linalg.vector_norm(full, ord)
+            )
         torch.testing.assert_close(torch._foreach_norm([d, d], 2.0)[1].full_tensor(), full.norm())
         torch.testing.assert_close(d.sum().full_tensor(), full.sum())
         # a stock optimizer step on a composed parameter matches the dense one
         param, dense = torch.nn.Parameter(d.clone()), torch.nn.Parameter(full.clone())
         for foreach in (False, True):
-            opt, ref = torch.optim.AdamW([param], lr=0.1, foreach=foreach), torch.optim.AdamW([dense], lr=0.1, foreach=foreach)
+            opt, ref = (
+                torch.optim.AdamW([param], lr=0.1, foreach=foreach),
+                torch.optim.AdamW([dense], lr=0.1, foreach=foreach),
+            )
             for step in range(2):
                 g = _full(shape, seed=step + 1)
                 param.grad, dense.grad = distribute_tensor(g, mesh, placements), g.clone()
@@ -106,7 +113,11 @@ def _uneven_tensor_parallel_shards():
     TP shard, so the placement's units differ between TP ranks."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp_rank = mesh.get_local_rank(1)
-    for shape, tp, units in [((5, 4), Shard(0), [(2, 1), (0, 2)]), ((4, 5), Shard(1), [(3, 1), (1, 3)]), ((3, 2), Shard(0), [(1, 1), (1, 0)])]:
+    for shape, tp, units in [
+        ((5, 4), Shard(0), [(2, 1), (0, 2)]),
+        ((4, 5), Shard(1), [(3, 1), (1, 3)]),
+        ((3, 2), Shard(0), [(1, 1), (1, 0)]),
+    ]:
         full = _full(shape)
         ragged = StridedRaggedShard((0,), units[tp_rank], 2) if tp == Shard(0) else RaggedShard((0,), units[tp_rank])
         d = distribute_tensor(full, mesh, (ragged, tp))
@@ -127,7 +138,10 @@ def test_composition_errors_name_the_fix(dist_run):
 
 def _save_composed(path):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dcp.save({f"t{i}": distribute_tensor(_full(s, i), mesh, (r, tp)) for i, (s, tp, r) in enumerate(CASES)}, checkpoint_id=path)
+    dcp.save(
+        {f"t{i}": distribute_tensor(_full(s, i), mesh, (r, tp)) for i, (s, tp, r) in enumerate(CASES)},
+        checkpoint_id=path,
+    )
 
 
 def _load_on_other_meshes(path):
@@ -135,7 +149,9 @@ def _load_on_other_meshes(path):
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     state = {}
     for i, (s, tp, r) in enumerate(CASES):
-        ragged = type(r)(r.dims, (1,), r.split_factor) if isinstance(r, StridedRaggedShard) else RaggedShard(r.dims, (1,))
+        ragged = (
+            type(r)(r.dims, (1,), r.split_factor) if isinstance(r, StridedRaggedShard) else RaggedShard(r.dims, (1,))
+        )
         state[f"t{i}"] = distribute_tensor(torch.zeros(s), mesh, (ragged, tp))
     dcp.load(state, checkpoint_id=path)
     for i, (s, _, _) in enumerate(CASES):

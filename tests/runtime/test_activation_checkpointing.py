@@ -138,7 +138,16 @@ def _parity(form, reshard_after_forward):
         assert_matches(ours, theirs, "param")
 
 
-FORMS = ["inner", "inner-reentrant", "whole-call", "whole-call-reentrant", "wrapper", "wrapper-reentrant", "composable", "nested"]
+FORMS = [
+    "inner",
+    "inner-reentrant",
+    "whole-call",
+    "whole-call-reentrant",
+    "wrapper",
+    "wrapper-reentrant",
+    "composable",
+    "nested",
+]
 
 
 @pytest.mark.parametrize("form", FORMS)

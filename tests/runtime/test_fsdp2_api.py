@@ -299,7 +299,7 @@ def _torch_register_forward_method_on_ours():
     out.sum().backward()
     assert isinstance(model[0].proj.weight, DTensor) and isinstance(model[0].proj.weight.grad, DTensor)
     with pytest.raises(NotImplementedError, match="_fsdp_param_groups"):
-        model._get_fsdp_state()._fsdp_param_groups
+        _ = model._get_fsdp_state()._fsdp_param_groups
 
 
 def test_torch_register_fsdp_forward_method_works_on_ours(dist_run):
@@ -344,13 +344,25 @@ def test_dtensor_patches_do_not_depend_on_import_order():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(vescale_plugins.__file__)), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", _IMPORT_ORDER_SCRIPT, str(port)], capture_output=True, text=True, timeout=240, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(vescale_plugins.__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ORDER_SCRIPT, str(port)], capture_output=True, text=True, timeout=240, env=env
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
 def test_redirected_functions_keep_their_signatures():
     from torch.distributed.tensor import distribute_tensor
 
-    assert list(inspect.signature(distribute_tensor).parameters) == ["tensor", "device_mesh", "placements", "src_data_rank"]
+    assert list(inspect.signature(distribute_tensor).parameters) == [
+        "tensor",
+        "device_mesh",
+        "placements",
+        "src_data_rank",
+    ]
     assert "shape" in inspect.signature(DTensor.from_local).parameters

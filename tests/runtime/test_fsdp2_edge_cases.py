@@ -19,7 +19,18 @@ from torch.distributed.tensor import DTensor
 
 from tests.support import models
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, meta_init_sharded_decoder, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero, train_like_reference
+from tests.support.parity import (
+    PARAM_TOL,
+    TOL,
+    adamw,
+    assert_matches,
+    meta_init_sharded_decoder,
+    reference_ours_and_fsdp2s,
+    shard_decoder,
+    sharded_step,
+    step_and_zero,
+    train_like_reference,
+)
 from vescale_plugins import fully_shard
 
 
@@ -48,7 +59,10 @@ def _tied_weight_across_sibling_units():
             with pytest.raises(ValueError, match="shared with a parameter already managed by another FSDP group"):
                 model(local_batch(0)[0])
             continue
-        with pytest.raises(ValueError, match=r"'weight' of the Linear module is shared with 'weight' of the Embedding unit.*fully_shard\(\[module_a, module_b\]\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"'weight' of the Linear module is shared with 'weight' of the Embedding unit.*fully_shard\(\[module_a, module_b\]\)",
+        ):
             shard(model.head)
     # Both in one unit: tied, trains like the unsharded model.
     world = dist.get_world_size()
@@ -87,7 +101,9 @@ def _divide_factor_scope():
     sharded_step(plain, 0)
     world = dist.get_world_size()
     torch.testing.assert_close(_full(ours.norm.weight.grad), _full(plain.norm.weight.grad) * world, **TOL)
-    torch.testing.assert_close(_full(ours.layers[0].up.weight.grad), _full(plain.layers[0].up.weight.grad), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _full(ours.layers[0].up.weight.grad), _full(plain.layers[0].up.weight.grad), rtol=0, atol=0
+    )
 
 
 def test_gradient_divide_factor_is_scoped_to_its_unit_as_in_fsdp2(dist_run):
@@ -315,7 +331,9 @@ def _train_with_empty(shard, use_empty, steps=2):
     torch.manual_seed(0)
     model = _WithEmpty(use_empty)
     if shard is None:  # the unsharded reference: the mean of every rank's loss
-        losses = lambda step: torch.stack([model(_zero_size_batch(step, r)).square().mean() for r in range(dist.get_world_size())]).mean()
+        losses = lambda step: torch.stack(
+            [model(_zero_size_batch(step, r)).square().mean() for r in range(dist.get_world_size())]
+        ).mean()
     else:
         shard(model.first)
         shard(model)
@@ -337,7 +355,9 @@ def _assert_same_trained(ours, theirs):
 
 
 def _zero_size_parameters_match_fsdp2_and_unsharded():
-    _assert_same_trained(_train_with_empty(fully_shard, use_empty=False), _train_with_empty(torch_fully_shard, use_empty=False))
+    _assert_same_trained(
+        _train_with_empty(fully_shard, use_empty=False), _train_with_empty(torch_fully_shard, use_empty=False)
+    )
     _assert_same_trained(_train_with_empty(fully_shard, use_empty=True), _train_with_empty(None, use_empty=True))
 
 
@@ -370,7 +390,9 @@ def _recovery_after_exceptions():
                 tokens, targets = local_batch(step)
                 with pytest.raises(_Boom):
                     if step == 1:
-                        handle = model.layers[1].register_forward_hook(lambda *a: (_ for _ in ()).throw(_Boom("forward")))
+                        handle = model.layers[1].register_forward_hook(
+                            lambda *a: (_ for _ in ()).throw(_Boom("forward"))
+                        )
                         try:
                             model(tokens)
                         finally:

@@ -12,7 +12,21 @@ from torch.distributed.tensor import DTensor
 
 from tests.support.comm_counts import comm_counts
 from tests.support.models import TwoBlocks, batch, clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, assert_sharded_views, meta_init_sharded_decoder, reference_and_ours, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero, train_like_reference, train_together
+from tests.support.parity import (
+    PARAM_TOL,
+    TOL,
+    adamw,
+    assert_matches,
+    assert_sharded_views,
+    meta_init_sharded_decoder,
+    reference_and_ours,
+    reference_ours_and_fsdp2s,
+    shard_decoder,
+    sharded_step,
+    step_and_zero,
+    train_like_reference,
+    train_together,
+)
 from vescale_plugins import fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -55,13 +69,20 @@ def _parity_with_fsdp2(mp_policy):
     for step in range(STEPS):
         torch.testing.assert_close(sharded_step(ours, step), sharded_step(theirs, step), **tol)
         for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), **tol, msg=lambda m: f"grad {name}: {m}")
+            torch.testing.assert_close(
+                p.grad.full_tensor(), q.grad.full_tensor(), **tol, msg=lambda m: f"grad {name}: {m}"
+            )
         opt.step()
         their_opt.step()
         opt.zero_grad()
         their_opt.zero_grad()
         for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), **(PARAM_TOL if tol is TOL else tol), msg=lambda m: f"param {name}: {m}")
+            torch.testing.assert_close(
+                p.full_tensor(),
+                q.full_tensor(),
+                **(PARAM_TOL if tol is TOL else tol),
+                msg=lambda m: f"param {name}: {m}",
+            )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -74,7 +95,9 @@ def test_mixed_precision_bf16_params_fp32_reduce_matches_fsdp2(dist_run):
 
 
 def _mixed_precision_dtypes():
-    model = shard_decoder(make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    model = shard_decoder(
+        make_decoder(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     tokens, targets = local_batch(0)
     logits = model(tokens)
     assert logits.dtype == torch.bfloat16
@@ -82,7 +105,9 @@ def _mixed_precision_dtypes():
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
     unit = model._vescale_fsdp_unit
-    assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16] and [b.reduce_dtype for b in unit.dbuffers] == [torch.float32]
+    assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16] and [b.reduce_dtype for b in unit.dbuffers] == [
+        torch.float32
+    ]
 
 
 def test_mixed_precision_keeps_fp32_shards_and_grads(dist_run):
@@ -325,7 +350,9 @@ def _synchronous_reduce_scatter_gives_the_same_gradients():
     world = dist.get_world_size()
     reference, model = reference_and_ours()
     original = dbuffer_module.DBuffer.reduce_scatter
-    dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False, **kwargs: original(self, factor, accumulate, async_op=False, **kwargs)
+    dbuffer_module.DBuffer.reduce_scatter = lambda self, factor, accumulate, async_op=False, **kwargs: original(
+        self, factor, accumulate, async_op=False, **kwargs
+    )
     try:
         for step in range(2):
             reference_step(reference, step, world)

@@ -4,13 +4,26 @@ unsharded model train; checkpoints move between meshes."""
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 
 from tests.support.comm_counts import comm_counts
 from tests.support.models import clone, local_batch, loss_fn, make_decoder, reference_step
-from tests.support.parity import TOL, adamw, assert_matches, reference_ours_and_fsdp2s, shard_decoder, sharded_step, step_and_zero
+from tests.support.parity import (
+    TOL,
+    adamw,
+    assert_matches,
+    reference_ours_and_fsdp2s,
+    shard_decoder,
+    sharded_step,
+    step_and_zero,
+)
 from vescale_plugins import RaggedShard
 
 STEPS = 4
@@ -96,7 +109,10 @@ def _checkpoint_across_meshes(path):
     reference_step(reference, 2, world)
     ref_opt.step()
     # the same checkpoint on a 1 x 4 HSDP mesh and on a flat 4-rank mesh continues it exactly
-    for mesh in (init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")), init_device_mesh("cpu", (world,))):
+    for mesh in (
+        init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")),
+        init_device_mesh("cpu", (world,)),
+    ):
         restored = shard_decoder(make_decoder(seed=3), mesh=mesh)
         restored_opt = adamw(restored)
         sharded_step(restored, 0)

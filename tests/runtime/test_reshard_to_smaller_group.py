@@ -31,7 +31,7 @@ def _int_reshard(k):
     reference, ours, theirs = reference_ours_and_fsdp2s(reshard_after_forward=k)
     opts = [adamw(m) for m in (reference, ours, theirs)]
     for step in range(3):
-        ref_loss = reference_step(reference, step, world)
+        reference_step(reference, step, world)
         tokens, targets = local_batch(step)
         loss, forward_sizes = _gather_group_sizes(lambda: loss_fn(ours(tokens), targets))
         # between forward and backward each unit (the root too: k was given explicitly, as

@@ -62,10 +62,18 @@ def _every_bad_input():
 
     _expect(ValueError, "ModuleList", lambda: fully_shard(model.layers))
     _untouched(model, before)
-    _expect(ValueError, r"reshard_after_forward=5 must divide the shard group's size", lambda: fully_shard(model, reshard_after_forward=5))
+    _expect(
+        ValueError,
+        r"reshard_after_forward=5 must divide the shard group's size",
+        lambda: fully_shard(model, reshard_after_forward=5),
+    )
     _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
     _untouched(model, before)
-    _expect(TypeError, "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims", lambda: fully_shard(model, dp_mesh_dims=object()))
+    _expect(
+        TypeError,
+        "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims",
+        lambda: fully_shard(model, dp_mesh_dims=object()),
+    )
     _expect(
         ValueError,
         r"shard_placement_fn returned Shard\(dim=2\) for 'layers.0.up.weight': Shard dim 2 is invalid for 2D tensor",
@@ -74,8 +82,14 @@ def _every_bad_input():
     _untouched(model, before)
     tp_model = make_decoder()
     # a TP mesh that is not another dim of the data-parallel mesh's root (here: the same ranks)
-    tp_model.layers[0].up.weight = torch.nn.Parameter(distribute_tensor(tp_model.layers[0].up.weight.detach(), init_device_mesh("cpu", (world,)), [Replicate()]))
-    _expect(ValueError, r"'layers.0.up.weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh", lambda: fully_shard(tp_model))
+    tp_model.layers[0].up.weight = torch.nn.Parameter(
+        distribute_tensor(tp_model.layers[0].up.weight.detach(), init_device_mesh("cpu", (world,)), [Replicate()])
+    )
+    _expect(
+        ValueError,
+        r"'layers.0.up.weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh",
+        lambda: fully_shard(tp_model),
+    )
     assert type(tp_model).__name__ == "Decoder"
     fully_shard(model, offload_policy=OffloadPolicy(), shard_placement_fn=lambda p: Shard(0))  # FSDP2's defaults
 
@@ -96,7 +110,9 @@ def test_bad_input_fails_clearly_before_any_collective(dist_run, world):
 def _child_after_parent():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model)
-    with pytest.raises(ValueError, match=r"fully_shard\(Linear\): its parameter 'weight' is already sharded .* bottom-up"):
+    with pytest.raises(
+        ValueError, match=r"fully_shard\(Linear\): its parameter 'weight' is already sharded .* bottom-up"
+    ):
         fully_shard(model[0])
 
 
@@ -120,7 +136,10 @@ def _rank_dependent_block_size_fn():
     rank = dist.get_rank()
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     # 2 rows on rank 0, 4 on the others: each answer is valid on its own rank.
-    with pytest.raises(PlanMismatchError, match=r"parameter '0.weight': rank 0 has shape \(8, 4\), torch.float32, blocks of 2 rows; rank 1 has .* blocks of 4 rows; block_size_fn"):
+    with pytest.raises(
+        PlanMismatchError,
+        match=r"parameter '0.weight': rank 0 has shape \(8, 4\), torch.float32, blocks of 2 rows; rank 1 has .* blocks of 4 rows; block_size_fn",
+    ):
         fully_shard(model, block_size_fn=lambda name, p: (2 if rank == 0 else 4) if name == "0.weight" else None)
     assert not isinstance(model[0].weight, DTensor)
     # An answer that is invalid on one rank only: every rank raises that rank's error.

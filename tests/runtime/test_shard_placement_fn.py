@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -99,7 +104,10 @@ def test_shard_dim_1_trains_as_fsdp2_and_checkpoints_cross_load(dist_run, tmp_pa
 
 def _bad_answers() -> None:
     model = Experts()
-    with pytest.raises(ValueError, match=r"shard_placement_fn returned Shard\(dim=3\) for 'experts': Shard dim 3 is invalid for 3D tensor: \(2, 12, 5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard_placement_fn returned Shard\(dim=3\) for 'experts': Shard dim 3 is invalid for 3D tensor: \(2, 12, 5\)",
+    ):
         fully_shard(model, shard_placement_fn=lambda p: Shard(3) if p.ndim == 3 else None)
     with pytest.raises(ValueError, match=r"Invalid shard_placement_fn result for 'out.weight': Replicate\(\)"):
         fully_shard(model, shard_placement_fn=lambda p: Replicate() if p.ndim == 2 else None)
@@ -107,7 +115,10 @@ def _bad_answers() -> None:
 
     other = init_device_mesh("cpu", (1, dist.get_world_size()))
     result = ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=1))
-    with pytest.raises(NotImplementedError, match=r"shard_placement_fn put 'experts' on FSDPMeshInfo\(mesh=.*shard_mesh_dim=1, replicate_mesh_dim=None\): veScale-FSDP shards over a 1-D mesh"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"shard_placement_fn put 'experts' on FSDPMeshInfo\(mesh=.*shard_mesh_dim=1, replicate_mesh_dim=None\): veScale-FSDP shards over a 1-D mesh",
+    ):
         fully_shard(model, shard_placement_fn=lambda p: result if p.ndim == 3 else None)
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
@@ -126,11 +137,17 @@ def _ep_model(seed: int, num_experts: int = 4, shard=fully_shard):
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
     efsdp_info, dp_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0), FSDPMeshInfo(dp_mesh, shard_mesh_dim=0)
     torch.manual_seed(seed)
-    model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, num_experts=num_experts))
+    model = Transformer(
+        ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0, num_experts=num_experts)
+    )
     Transformer.parallelize(model, tp_mesh=None, use_seq_parallel=False, ep_mesh=sparse["ep"])
     for block in model.layers:
         experts = set(block.expert_layer.experts.parameters())
-        shard(block, mesh=dp_mesh, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(Shard(0), efsdp_info if p in e else dp_info))
+        shard(
+            block,
+            mesh=dp_mesh,
+            shard_placement_fn=lambda p, e=experts: ShardPlacementResult(Shard(0), efsdp_info if p in e else dp_info),
+        )
     shard(model, mesh=dp_mesh)
     return model
 

@@ -22,7 +22,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.support.parity import PARAM_TOL, TOL, step_and_zero
-from tests.support.tp_transformer import HIDDEN, Transformer, assert_same, data_parallel, default_adamw, lm_loss, tensor_parallel, token_batch
+from tests.support.tp_transformer import (
+    HIDDEN,
+    Transformer,
+    assert_same,
+    data_parallel,
+    default_adamw,
+    lm_loss,
+    tensor_parallel,
+    token_batch,
+)
 from vescale_plugins import fully_shard
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
@@ -80,8 +89,14 @@ def _tp_fsdp_parity():
     theirs = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["dp"])
     # The composed placements: the RaggedShard cuts each rank's TP shard.
     block = ours.layers[0]
-    for param, tp in [(block.attn.wq.weight, Shard(0)), (block.attn.wq.bias, Shard(0)), (block.w2.weight, Shard(1)),
-                      (block.attn.wo.bias, Replicate()), (block.mlp_norm.weight, Replicate()), (ours.embed.weight, Shard(0))]:
+    for param, tp in [
+        (block.attn.wq.weight, Shard(0)),
+        (block.attn.wq.bias, Shard(0)),
+        (block.w2.weight, Shard(1)),
+        (block.attn.wo.bias, Replicate()),
+        (block.mlp_norm.weight, Replicate()),
+        (ours.embed.weight, Shard(0)),
+    ]:
         assert param.device_mesh.mesh_dim_names == ("dp", "tp") and param.placements[1] == tp
         expected = StridedRaggedShard if tp == Shard(0) else RaggedShard
         assert type(param.placements[0]) is expected, param.placements
@@ -109,7 +124,9 @@ def _hsdp_x_tp_parity():
     dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
     reference = Transformer()
     ours = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), fully_shard, mesh["replicate", "shard"])
-    theirs = data_parallel(tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["replicate", "shard"])
+    theirs = data_parallel(
+        tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["replicate", "shard"]
+    )
     wq = ours.layers[0].attn.wq.weight
     assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp") and wq.placements[0] == Replicate()
     assert type(wq.placements[1]) is StridedRaggedShard and wq.placements[2] == Shard(0)
@@ -140,7 +157,10 @@ def _train_and_save(path):
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     return {name: p.detach().full_tensor() for name, p in model.named_parameters()}, {
-        f"{name}.{key}": v.full_tensor() for name, state in optim_state["state"].items() for key, v in state.items() if isinstance(v, DTensor)
+        f"{name}.{key}": v.full_tensor()
+        for name, state in optim_state["state"].items()
+        for key, v in state.items()
+        if isinstance(v, DTensor)
     }
 
 
@@ -157,7 +177,10 @@ def _load_at_dp1_tp2(path):
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     model_state, optim_state = get_state_dict(model, opt)
     return {name: p.detach().full_tensor() for name, p in model.named_parameters()}, {
-        f"{name}.{key}": v.full_tensor() for name, state in optim_state["state"].items() for key, v in state.items() if isinstance(v, DTensor)
+        f"{name}.{key}": v.full_tensor()
+        for name, state in optim_state["state"].items()
+        for key, v in state.items()
+        if isinstance(v, DTensor)
     }
 
 
@@ -261,7 +284,9 @@ def _ep_fsdp_parity():
     def backward(step):
         x, y = _moe_batch(step, dist.get_rank())
         ours_loss, _ = _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
-        ref_loss = sum(F.mse_loss(reference(*_moe_batch(step, r)[:1]), _moe_batch(step, r)[1]) for r in range(world)) / world
+        ref_loss = (
+            sum(F.mse_loss(reference(*_moe_batch(step, r)[:1]), _moe_batch(step, r)[1]) for r in range(world)) / world
+        )
         ref_loss.backward()
         _assert_global_loss(ours_loss, ref_loss)
 
@@ -280,7 +305,11 @@ def _spmd_model(mesh):
     model = Transformer()
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            tp = Shard(0) if isinstance(module, nn.Linear) and name == "weight" and module.out_features == HIDDEN else Replicate()
+            tp = (
+                Shard(0)
+                if isinstance(module, nn.Linear) and name == "weight" and module.out_features == HIDDEN
+                else Replicate()
+            )
             setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), tp])))
     return model
 
@@ -304,7 +333,11 @@ def _on_spmd_mesh(model: SpmdMLP, mesh) -> SpmdMLP:
     tp = {"w1.weight": Shard(0), "w1.bias": Shard(0), "w2.weight": Shard(1), "w2.bias": Replicate()}
     for name, p in list(model.named_parameters()):
         module, attr = name.rsplit(".", 1)
-        setattr(model.get_submodule(module), attr, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), tp[name]])))
+        setattr(
+            model.get_submodule(module),
+            attr,
+            nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), tp[name]])),
+        )
     return model
 
 
@@ -320,7 +353,9 @@ def _dp_mesh_dims_parity():
         models.append(model)
     ours, theirs = models
     assert ours.w1.weight.device_mesh is mesh and ours.w1.weight.placements[1] == Shard(0)
-    assert type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
+    assert (
+        type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
+    )
 
     def backward(step):
         batches = [_moe_batch(step, d) for d in range(dp_size)]
@@ -339,12 +374,21 @@ def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
 def _dp_mesh_dims_errors():
     mesh = _mesh_2x2()
     cases = [
-        (dict(mesh=init_device_mesh("cpu", (2, 2)), dp_mesh_dims=DataParallelMeshDims(shard="dp")), ValueError,
-         "mesh must have mesh_dim_names when dp_mesh_dims is provided"),
-        (dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="data")), ValueError,
-         r"Mesh dim name 'data' not found in mesh.mesh_dim_names \('dp', 'tp'\)"),
-        (dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2), NotImplementedError,
-         r"reshard_after_forward as int is not yet supported with SPMD mesh \(dp_mesh_dims\)"),
+        (
+            dict(mesh=init_device_mesh("cpu", (2, 2)), dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+            ValueError,
+            "mesh must have mesh_dim_names when dp_mesh_dims is provided",
+        ),
+        (
+            dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="data")),
+            ValueError,
+            r"Mesh dim name 'data' not found in mesh.mesh_dim_names \('dp', 'tp'\)",
+        ),
+        (
+            dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2),
+            NotImplementedError,
+            r"reshard_after_forward as int is not yet supported with SPMD mesh \(dp_mesh_dims\)",
+        ),
     ]
     for kwargs, error, message in cases:
         for shard in (fully_shard, torch_fully_shard):
@@ -352,12 +396,17 @@ def _dp_mesh_dims_errors():
                 shard(_spmd_model(mesh), **kwargs)
     # parameter-level errors, FSDP2's wording, naming the parameter for ours
     plain = Transformer()
-    with pytest.raises(ValueError, match="When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh"):
+    with pytest.raises(
+        ValueError, match="When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh"
+    ):
         fully_shard(plain, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     sharded_on_dp = nn.Linear(4, 4)
     sharded_on_dp.weight = nn.Parameter(distribute_tensor(sharded_on_dp.weight.detach(), mesh, [Shard(0), Replicate()]))
     sharded_on_dp.bias = nn.Parameter(distribute_tensor(sharded_on_dp.bias.detach(), mesh, [Replicate(), Replicate()]))
-    with pytest.raises(ValueError, match=r"Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\) \(parameter 'weight'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\) \(parameter 'weight'\)",
+    ):
         fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     other_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="Expected param's DTensor mesh to be the same mesh passed to fully_shard"):
@@ -375,7 +424,9 @@ def _unsupported_combinations():
     foreign = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), foreign, [Replicate()]))
-    with pytest.raises(ValueError, match="parameter 'weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh"):
+    with pytest.raises(
+        ValueError, match="parameter 'weight' is a DTensor on mesh .* cannot be combined with the data-parallel mesh"
+    ):
         fully_shard(lin, mesh=mesh["dp"])
     # the module is untouched: still usable as before
     assert lin.weight.device_mesh == foreign and type(lin).__name__ == "Linear"
@@ -572,7 +623,9 @@ def _ep_x_tp_experts(path: str):
     # A DCP checkpoint of ours loads into a fresh copy exactly, and into FSDP2's layout too.
     dcp.save(ours.state_dict(), checkpoint_id=path)
     for shard in (fully_shard, torch_fully_shard):
-        fresh = parallelize_module(ExpertLayer(num_experts=4, dim=6, hidden_dim=10), mesh["tp"], ExpertParallelWithTP(mesh["ep"], mesh["tp"]))
+        fresh = parallelize_module(
+            ExpertLayer(num_experts=4, dim=6, hidden_dim=10), mesh["tp"], ExpertParallelWithTP(mesh["ep"], mesh["tp"])
+        )
         fresh = shard(fresh, mesh=mesh["efsdp"])
         state = fresh.state_dict()
         dcp.load(state, checkpoint_id=path)

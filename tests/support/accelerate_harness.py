@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,14 @@ def accelerate_env(**env: str) -> Iterator[None]:
     saved = dict(os.environ)
     world, rank = dist.get_world_size(), dist.get_rank()
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1", **env,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        OMP_NUM_THREADS="1",
+        **env,
     )
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -44,7 +51,9 @@ def accelerate_env(**env: str) -> Iterator[None]:
 
 def decoder_plugin(**kwargs: Any) -> VeScaleFSDPPlugin:
     """Units = the decoder's blocks (then the root), as ``shard_decoder`` makes them by hand."""
-    return VeScaleFSDPPlugin(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"], **kwargs)
+    return VeScaleFSDPPlugin(
+        auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"], **kwargs
+    )
 
 
 def token_loader(micro_steps: int) -> DataLoader:

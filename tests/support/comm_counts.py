@@ -5,7 +5,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 from vescale_plugins.dbuffer.collectives import uses_point_to_point
 
-_COLLECTIVE_NAMES = {"allgather": "all_gather", "alltoall": "all_to_all", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce", "broadcast": "broadcast"}
+_COLLECTIVE_NAMES = {
+    "allgather": "all_gather",
+    "alltoall": "all_to_all",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "broadcast": "broadcast",
+}
 
 
 def comm_counts(fn):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,9 @@ class DistributedRunner:
             p.join(timeout=5)
         self._kill()
 
-    def __call__(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    def __call__(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return every rank's result.
 
         ``fn`` must be importable (a module-level function). Raises ``DistributedTestError``

@@ -28,12 +28,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import examples, full_parameters, make_model, probe_input  # noqa: E402
+from hf_models import examples, full_parameters, make_model, probe_input
 
-import lightning_strategy  # noqa: E402,F401  (registers "vescale_fsdp")
-from lightning_strategy import VeScaleFSDPStrategy  # noqa: E402
+import lightning_strategy  # noqa: F401  (registers "vescale_fsdp")
+from lightning_strategy import VeScaleFSDPStrategy
 
-LAYER_CLASSES = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block", "mixtral": "MixtralDecoderLayer", "bert": "BertLayer"}
+LAYER_CLASSES = {
+    "llama": "LlamaDecoderLayer",
+    "gpt2": "GPT2Block",
+    "mixtral": "MixtralDecoderLayer",
+    "bert": "BertLayer",
+}
 OPTIMIZER_STEPS = 2
 ACCUMULATION = 2
 CLIP = 0.5  # below the models' gradient norms: every step clips
@@ -66,9 +71,17 @@ def train(name: str, strategy: str, variant: str, out: Path) -> dict[str, Any]:
         policy = {LAYER_CLASSES[name]} if variant == "policy_ac" else None
         chosen = VeScaleFSDPStrategy(state_dict_type="full", activation_checkpointing_policy=policy)
     trainer = Trainer(
-        strategy=chosen, accelerator="cpu", devices=2, max_steps=OPTIMIZER_STEPS, accumulate_grad_batches=ACCUMULATION,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(out),
+        strategy=chosen,
+        accelerator="cpu",
+        devices=2,
+        max_steps=OPTIMIZER_STEPS,
+        accumulate_grad_batches=ACCUMULATION,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
     )
     trainer.fit(module, DataLoader(examples(name), batch_size=2, shuffle=True))
     result: dict[str, Any] = {

@@ -9,7 +9,8 @@ is off everywhere so that DDP and FSDP runs can be compared to fp32 tolerance.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import transformers
@@ -22,24 +23,44 @@ MASK_ID = 3  # BERT's [MASK] here: any id works for a randomly initialised model
 
 def _llama() -> transformers.PreTrainedModel:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(config)
 
 
 def _gpt2() -> transformers.PreTrainedModel:
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _mixtral() -> transformers.PreTrainedModel:
     config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         router_jitter_noise=0.0,
     )
     return transformers.MixtralForCausalLM(config)
@@ -47,8 +68,14 @@ def _mixtral() -> transformers.PreTrainedModel:
 
 def _bert() -> transformers.PreTrainedModel:
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return transformers.BertForMaskedLM(config)
 
@@ -83,7 +110,7 @@ def examples(name: str) -> list[dict[str, torch.Tensor]]:
     masked[:, 0] = True  # every example has at least one label
     inputs = torch.where(masked, torch.full_like(tokens, MASK_ID), tokens)
     labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-    return [{"input_ids": i, "labels": l} for i, l in zip(inputs, labels)]
+    return [{"input_ids": i, "labels": label} for i, label in zip(inputs, labels)]
 
 
 def probe_input() -> torch.Tensor:

@@ -31,7 +31,7 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import count_expert_tokens, examples, full_parameters, make_model, probe_input  # noqa: E402
+from hf_models import count_expert_tokens, examples, full_parameters, make_model, probe_input
 
 OPTIMIZER_STEPS = 2
 ACCUMULATION = 2

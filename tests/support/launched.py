@@ -21,11 +21,19 @@ KILL_GRACE_S = 15
 def launch(args: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> str:
     """Run ``python ARGS`` from the repository root; fail the test unless it exits 0 within ``timeout_s``."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
-    full_env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    full_env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     full_env.update(env or {})
     command = [sys.executable, *args]
     process = subprocess.Popen(
-        command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = process.communicate(timeout=timeout_s)

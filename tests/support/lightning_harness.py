@@ -79,7 +79,9 @@ class LitDecoder(LightningModule):
 
     def backward(self, loss, *args, **kwargs):
         # Instrumentation only: count the gradient reduce-scatters each backward issues.
-        self.backward_reduce_scatters.append(reduce_scatters(lambda: super(LitDecoder, self).backward(loss, *args, **kwargs)))
+        self.backward_reduce_scatters.append(
+            reduce_scatters(lambda: super(LitDecoder, self).backward(loss, *args, **kwargs))
+        )
 
 
 def reduce_scatters(fn) -> int:

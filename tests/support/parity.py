@@ -124,7 +124,9 @@ def assert_sharded_views(model):
         for m in unit.fsdp_params:
             dbuffer = m.dbuffer
             assert isinstance(m.sharded, DTensor) and isinstance(m.sharded.placements[0], RaggedShard), m.fqn
-            assert m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr(), m.fqn
+            assert (
+                m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr()
+            ), m.fqn
             if m.sharded.grad is not None:
                 grad_storage = m.sharded.grad._local_tensor.untyped_storage().data_ptr()
                 assert grad_storage == dbuffer.sharded_grad.untyped_storage().data_ptr(), m.fqn

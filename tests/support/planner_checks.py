@@ -16,10 +16,7 @@ def assert_valid(layout: Layout) -> None:
     """The four structural guarantees, recomputed from scratch."""
     shard, world = layout.shard_size, layout.world_size
     assert shard >= 1 and shard % layout.alignment == 0
-    intervals = sorted(
-        (layout.offsets[i], layout.offsets[i] + layout.numels[i], i)
-        for i in range(len(layout.numels))
-    )
+    intervals = sorted((layout.offsets[i], layout.offsets[i] + layout.numels[i], i) for i in range(len(layout.numels)))
     previous_end = 0
     for start, stop, index in intervals:
         assert start % layout.alignment == 0, f"tensor {index} misaligned"

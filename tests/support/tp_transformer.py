@@ -73,15 +73,27 @@ def _local_output(module, output, mesh):
 def tensor_parallel(model: Transformer, tp_mesh) -> Transformer:
     """Colwise/Rowwise on every linear and the embedding (torchtitan's plan without sequence
     parallelism); norms hold Replicate DTensors, so every parameter is a TP DTensor."""
-    parallelize_module(model, tp_mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": ColwiseParallel(output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attn.wq": ColwiseParallel(),
+                "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(),
+                "w1": ColwiseParallel(),
+                "w2": RowwiseParallel(),
+            },
+        )
     for module in model.modules():
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             distribute_module(module, tp_mesh, input_fn=_replicated_input, output_fn=_local_output)

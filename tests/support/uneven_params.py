@@ -8,7 +8,16 @@ import torch.nn as nn
 # Uneven on purpose: rows and columns that 32 does not divide, a 3-D tensor, 1-D tensors
 # shorter and longer than one 1024-element block, a scalar, and a weight with one tile row
 # (fewer tile rows than ranks).
-SHAPES = {"a": (1031, 40), "b": (40, 70), "c": (70,), "d": (2500,), "e": (20, 16), "f": (), "g": (3, 5, 40), "h": (97, 33)}
+SHAPES = {
+    "a": (1031, 40),
+    "b": (40, 70),
+    "c": (70,),
+    "d": (2500,),
+    "e": (20, 16),
+    "f": (),
+    "g": (3, 5, 40),
+    "h": (97, 33),
+}
 # AdamW8bit's per-parameter state besides ``step``.
 ADAM8BIT_STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 

@@ -19,7 +19,29 @@ from vescale_plugins.optim import AdamW, AdamW8bit
 @pytest.mark.distributed
 def test_cli_smoke(tmp_path, capsys):
     out = tmp_path / "result.json"
-    main(["adam8bit", "--optimizer", "adamw", "--model", "tiny", "--batch-size", "1", "--seq-len", "8", "--steps", "1", "--warmup", "1", "--quality-steps", "2", "--memory-repeats", "1", "--json", str(out)])
+    main(
+        [
+            "adam8bit",
+            "--optimizer",
+            "adamw",
+            "--model",
+            "tiny",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "8",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--quality-steps",
+            "2",
+            "--memory-repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "optimizer step, median (ms)" in printed and "quality" in printed
     results = json.loads(out.read_text())["results"]
@@ -55,7 +77,9 @@ def _local_shards_step_like_the_dtensors():
         models.append(model)
     initial = [p.to_local().clone() for p in models[0].parameters()]
     direct = torch.optim.AdamW(models[0].parameters(), lr=0.1, foreach=False)
-    wrapped = adam8bit.OnLocalShards(models[1].parameters(), lambda shards: torch.optim.AdamW(shards, lr=0.1, foreach=False))
+    wrapped = adam8bit.OnLocalShards(
+        models[1].parameters(), lambda shards: torch.optim.AdamW(shards, lr=0.1, foreach=False)
+    )
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(3):
         for model, optimizer in ((models[0], direct), (models[1], wrapped)):

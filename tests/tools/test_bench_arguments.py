@@ -16,7 +16,10 @@ from vescale_plugins.bench.__main__ import parse_args
         (["--batch-size", "0"], "argument --batch-size: 0 is too small: it must be at least 1"),
         (["--warmup", "-1"], "argument --warmup: -1 is too small: it must be at least 0"),
         (["--steps", "two"], "argument --steps: 'two' is not an integer"),
-        (["--model", "smal"], "argument --model: 'smal' is neither a preset (.*) \\(did you mean 'small'\\?\\) nor a directory"),
+        (
+            ["--model", "smal"],
+            "argument --model: 'smal' is neither a preset (.*) \\(did you mean 'small'\\?\\) nor a directory",
+        ),
     ],
 )
 def test_bench_arguments_are_refused_with_a_clear_message(capsys, argv, message):

@@ -13,8 +13,27 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.distributed
 def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     result_json, plot, record = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "record.json"
-    command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "2", "--seq-len", "32",
-               "--warmup", "1", "--steps", "3", "--json", str(result_json), "--plot", str(plot), "--record", str(record)]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.bench",
+        "--model",
+        "tiny",
+        "--world-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--json",
+        str(result_json),
+        "--plot",
+        str(plot),
+        "--record",
+        str(record),
+    ]
     completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "veScale / FSDP2" in completed.stdout and "parity:" in completed.stdout
@@ -26,8 +45,15 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     for name in ("fsdp2", "vescale"):
         figures = summary["engines"][name]
         assert len(figures["step_ms"]["samples"]) == 3
-        for key in ("tokens_per_s", "peak_bytes", "sharded_state_bytes", "padding_bytes",
-                    "all_gather_bytes_per_step", "reduce_scatter_bytes_per_step", "copy_ms_per_step"):
+        for key in (
+            "tokens_per_s",
+            "peak_bytes",
+            "sharded_state_bytes",
+            "padding_bytes",
+            "all_gather_bytes_per_step",
+            "reduce_scatter_bytes_per_step",
+            "copy_ms_per_step",
+        ):
             assert figures[key] >= 0, (name, key)
         assert figures["peak_bytes"] > 0 and figures["sharded_state_bytes"] > 0
     assert summary["engines"]["vescale"]["copy_ms_per_step"] == 0
@@ -44,8 +70,27 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
 @pytest.mark.parametrize("frontend", ["fabric", "accelerate"])
 def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     result_json = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "2", "--seq-len", "32",
-               "--warmup", "1", "--steps", "2", "--frontend", frontend, "--json", str(result_json), "--plot", ""]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.bench",
+        "--model",
+        "tiny",
+        "--world-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--frontend",
+        frontend,
+        "--json",
+        str(result_json),
+        "--plot",
+        "",
+    ]
     completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads(result_json.read_text())
@@ -64,8 +109,27 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
 def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
     """``--hsdp 2`` at W=4: both engines on the same (replicate, shard) mesh, trained alike."""
     result_json = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "vescale_plugins.bench", "--model", "tiny", "--world-size", "4", "--hsdp", "2",
-               "--seq-len", "32", "--warmup", "1", "--steps", "2", "--json", str(result_json), "--plot", ""]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.bench",
+        "--model",
+        "tiny",
+        "--world-size",
+        "4",
+        "--hsdp",
+        "2",
+        "--seq-len",
+        "32",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--json",
+        str(result_json),
+        "--plot",
+        "",
+    ]
     completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads(result_json.read_text())
@@ -88,11 +152,17 @@ def test_reshard_after_forward_takes_a_bool_or_a_number_of_ranks(text, expected)
     assert parse_args(["--reshard-after-forward", text]).reshard_after_forward == expected
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--world-size", "4", "--hsdp", "3"], "--hsdp 3 must divide the world size (4)"),
-    (["--world-size", "4", "--hsdp", "2", "--frontend", "fabric"], "--hsdp runs with --frontend plain"),
-    (["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"], "--reshard-after-forward 4 must divide the shard group's size (2)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--world-size", "4", "--hsdp", "3"], "--hsdp 3 must divide the world size (4)"),
+        (["--world-size", "4", "--hsdp", "2", "--frontend", "fabric"], "--hsdp runs with --frontend plain"),
+        (
+            ["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"],
+            "--reshard-after-forward 4 must divide the shard group's size (2)",
+        ),
+    ],
+)
 def test_bench_refuses_meshes_it_cannot_build(argv, message):
     from vescale_plugins.bench.__main__ import main
 

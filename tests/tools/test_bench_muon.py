@@ -14,8 +14,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_muon_bench_cli_writes_figures_and_both_engines_train_the_same_weights(tmp_path):
     # "micro": 2 layers, hidden 32; Newton-Schulz in bf16 is slow on CPUs without bf16 units.
     result_json = tmp_path / "muon.json"
-    command = [sys.executable, "-m", "vescale_plugins.bench", "muon", "--model", "micro", "--world-sizes", "2", "--batch-size", "1", "--seq-len", "16",
-               "--warmup", "1", "--steps", "1", "--json", str(result_json)]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.bench",
+        "muon",
+        "--model",
+        "micro",
+        "--world-sizes",
+        "2",
+        "--batch-size",
+        "1",
+        "--seq-len",
+        "16",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        str(result_json),
+    ]
     completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "veScale / FSDP2" in completed.stdout

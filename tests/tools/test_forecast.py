@@ -14,12 +14,20 @@ from vescale_plugins.forecast.layouts import plan_unit_layouts, rank_payloads
 from vescale_plugins.forecast.memory import ADAMW8BIT_BYTES_PER_ELEMENT, forecast_memory, optimizer_bytes_per_element
 from vescale_plugins.forecast.model import ModelSpec
 from vescale_plugins.forecast.step_time import _exposed
-from vescale_plugins.tools.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
-from vescale_plugins.planner import Layout
 from vescale_plugins.observe.record import zero_stage_bytes_per_parameter
+from vescale_plugins.planner import Layout
+from vescale_plugins.tools.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
 
 # A dense Llama whose every dim divides 8 ranks: no padding for either engine.
-TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 
 
 def _tiny_spec():
@@ -63,7 +71,12 @@ def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
     assert hardware.gpus_per_node == 3 and "3 ranks" in hardware.name
     assert hardware.intra_node_bandwidth == figures["intra_node_bandwidth"] > 0
     assert hardware.peak_flops_fp32 > 0 and hardware.memory_bandwidth > 0 and not hardware.overlaps_communication
-    assert set(figures["measured"]["timings"]) == {"fsdp2_all_gather", "fsdp2_reduce_scatter", "vescale_all_gather", "vescale_reduce_scatter"}
+    assert set(figures["measured"]["timings"]) == {
+        "fsdp2_all_gather",
+        "fsdp2_reduce_scatter",
+        "vescale_all_gather",
+        "vescale_reduce_scatter",
+    }
 
 
 def test_calibrate_needs_two_ranks(tmp_path, capsys):
@@ -93,9 +106,17 @@ def test_rank_payloads_by_hand():
 
 def test_optimizer_bytes_per_element():
     assert optimizer_bytes_per_element("adamw", "mlp.up_proj.weight", (8, 4)) == 8
-    assert optimizer_bytes_per_element("adamw8bit", "mlp.up_proj.weight", (8, 4)) == ADAMW8BIT_BYTES_PER_ELEMENT == 2 + 8 / 1024
+    assert (
+        optimizer_bytes_per_element("adamw8bit", "mlp.up_proj.weight", (8, 4))
+        == ADAMW8BIT_BYTES_PER_ELEMENT
+        == 2 + 8 / 1024
+    )
     assert optimizer_bytes_per_element("muon", "mlp.up_proj.weight", (8, 4)) == 4
-    for name, shape in (("input_layernorm.weight", (8,)), ("embed_tokens.weight", (16, 8)), ("lm_head.weight", (16, 8))):
+    for name, shape in (
+        ("input_layernorm.weight", (8,)),
+        ("embed_tokens.weight", (16, 8)),
+        ("lm_head.weight", (16, 8)),
+    ):
         assert optimizer_bytes_per_element("muon", name, shape) == 8
     with pytest.raises(ValueError, match="--optimizer 'sgd'"):
         optimizer_bytes_per_element("sgd", "w", (2, 2))
@@ -115,7 +136,10 @@ def test_zero3_16_bytes_per_parameter_to_the_byte():
     llama = resolve_model("Llama-3-70B")
     for world in (8, 64):
         assert _state_without_step_counters(llama, world, "fsdp2") == 16 * llama.units.numel // world
-        assert 16 * llama.units.numel // world == zero_stage_bytes_per_parameter(world)["ZeRO-3 / FSDP"] * llama.units.numel
+        assert (
+            16 * llama.units.numel // world
+            == zero_stage_bytes_per_parameter(world)["ZeRO-3 / FSDP"] * llama.units.numel
+        )
     stack = ModelSpec("linears", ModelUnits("linears", (Unit("linear", 8, (("weight", (1024, 1024)),)),)), {})
     for engine in ("vescale", "fsdp2"):
         assert _state_without_step_counters(stack, 8, engine) == 16 * 8 * 1024 * 1024 // 8
@@ -127,12 +151,16 @@ def test_fsdp2_pads_gpt_oss_experts_to_256_ranks():
     the 201088-row vocabulary to 786 x 256."""
     spec, world = resolve_model("GPT-OSS-120B"), 256
     layer = (
-        (256 - 64)                       # sinks
-        + 192 * 4096 + 192               # o_proj weight and bias
-        + 128 * 2880 + 128               # router weight and bias
-        + 128 * 2880 * 5760 + 128 * 5760  # gate_up_proj and its bias
-        + 128 * 2880 * 2880 + 128 * 2880  # down_proj and its bias
-        + 2 * 192                        # the two norms
+        (256 - 64)  # sinks
+        + 192 * 4096
+        + 192  # o_proj weight and bias
+        + 128 * 2880
+        + 128  # router weight and bias
+        + 128 * 2880 * 5760
+        + 128 * 5760  # gate_up_proj and its bias
+        + 128 * 2880 * 2880
+        + 128 * 2880  # down_proj and its bias
+        + 2 * 192  # the two norms
     )
     vocab = (786 * 256 - 201088) * 2880
     total = 36 * layer + vocab + 192 + vocab
@@ -157,7 +185,9 @@ def test_hsdp_shards_over_the_group_and_all_reduces_across_replicas():
     for engine in ("vescale", "fsdp2"):
         assert hybrid["engines"][engine]["memory"] == flat["engines"][engine]["memory"]
         # The same reduce-scatter inside the node, plus an all-reduce across 8 nodes.
-        assert hybrid["engines"][engine]["step"]["reduce_scatter_s"] > flat["engines"][engine]["step"]["reduce_scatter_s"]
+        assert (
+            hybrid["engines"][engine]["step"]["reduce_scatter_s"] > flat["engines"][engine]["step"]["reduce_scatter_s"]
+        )
     with pytest.raises(ValueError, match="--hsdp 3 does not divide 64"):
         forecast_world_size(spec, h100, 64, ForecastSettings(replicas=3))
 
@@ -186,7 +216,9 @@ def test_flops_per_token_by_hand():
 
 def test_moe_counts_top_k_of_its_experts():
     spec = resolve_model("Mixtral-8x7B")
-    dense_like = training_flops_per_token(ModelSpec("m", spec.units, {**spec.config, "num_experts_per_tok": 8}), 1, False)
+    dense_like = training_flops_per_token(
+        ModelSpec("m", spec.units, {**spec.config, "num_experts_per_tok": 8}), 1, False
+    )
     assert training_flops_per_token(spec, 1, False) < dense_like / 3
 
 
@@ -237,7 +269,25 @@ def test_hardware_file_overrides_fields(tmp_path):
 
 def test_cli_writes_tables_json_and_plot(tmp_path, capsys):
     out, plot = tmp_path / "f.json", tmp_path / "f.png"
-    assert main(["--model", "Llama-3-8B", "--gpus", "8,64", "--gpu", "h200", "--optimizer", "adamw8bit", "--json", str(out), "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "Llama-3-8B",
+                "--gpus",
+                "8,64",
+                "--gpu",
+                "h200",
+                "--optimizer",
+                "adamw8bit",
+                "--json",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert [e["world_size"] for e in result["world_sizes"]] == [8, 64]
     assert plot.stat().st_size > 0
@@ -245,11 +295,14 @@ def test_cli_writes_tables_json_and_plot(tmp_path, capsys):
     assert "Llama-3-8B on 64 x H200" in printed and "tokens/s per GPU" in printed
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gpus", "8,x"], "comma-separated integers"),
-    (["--gpus", "64", "--hsdp", "3"], "--hsdp 3 does not divide --gpus [64]"),
-    (["--mfu", "1.5"], "--mfu 1.5"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "8,x"], "comma-separated integers"),
+        (["--gpus", "64", "--hsdp", "3"], "--hsdp 3 does not divide --gpus [64]"),
+        (["--mfu", "1.5"], "--mfu 1.5"),
+    ],
+)
 def test_cli_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -260,6 +313,9 @@ def test_largest_model_at_16k_ranks_plans_identical_units_once():
     spec = resolve_model("DeepSeek-V3-671B")
     result = forecast(spec, load_hardware("h100"), [16384], ForecastSettings())
     entry = result["world_sizes"][0]
-    assert entry["engines"]["vescale"]["memory"]["padding_elements"] < entry["engines"]["fsdp2"]["memory"]["padding_elements"]
+    assert (
+        entry["engines"]["vescale"]["memory"]["padding_elements"]
+        < entry["engines"]["fsdp2"]["memory"]["padding_elements"]
+    )
     moe = next(u for u in spec.units.units if u.name == "moe_decoder_layer")
     assert plan_unit_layouts(moe, 16384) is plan_unit_layouts(moe, 16384)

@@ -15,14 +15,34 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from vescale_plugins.bench.engines import BenchSettings, build_engine, build_model, padding_and_traffic, sharded_state_bytes
+from vescale_plugins.bench.engines import (
+    BenchSettings,
+    build_engine,
+    build_model,
+    padding_and_traffic,
+    sharded_state_bytes,
+)
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.forecast import accuracy
-from vescale_plugins.forecast.memory import ADAMW_STEP_BYTES, forecast_memory, unit_figures, vescale_optimizer_bytes_per_rank
+from vescale_plugins.forecast.memory import (
+    ADAMW_STEP_BYTES,
+    forecast_memory,
+    unit_figures,
+    vescale_optimizer_bytes_per_rank,
+)
 from vescale_plugins.forecast.model import spec_from_modules
 from vescale_plugins.observe.record import record_run
 
-SETTINGS = BenchSettings(PRESETS["small"], batch_size=1, seq_len=16, mixed_precision=False, reshard_after_forward=None, block_rows=None, frontend="plain", seed=0)
+SETTINGS = BenchSettings(
+    PRESETS["small"],
+    batch_size=1,
+    seq_len=16,
+    mixed_precision=False,
+    reshard_after_forward=None,
+    block_rows=None,
+    frontend="plain",
+    seed=0,
+)
 
 
 def _batch(step):
@@ -70,11 +90,25 @@ def test_forecast_equals_the_run_record(dist_run, world):
     optimizer_per_rank = vescale_optimizer_bytes_per_rank(spec, world)
     for rank, measured in enumerate(ranks):
         # The record also names each buffer's parameters; the forecast plans the figures.
-        figures = [{k: v for k, v in m.items() if k not in ("buffer_parameters", "buffer_group_sizes")} for m in measured["units"]]
+        figures = [
+            {k: v for k, v in m.items() if k not in ("buffer_parameters", "buffer_group_sizes")}
+            for m in measured["units"]
+        ]
         assert all(len(m["buffer_parameters"]) == m["buffers"] for m in measured["units"])
-        assert figures == [{"modules": m["modules"], **unit_figures(u, world, 4)} for m, u in zip(measured["units"], spec.forward_order())]
-        assert measured["sharded"] == {"parameters": vescale.sharded_params, "gradients": vescale.sharded_grads, "optimizer_state": optimizer_per_rank[rank]}
-        assert measured["peaks"] == {"unsharded_params": vescale.unsharded_params_buffer_peak, "unsharded_grads": vescale.unsharded_grads_buffer_peak, "comm_buffers": vescale.comm_buffers}
+        assert figures == [
+            {"modules": m["modules"], **unit_figures(u, world, 4)}
+            for m, u in zip(measured["units"], spec.forward_order())
+        ]
+        assert measured["sharded"] == {
+            "parameters": vescale.sharded_params,
+            "gradients": vescale.sharded_grads,
+            "optimizer_state": optimizer_per_rank[rank],
+        }
+        assert measured["peaks"] == {
+            "unsharded_params": vescale.unsharded_params_buffer_peak,
+            "unsharded_grads": vescale.unsharded_grads_buffer_peak,
+            "comm_buffers": vescale.comm_buffers,
+        }
         assert measured["fsdp2_padding_bytes"] == 4 * fsdp2.padding_elements
     # The forecast reports the fullest rank: veScale-FSDP's optimizer state differs by rank
     # (padding falls on some ranks), FSDP2's rank 0 holds the most.

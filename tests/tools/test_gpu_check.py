@@ -19,7 +19,17 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)
 def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     out = tmp_path / "gpu_check.json"
-    command = [sys.executable, "-m", "vescale_plugins.tools.gpu_check", "--cpu", "--quick", "--json", str(out), "--budget", "800"]
+    command = [
+        sys.executable,
+        "-m",
+        "vescale_plugins.tools.gpu_check",
+        "--cpu",
+        "--quick",
+        "--json",
+        str(out),
+        "--budget",
+        "800",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     report = json.loads(out.read_text())
@@ -29,7 +39,10 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     parity = checks["parity_multi_rank"]
     assert parity["status"] == "passed" and parity["world_size"] == 2
     assert parity["fp32"]["max_param_diff_vs_unsharded"] <= 1e-4 and parity["fp32"]["max_param_diff_vs_fsdp2"] <= 1e-4
-    assert checks["bf16_mixed"]["max_param_diff_vs_fsdp2"] <= 2e-2 and checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
+    assert (
+        checks["bf16_mixed"]["max_param_diff_vs_fsdp2"] <= 2e-2
+        and checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
+    )
     # Off CUDA: one stream, nothing recorded, and never a record_stream.
     assert checks["comm_streams"].items() >= {"enabled": False, "events_recorded": 0, "record_stream_calls": 0}.items()
     bench = checks["bench"]

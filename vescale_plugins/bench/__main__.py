@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.bench import adam8bit, collectives, compare, init_memory, muon, step
 
@@ -26,13 +26,17 @@ SUMMARIES = {
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The default comparison's parser (which takes the subcommands too), and each subcommand's."""
     parser = argparse.ArgumentParser(
-        prog="python -m vescale_plugins.bench", usage="%(prog)s [SUBCOMMAND] [options]", description=__doc__,
+        prog="python -m vescale_plugins.bench",
+        usage="%(prog)s [SUBCOMMAND] [options]",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compare.add_arguments(parser)
     subcommands = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", title="subcommands")
     for name, module in SUBCOMMANDS.items():
-        sub = subcommands.add_parser(name, help=SUMMARIES[name], description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = subcommands.add_parser(
+            name, help=SUMMARIES[name], description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(sub)
     return parser, subcommands.choices
 
@@ -45,7 +49,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.command is None:
         return args
     if argv[0] != args.command:
-        parser.error(f"options before {args.command!r} are the default comparison's: put {args.command}'s options after it")
+        parser.error(
+            f"options before {args.command!r} are the default comparison's: put {args.command}'s options after it"
+        )
     # Parsed again on its own, so that the default comparison's options do not show up in it.
     return subparsers[args.command].parse_args(argv[1:], argparse.Namespace(command=args.command))
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
-from vescale_plugins.optim import AdamW, AdamW8bit, tile_rows
 from vescale_plugins.bench.arguments import count
 from vescale_plugins.bench.engines import BenchSettings, _units, batches, build_model
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.observe.allocations import AllocationTracker
+from vescale_plugins.optim import AdamW, AdamW8bit, tile_rows
 from vescale_plugins.tools.launch import launch_ranks
 from vescale_plugins.tools.outputs import write_json
 
@@ -86,7 +87,9 @@ class OnLocalShards:
     def step(self) -> None:
         for p, shard in zip(self.params, self.shards):
             if getattr(p, "_local_tensor", p) is not shard:
-                raise RuntimeError("FSDP2 replaced a parameter's local shard: the wrapped optimizer's state would be lost")
+                raise RuntimeError(
+                    "FSDP2 replaced a parameter's local shard: the wrapped optimizer's state would be lost"
+                )
             if shard is not p:
                 shard.grad = None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad)
         self.inner.step()
@@ -99,10 +102,16 @@ class OnLocalShards:
 # name -> (veScale-FSDP?, optimizer factory)
 ENGINES: dict[str, tuple[bool, Callable[[Any, float], torch.optim.Optimizer]]] = {
     "veScale + AdamW8bit": (True, lambda ps, lr: AdamW8bit(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
-    "FSDP2 + torchao AdamW8bit": (False, lambda ps, lr: OnLocalShards(ps, lambda shards: _torchao_adamw8bit(shards, lr))),
+    "FSDP2 + torchao AdamW8bit": (
+        False,
+        lambda ps, lr: OnLocalShards(ps, lambda shards: _torchao_adamw8bit(shards, lr)),
+    ),
     "FSDP2 + torchao AdamW8bit on DTensors": (False, _torchao_adamw8bit),
     "veScale + flat AdamW": (True, lambda ps, lr: AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
-    "FSDP2 + AdamW(foreach)": (False, lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True)),
+    "FSDP2 + AdamW(foreach)": (
+        False,
+        lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True),
+    ),
 }
 PAIRS = {
     "adamw8bit": ("veScale + AdamW8bit", "FSDP2 + torchao AdamW8bit"),
@@ -125,7 +134,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _build(name: str, settings: BenchSettings, mesh: Any, lr: float = LR) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(
+    name: str, settings: BenchSettings, mesh: Any, lr: float = LR
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     vescale, make_optimizer = ENGINES[name]
     model = build_model(settings, torch.device("cpu"))
     _shard(model, vescale, mesh)
@@ -148,7 +159,7 @@ def _agreed_step(optimizer: torch.optim.Optimizer) -> None:
     error = ""
     try:
         optimizer.step()
-    except Exception as exc:  # noqa: BLE001 - reported, not hidden: it becomes the figure
+    except Exception as exc:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     failed = torch.tensor([1.0 if error else 0.0])
     dist.all_reduce(failed)
@@ -194,7 +205,9 @@ def learnable_batches(settings: BenchSettings, rank: int, count: int) -> list[tu
     seqs[..., 0] = torch.randint(0, vocab, (count, settings.batch_size), generator=g)
     for i in range(1, settings.seq_len + 1):
         follow = torch.rand(count, settings.batch_size, generator=g) < 0.9
-        seqs[..., i] = torch.where(follow, perm[seqs[..., i - 1]], torch.randint(0, vocab, (count, settings.batch_size), generator=g))
+        seqs[..., i] = torch.where(
+            follow, perm[seqs[..., i - 1]], torch.randint(0, vocab, (count, settings.batch_size), generator=g)
+        )
     return [(s[:, :-1], s[:, 1:]) for s in seqs]
 
 
@@ -206,7 +219,9 @@ def _quality_engines(pairs: list[str]) -> list[str]:
     return names
 
 
-def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int = 3) -> dict[str, Any]:
+def run_rank(
+    settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int = 3
+) -> dict[str, Any]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     data = batches(settings, dist.get_rank(), warmup + steps)
@@ -266,7 +281,9 @@ def run_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int,
     return result
 
 
-def _seeded_rank(settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int) -> dict[str, Any]:
+def _seeded_rank(
+    settings: BenchSettings, pairs: list[str], warmup: int, steps: int, quality_steps: int, memory_repeats: int
+) -> dict[str, Any]:
     torch.manual_seed(settings.seed)
     return run_rank(settings, pairs, warmup, steps, quality_steps, memory_repeats)
 
@@ -299,7 +316,9 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
             for name in (ours, peer):
                 if "failed" not in results[name]:
                     figures = results[name]
-                    lines.append(f"  {name}: optimizer step {figures['optimizer_step_s'] * 1e3:.3f} ms, peak {figures['peak_bytes'] / 2**20:.3f} MiB, state {figures['state_bytes'] / 2**20:.3f} MiB ({figures['state_bytes'] / figures['parameter_elements']:.3f} bytes per element)")
+                    lines.append(
+                        f"  {name}: optimizer step {figures['optimizer_step_s'] * 1e3:.3f} ms, peak {figures['peak_bytes'] / 2**20:.3f} MiB, state {figures['state_bytes'] / 2**20:.3f} MiB ({figures['state_bytes'] / figures['parameter_elements']:.3f} bytes per element)"
+                    )
             lines.append("")
             continue
         lines.append(f"{'figure':<34} {peer:>26} {ours:>22} {'ours / peer':>12}")
@@ -307,7 +326,11 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
             ("optimizer step, median (ms)", o["optimizer_step_s"] * 1e3, p["optimizer_step_s"] * 1e3),
             ("peak tensor memory (MiB)", o["peak_bytes"] / 2**20, p["peak_bytes"] / 2**20),
             ("optimizer state per rank (MiB)", o["state_bytes"] / 2**20, p["state_bytes"] / 2**20),
-            ("state bytes per parameter element", o["state_bytes"] / o["parameter_elements"], p["state_bytes"] / p["parameter_elements"]),
+            (
+                "state bytes per parameter element",
+                o["state_bytes"] / o["parameter_elements"],
+                p["state_bytes"] / p["parameter_elements"],
+            ),
         ]
         for label, ov, pv in rows:
             lines.append(f"{label:<34} {pv:>26.3f} {ov:>22.3f} {_ratio(ov, pv):>12}")
@@ -320,7 +343,9 @@ def render(results: dict[str, Any], pairs: list[str]) -> str:
                 lines.append(f"  {name:<28} {results.get(name, {}).get('quality_failed', 'not run')}")
                 continue
             loss = results[name]["quality_final_loss"]
-            lines.append(f"  {name:<28} first {results[name]['quality_first_loss']:.4f}  final {loss:.4f}  vs fp32 AdamW {loss / base - 1:+.2%}")
+            lines.append(
+                f"  {name:<28} first {results[name]['quality_first_loss']:.4f}  final {loss:.4f}  vs fp32 AdamW {loss / base - 1:+.2%}"
+            )
     return "\n".join(lines)
 
 
@@ -332,8 +357,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=count(1), default=128)
     parser.add_argument("--warmup", type=count(0), default=2)
     parser.add_argument("--steps", type=count(0), default=10, help="timed optimizer steps per engine")
-    parser.add_argument("--quality-steps", type=count(0), default=0, help="also train this many steps per optimizer and compare final losses")
-    parser.add_argument("--memory-repeats", type=count(1), default=3, help="peak-memory measurements per engine (the smallest is kept)")
+    parser.add_argument(
+        "--quality-steps",
+        type=count(0),
+        default=0,
+        help="also train this many steps per optimizer and compare final losses",
+    )
+    parser.add_argument(
+        "--memory-repeats", type=count(1), default=3, help="peak-memory measurements per engine (the smallest is kept)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before every rank is stopped")
     parser.add_argument("--json", default="", help="write every figure here")
@@ -342,7 +374,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(PRESETS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
     pairs = ["adamw8bit", "adamw"] if args.optimizer == "both" else [args.optimizer]
-    ranks = launch_ranks(_seeded_rank, args.world_size, settings, pairs, args.warmup, args.steps, args.quality_steps, args.memory_repeats, timeout_s=args.timeout, backend="gloo", threads=1)
+    ranks = launch_ranks(
+        _seeded_rank,
+        args.world_size,
+        settings,
+        pairs,
+        args.warmup,
+        args.steps,
+        args.quality_steps,
+        args.memory_repeats,
+        timeout_s=args.timeout,
+        backend="gloo",
+        threads=1,
+    )
     results = _merge(ranks)
     print(f"W={args.world_size} gloo ranks on CPU, model {args.model}, batch {args.batch_size} x {args.seq_len}")
     print(render(results, pairs))

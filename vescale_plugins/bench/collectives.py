@@ -13,7 +13,7 @@ smallest of 3). Prints one line per call.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,9 @@ def _slowest_rank(numel: int, repeats: int) -> dict[str, dict[str, float]]:
     result = measure(numel, repeats)
     everyone: list[dict] = [{}] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
-    return {name: {key: max(r[name][key] for r in everyone) for key in ("seconds", "temporary_bytes")} for name in result}
+    return {
+        name: {key: max(r[name][key] for r in everyone) for key in ("seconds", "temporary_bytes")} for name in result
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     numel = max(1, int(args.shard_mib * 2**20 / 4))
-    results = launch_ranks(_slowest_rank, args.world_size, numel, args.repeats, timeout_s=args.timeout, backend="gloo", threads=1)[0]
-    print(f"W={args.world_size}, shards of {numel * 4 / 2**20:.2f} MiB fp32 (buffers of {args.world_size * numel * 4 / 2**20:.2f} MiB)")
+    results = launch_ranks(
+        _slowest_rank, args.world_size, numel, args.repeats, timeout_s=args.timeout, backend="gloo", threads=1
+    )[0]
+    print(
+        f"W={args.world_size}, shards of {numel * 4 / 2**20:.2f} MiB fp32 (buffers of {args.world_size * numel * 4 / 2**20:.2f} MiB)"
+    )
     for name, r in results.items():
         print(f"  {name:<28} {r['seconds'] * 1e3:8.2f} ms   temporaries {r['temporary_bytes'] / 2**20:6.2f} MiB")
     return 0

@@ -39,23 +39,57 @@ def _model_name(name: str) -> str:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What every comparison takes, whatever the model: ranks, precision, sharding, steps, outputs."""
     parser.add_argument("--world-size", type=count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
-    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32", help="bf16-mixed: bf16 params and all-gather, fp32 reduce")
-    parser.add_argument("--reshard-after-forward", type=reshard_choice, default=None, metavar="{true,false,default,K}", help="K: keep parameters sharded over groups of K ranks between forward and backward")
-    parser.add_argument("--block-rows", type=count(1), default=None, help="veScale: keep blocks of this many rows whole on one rank")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16-mixed"],
+        default="fp32",
+        help="bf16-mixed: bf16 params and all-gather, fp32 reduce",
+    )
+    parser.add_argument(
+        "--reshard-after-forward",
+        type=reshard_choice,
+        default=None,
+        metavar="{true,false,default,K}",
+        help="K: keep parameters sharded over groups of K ranks between forward and backward",
+    )
+    parser.add_argument(
+        "--block-rows", type=count(1), default=None, help="veScale: keep blocks of this many rows whole on one rank"
+    )
     parser.add_argument("--batch-size", type=count(1), default=4)
     parser.add_argument("--warmup", type=count(0), default=2, help="steps per engine before timing")
     parser.add_argument("--steps", type=count(1), default=24, help="timed steps per engine (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", default="", metavar="PATH", help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary")
+    parser.add_argument(
+        "--record",
+        default="",
+        metavar="PATH",
+        help="also write veScale-FSDP's run record (JSON) of 2 more steps and print its summary",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before every rank is stopped")
     parser.add_argument("--json", default="bench_result.json", help="where to write every figure and the environment")
     parser.add_argument("--plot", default="bench_result.png", help="where to write the plot ('' for none)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=_model_name, default="small", help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)")
-    parser.add_argument("--hsdp", type=count(1), default=1, metavar="R", help="HSDP: R replicas of world/R-rank shard groups (a 2-D mesh, plain front end)")
-    parser.add_argument("--frontend", choices=FRONTENDS, default="plain", help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)")
+    parser.add_argument(
+        "--model",
+        type=_model_name,
+        default="small",
+        help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config directory (needs transformers)",
+    )
+    parser.add_argument(
+        "--hsdp",
+        type=count(1),
+        default=1,
+        metavar="R",
+        help="HSDP: R replicas of world/R-rank shard groups (a 2-D mesh, plain front end)",
+    )
+    parser.add_argument(
+        "--frontend",
+        choices=FRONTENDS,
+        default="plain",
+        help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)",
+    )
     parser.add_argument("--seq-len", type=count(1), default=128)
     add_run_arguments(parser)
 
@@ -66,7 +100,9 @@ def _model_config(name: str) -> LlamaConfig:
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise SystemExit(f"--model {name!r} is not a preset ({', '.join(PRESETS)}) and transformers is not installed")
+        raise SystemExit(
+            f"--model {name!r} is not a preset ({', '.join(PRESETS)}) and transformers is not installed"
+        ) from None
     hf = AutoConfig.from_pretrained(name)
     return LlamaConfig(
         vocab_size=hf.vocab_size,
@@ -104,7 +140,17 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
-    settings = BenchSettings(config, args.batch_size, args.seq_len, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, args.frontend, args.seed, args.hsdp)
+    settings = BenchSettings(
+        config,
+        args.batch_size,
+        args.seq_len,
+        args.precision == "bf16-mixed",
+        args.reshard_after_forward,
+        args.block_rows,
+        args.frontend,
+        args.seed,
+        args.hsdp,
+    )
     return settings, world
 
 
@@ -126,7 +172,15 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"{label} on {world} ranks", total=total)
         try:
-            results = launch(settings, world, args.warmup, args.steps, args.timeout, lambda _: progress.advance(task), record_steps=2 if args.record else 0)
+            results = launch(
+                settings,
+                world,
+                args.warmup,
+                args.steps,
+                args.timeout,
+                lambda _: progress.advance(task),
+                record_steps=2 if args.record else 0,
+            )
         except RuntimeError as error:
             console.print(f"[red]benchmark failed, no ratios reported:[/red] {error}")
             return 1
@@ -139,6 +193,11 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
         write_json(args.record, {"ranks": [r["record"] for r in records]})
         console.print(records[0]["summary"])
         console.print(f"wrote {args.record}")
-    record = {"settings": settings_dict(settings), "environment": environment(world), "summary": summary, "ranks": results}
+    record = {
+        "settings": settings_dict(settings),
+        "environment": environment(world),
+        "summary": summary,
+        "ranks": results,
+    }
     write_results(console.print, record, args.json, args.plot, lambda path: write_plot(path, summary))
     return 0

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
-from vescale_plugins.runtime.state import groups_under
-from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.bench.linear_stack import LinearStackConfig
 from vescale_plugins.bench.llama import LlamaConfig
+from vescale_plugins.planner import clear_plan_cache
+from vescale_plugins.runtime.state import groups_under
 
 ENGINES = ("fsdp2", "vescale")
 FRONTENDS = ("plain", "fabric", "accelerate")
@@ -36,7 +37,7 @@ class BenchSettings:
     """What one run compares (shared by both engines): the model, and per rank and step
     ``batch_size`` sequences of ``seq_len`` tokens (the Linear stack's are rows: ``seq_len`` 1)."""
 
-    config: Union[LlamaConfig, LinearStackConfig]
+    config: LlamaConfig | LinearStackConfig
     batch_size: int
     seq_len: int
     mixed_precision: bool
@@ -50,7 +51,9 @@ class BenchSettings:
         """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
         if self.replicate == 1:
             return init_device_mesh(device_type, (world,))
-        return init_device_mesh(device_type, (self.replicate, world // self.replicate), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            device_type, (self.replicate, world // self.replicate), mesh_dim_names=("replicate", "shard")
+        )
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision:
@@ -78,20 +81,25 @@ def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]
     """The units to shard, the root last: ``groups`` of module names if given, else the
     model's own (``fsdp_units``), then the root."""
     if groups is not None:
-        return [[model.get_submodule(name) for name in group] if len(group) > 1 else model.get_submodule(group[0]) for group in groups]
+        return [
+            [model.get_submodule(name) for name in group] if len(group) > 1 else model.get_submodule(group[0])
+            for group in groups
+        ]
     return [modules if len(modules) > 1 else modules[0] for _, modules in model.fsdp_units()] + [model]
 
 
 # One unit as a front end chose it: its module names (as in the user's model) and the
 # ``reshard_after_forward`` it was given.
-UnitChoice = tuple[list[str], Optional[Union[bool, int]]]
+UnitChoice = tuple[list[str], bool | int | None]
 
 
 def vescale_units(model: nn.Module) -> list[UnitChoice]:
     """Each veScale-FSDP unit of ``model``, inner units first."""
     names = {id(module): _strip_wrappers(name) for name, module in model.named_modules()}
     # Reversed pre-order: every unit after the units nested in it (the order fully_shard needs).
-    return [([names[id(m)] for m in unit.modules], unit.reshard_after_forward) for unit in reversed(groups_under([model]))]
+    return [
+        ([names[id(m)] for m in unit.modules], unit.reshard_after_forward) for unit in reversed(groups_under([model]))
+    ]
 
 
 def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
@@ -99,8 +107,16 @@ def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
     return [names for names, _ in vescale_units(model)]
 
 
-def _shard_plain(model: nn.Module, settings: BenchSettings, mesh: DeviceMesh, shard: Callable[..., Any], choices: list[UnitChoice] | None = None) -> None:
-    kwargs: dict[str, Any] = dict(mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward)
+def _shard_plain(
+    model: nn.Module,
+    settings: BenchSettings,
+    mesh: DeviceMesh,
+    shard: Callable[..., Any],
+    choices: list[UnitChoice] | None = None,
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward
+    )
     if shard is fully_shard and settings.block_rows:
         rows = settings.block_rows
         kwargs["block_size_fn"] = lambda name, p: rows if p.dim() == 2 and p.shape[0] % rows == 0 else None
@@ -135,7 +151,9 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
 
-def build_engine(name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device, units: list[UnitChoice] | None = None) -> Engine:
+def build_engine(
+    name: str, settings: BenchSettings, mesh: DeviceMesh, device: torch.device, units: list[UnitChoice] | None = None
+) -> Engine:
     """One engine, ready to step: the model, sharded by ``name`` through the front end.
 
     ``units`` (FSDP2 only): shard these modules as units, each with its
@@ -167,7 +185,12 @@ def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     from lightning_strategy import VeScaleFSDPFabricStrategy
 
     strategy = VeScaleFSDPFabricStrategy(reshard_after_forward=settings.reshard_after_forward)
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), precision="bf16-mixed" if settings.mixed_precision else "32-true")
+    fabric = Fabric(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        precision="bf16-mixed" if settings.mixed_precision else "32-true",
+    )
     fabric.launch()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(_optimizer(model))
@@ -186,7 +209,9 @@ def _accelerate_engine(model: nn.Module, settings: BenchSettings) -> Engine:
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["DecoderLayer"],
     )
-    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True)
+    accelerator = Accelerator(
+        fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True
+    )
     model, optimizer = accelerator.prepare(model, _optimizer(model))
     return Engine("vescale", model, optimizer, _training_step(model, optimizer, settings, accelerator.backward))
 
@@ -207,7 +232,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def sharded_state_bytes(engine: Engine) -> int:
     """Parameters + gradients + optimizer state held by this rank (sharded)."""
     params = sum(_local(p).numel() * _local(p).element_size() for p in engine.model.parameters())
-    state = sum(_local(v).numel() * _local(v).element_size() for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    state = sum(
+        _local(v).numel() * _local(v).element_size()
+        for s in engine.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     return 2 * params + state
 
 
@@ -226,11 +256,16 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     else:
         groups = [names for names, _ in engine.units] if engine.units is not None else None
         units = [u if isinstance(u, list) else [u] for u in _units(engine.model, groups)]  # ..., the root last
-        reshard = [r for _, r in engine.units] if engine.units is not None else [settings.reshard_after_forward] * len(units)
+        reshard = (
+            [r for _, r in engine.units] if engine.units is not None else [settings.reshard_after_forward] * len(units)
+        )
         padding, unit_elements = 0, []
         for group in units:
             params = [p for unit in group for name, p in unit.named_parameters() if not _in_child_unit(unit, name)]
-            padded = sum(math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) if p.dim() else world for p in params)
+            padded = sum(
+                math.ceil(p.shape[0] / world) * world * (p.numel() // max(p.shape[0], 1)) if p.dim() else world
+                for p in params
+            )
             padding += (padded - sum(p.numel() for p in params)) // world
             unit_elements.append(padded)
     # A unit that reshards after forward is gathered for forward and again for backward;
@@ -239,7 +274,11 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     gathered = sum(n * (2 if again else 1) for n, again in zip(unit_elements, resharded)) * gather_itemsize
     reduced = sum(unit_elements) * reduce_itemsize
     # Collective buffer sizes (all-gather output, reduce-scatter input), summed over a step.
-    return {"padding_bytes": padding * 4, "all_gather_bytes_per_step": gathered, "reduce_scatter_bytes_per_step": reduced}
+    return {
+        "padding_bytes": padding * 4,
+        "all_gather_bytes_per_step": gathered,
+        "reduce_scatter_bytes_per_step": reduced,
+    }
 
 
 def _in_child_unit(unit: nn.Module, param_name: str) -> bool:
@@ -247,7 +286,9 @@ def _in_child_unit(unit: nn.Module, param_name: str) -> bool:
     module = unit
     for part in param_name.split(".")[:-1]:
         module = getattr(module, part)
-        if module is not unit and (hasattr(module, "_get_fsdp_state") or getattr(module, "_vescale_fsdp_unit", None) is not None):
+        if module is not unit and (
+            hasattr(module, "_get_fsdp_state") or getattr(module, "_vescale_fsdp_unit", None) is not None
+        ):
             return True
     return False
 
@@ -284,7 +325,11 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
         if not in_library or _inside(event, lambda n: n.startswith("c10d::")):
             continue
         reordering = event.name in _REORDERING_COPIES
-        staged = event.name == "aten::copy_" and _inside(event, lambda n: "copy_in" in n or "copy_out" in n) and not _inside(event, lambda n: n in _REORDERING_COPIES)
+        staged = (
+            event.name == "aten::copy_"
+            and _inside(event, lambda n: "copy_in" in n or "copy_out" in n)
+            and not _inside(event, lambda n: n in _REORDERING_COPIES)
+        )
         if reordering or staged:
             total_us += event.cpu_time_total
     return total_us / 1e3

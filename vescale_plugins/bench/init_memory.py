@@ -52,7 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rises = {
-        engine: max(launch_ranks(_init_rise_mib, args.world_size, engine, args.rows, args.cols, timeout_s=args.timeout, backend="gloo", threads=1))
+        engine: max(
+            launch_ranks(
+                _init_rise_mib,
+                args.world_size,
+                engine,
+                args.rows,
+                args.cols,
+                timeout_s=args.timeout,
+                backend="gloo",
+                threads=1,
+            )
+        )
         for engine in ENGINES
     }
     full_mib = args.rows * args.cols * 4 / 2**20

@@ -27,10 +27,12 @@ class LinearStackConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def build(self) -> "LinearStack":
+    def build(self) -> LinearStack:
         return LinearStack(self)
 
-    def batches(self, generator: torch.Generator, count: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, generator: torch.Generator, count: int, batch_size: int, seq_len: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``count`` (input, target) pairs of ``batch_size`` x ``seq_len`` x ``dim`` normal samples."""
         data = torch.randn(count, 2, batch_size, seq_len, self.dim, generator=generator)
         return [(d[0], d[1]) for d in data]

@@ -39,10 +39,12 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def build(self) -> "Llama":
+    def build(self) -> Llama:
         return Llama(self)
 
-    def batches(self, generator: torch.Generator, count: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, generator: torch.Generator, count: int, batch_size: int, seq_len: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``count`` (tokens, next tokens) pairs of ``batch_size`` x ``seq_len`` random tokens."""
         data = torch.randint(0, self.vocab_size, (count, batch_size, seq_len + 1), generator=generator)
         return [(d[:, :-1], d[:, 1:]) for d in data]
@@ -54,10 +56,31 @@ class LlamaConfig:
 
 PRESETS = {
     # Small enough for a smoke test of the Muon benchmark (Newton-Schulz in bf16 is slow on CPUs).
-    "micro": LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=67, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "tiny": LlamaConfig(vocab_size=1009, hidden_size=96, intermediate_size=257, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "micro": LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=67,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "tiny": LlamaConfig(
+        vocab_size=1009,
+        hidden_size=96,
+        intermediate_size=257,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
     "small": LlamaConfig(),
-    "medium": LlamaConfig(vocab_size=16007, hidden_size=768, intermediate_size=2053, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4),
+    "medium": LlamaConfig(
+        vocab_size=16007,
+        hidden_size=768,
+        intermediate_size=2053,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
 }
 
 
@@ -84,7 +107,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -144,7 +171,10 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s].to(self.embed_tokens.weight.dtype), self.rope_sin[:s].to(self.embed_tokens.weight.dtype)
+        cos, sin = (
+            self.rope_cos[:s].to(self.embed_tokens.weight.dtype),
+            self.rope_sin[:s].to(self.embed_tokens.weight.dtype),
+        )
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -158,4 +188,3 @@ class Llama(nn.Module):
         alive through all of backward."""
         layers = [(f"layers.{i}", [layer]) for i, layer in enumerate(self.layers)]
         return [("embed_tokens", [self.embed_tokens]), *layers, ("norm+lm_head", [self.norm, self.lm_head])]
-

@@ -23,7 +23,8 @@ import argparse
 import math
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,14 +33,14 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from vescale_plugins import fully_shard
-from vescale_plugins.optim import Muon, muon_param_groups
-from vescale_plugins.optim.muon import adjust_lr
-from vescale_plugins.optim.newton_schulz import newton_schulz_for
-from vescale_plugins.optim.root_assignment import newton_schulz_flops
 from vescale_plugins.bench.arguments import count
 from vescale_plugins.bench.engines import ENGINES, BenchSettings, _shard_plain, batches, build_model, parameter_names
 from vescale_plugins.bench.llama import PRESETS
 from vescale_plugins.bench.report import environment, parity_line
+from vescale_plugins.optim import Muon, muon_param_groups
+from vescale_plugins.optim.muon import adjust_lr
+from vescale_plugins.optim.newton_schulz import newton_schulz_for
+from vescale_plugins.optim.root_assignment import newton_schulz_flops
 from vescale_plugins.tools.launch import launch_ranks, report_progress
 from vescale_plugins.tools.outputs import write_results
 
@@ -76,7 +77,9 @@ class FullTensorMuon(Muon):
             grad, buf, param = p.grad._local_tensor, state["momentum_buffer"]._local_tensor, p._local_tensor
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            full = DTensor.from_local(
+                update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            ).full_tensor()
             orthogonal = newton_schulz_for(full.device)(full, group["ns_coefficients"], group["ns_steps"], group["eps"])
             rows_per_rank = math.ceil(p.shape[0] / world)  # torch.chunk, as FSDP2 shards dim 0
             start = min(rank * rows_per_rank, p.shape[0])
@@ -94,7 +97,11 @@ def _traffic_and_flops(name: str, optimizer: Muon, world: int, rank: int) -> dic
     shapes = _muon_shapes(optimizer)
     if name == "vescale":
         plan = optimizer.exchange_plan
-        return {"optimizer_bytes_sent": plan.bytes_sent(rank), "ns_flops": plan.ns_flops_per_rank[rank], "buckets": len(plan.buckets)}
+        return {
+            "optimizer_bytes_sent": plan.bytes_sent(rank),
+            "ns_flops": plan.ns_flops_per_rank[rank],
+            "buckets": len(plan.buckets),
+        }
     # full_tensor(): an all-gather of the fp32 update, padded rows (torch.chunk); each rank's
     # chunk reaches the W - 1 others.
     sent = sum((world - 1) * math.ceil(m / world) * n * 4 for m, n in shapes)
@@ -144,10 +151,18 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int) -> dict[str, Any]
             seconds[name]["optimizer"].append(optimizer_s)
             report_progress(name)
     params = {name: parameter_names(engines[name][0]) for name in ENGINES}
-    max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
+    max_diff = max(
+        (params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item()
+        for k in params["fsdp2"]
+    )
     figures = {name: _traffic_and_flops(name, engines[name][1], world, rank) for name in ENGINES}
-    return {"seconds": seconds, "loss": losses, "max_param_diff": max_diff, "figures": figures,
-            "muon_matrices": len(_muon_shapes(engines["vescale"][1]))}
+    return {
+        "seconds": seconds,
+        "loss": losses,
+        "max_param_diff": max_diff,
+        "figures": figures,
+        "muon_matrices": len(_muon_shapes(engines["vescale"][1])),
+    }
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -156,7 +171,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     for name in ENGINES:
         entry: dict[str, Any] = {}
         for kind in ("step", "optimizer"):
-            per_step = [max(r["seconds"][name][kind][i] for r in results) * 1e3 for i in range(len(results[0]["seconds"][name][kind]))]
+            per_step = [
+                max(r["seconds"][name][kind][i] for r in results) * 1e3
+                for i in range(len(results[0]["seconds"][name][kind]))
+            ]
             entry[f"{kind}_ms"] = {"median": statistics.median(per_step), "samples": per_step}
         for key in results[0]["figures"][name]:
             entry[key] = max(r["figures"][name][key] for r in results)
@@ -177,7 +195,10 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             "optimizer_bytes_sent": v["optimizer_bytes_sent"] / f["optimizer_bytes_sent"],
             "ns_flops_per_rank": v["ns_flops"] / f["ns_flops"],
         },
-        "parity": {"loss": {name: results[0]["loss"][name] for name in ENGINES}, "max_param_diff": max(r["max_param_diff"] for r in results)},
+        "parity": {
+            "loss": {name: results[0]["loss"][name] for name in ENGINES},
+            "max_param_diff": max(r["max_param_diff"] for r in results),
+        },
     }
 
 
@@ -185,32 +206,53 @@ def render_table(summary: dict[str, Any], world: int) -> Any:
     from rich.table import Table
 
     e, r = summary["engines"], summary["ratios"]
-    table = Table(title=f"Muon at W={world}: veScale-FSDP + distributed Muon vs FSDP2 + full_tensor() ({summary['muon_matrices']} matrices)")
-    for column, justify in (("figure", "left"), ("FSDP2 + full_tensor", "right"), ("veScale-FSDP + Muon", "right"), ("veScale / FSDP2", "right")):
+    table = Table(
+        title=f"Muon at W={world}: veScale-FSDP + distributed Muon vs FSDP2 + full_tensor() ({summary['muon_matrices']} matrices)"
+    )
+    for column, justify in (
+        ("figure", "left"),
+        ("FSDP2 + full_tensor", "right"),
+        ("veScale-FSDP + Muon", "right"),
+        ("veScale / FSDP2", "right"),
+    ):
         table.add_column(column, justify=justify)
 
     def row(label: str, key: Callable[[dict], float], fmt: str, ratio: float | None) -> None:
-        table.add_row(label, format(key(e["fsdp2"]), fmt), format(key(e["vescale"]), fmt), "" if ratio is None else f"{ratio:.3f}")
+        table.add_row(
+            label, format(key(e["fsdp2"]), fmt), format(key(e["vescale"]), fmt), "" if ratio is None else f"{ratio:.3f}"
+        )
 
     row("optimizer step, median (ms)", lambda x: x["optimizer_ms"]["median"], ".1f", r["optimizer_step"])
     table.add_row("optimizer step, median of paired ratios", "", "", f"{r['optimizer_step_paired']:.3f}")
     row("whole step, median (ms)", lambda x: x["step_ms"]["median"], ".1f", r["whole_step"])
     table.add_row("whole step, median of paired ratios", "", "", f"{r['whole_step_paired']:.3f}")
-    row("optimizer bytes sent per rank and step (MiB)", lambda x: x["optimizer_bytes_sent"] / 2**20, ".2f", r["optimizer_bytes_sent"])
+    row(
+        "optimizer bytes sent per rank and step (MiB)",
+        lambda x: x["optimizer_bytes_sent"] / 2**20,
+        ".2f",
+        r["optimizer_bytes_sent"],
+    )
     row("Newton–Schulz GFLOP per rank and step (max)", lambda x: x["ns_flops"] / 1e9, ".2f", r["ns_flops_per_rank"])
     table.add_row("all-to-all buckets", "-", str(e["vescale"]["buckets"]), "")
     return table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="a preset (default tiny: Newton–Schulz runs in bfloat16, which is slow on CPUs without bf16 units)")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="a preset (default tiny: Newton–Schulz runs in bfloat16, which is slow on CPUs without bf16 units)",
+    )
     parser.add_argument("--world-sizes", type=count(1), nargs="+", default=[2, 4])
     parser.add_argument("--batch-size", type=count(1), default=4)
     parser.add_argument("--seq-len", type=count(1), default=128)
     parser.add_argument("--warmup", type=count(0), default=2)
     parser.add_argument("--steps", type=count(1), default=10, help="timed steps per engine (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size before every rank is stopped")
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds per world size before every rank is stopped"
+    )
     parser.add_argument("--json", default="bench_muon.json")
 
 
@@ -221,9 +263,13 @@ def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(PRESETS[args.model], args.batch_size, args.seq_len, False, None, None, "plain", args.seed)
     record: dict[str, Any] = {"settings": {**vars(args), "config": settings.config.to_dict()}, "runs": {}}
     for world in args.world_sizes:
-        console.print(f"{args.model} on {world} gloo ranks: {args.warmup} warm-up + {args.steps} timed steps per engine")
+        console.print(
+            f"{args.model} on {world} gloo ranks: {args.warmup} warm-up + {args.steps} timed steps per engine"
+        )
         try:
-            results = launch_ranks(run_rank, world, settings, args.warmup, args.steps, timeout_s=args.timeout, backend="gloo")
+            results = launch_ranks(
+                run_rank, world, settings, args.warmup, args.steps, timeout_s=args.timeout, backend="gloo"
+            )
         except RuntimeError as error:
             console.print(f"[red]benchmark failed at W={world}, no ratios reported:[/red] {error}")
             return 1

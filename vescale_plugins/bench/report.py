@@ -33,7 +33,11 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
         q1, median, q3 = _quantiles(per_step)
         figures = {k: max(r["engines"][name][k] for r in results) for k in results[0]["engines"][name]}
         # Minor page faults per step: the rank with most, median over steps.
-        faults = [max(r["page_faults"][name][i] for r in results) for i in range(len(per_step))] if "page_faults" in results[0] else []
+        faults = (
+            [max(r["page_faults"][name][i] for r in results) for i in range(len(per_step))]
+            if "page_faults" in results[0]
+            else []
+        )
         engines[name] = {
             "step_ms": {"median": median * 1e3, "q1": q1 * 1e3, "q3": q3 * 1e3, "samples": [s * 1e3 for s in per_step]},
             "page_faults_per_step": statistics.median(faults) if faults else None,
@@ -46,7 +50,11 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
     # Each veScale step over the FSDP2 step it was paired with (A B, then B A): less
     # sensitive than the ratio of medians to load that drifts during the run.
     paired = statistics.median(v / f for v, f in zip(a["step_ms"]["samples"], b["step_ms"]["samples"]))
-    verdict = "too noisy to call a winner (the step-time IQRs overlap)" if overlap else ("veScale-FSDP is faster" if ratio_time < 1 else "FSDP2 is faster")
+    verdict = (
+        "too noisy to call a winner (the step-time IQRs overlap)"
+        if overlap
+        else ("veScale-FSDP is faster" if ratio_time < 1 else "FSDP2 is faster")
+    )
     return {
         "engines": engines,
         "ratios": {
@@ -99,7 +107,11 @@ def render_table(summary: dict[str, Any]) -> Any:
     table.add_row("step time, median of paired ratios", "", "", f"{r['step_time_paired']:.3f}")
     row("step time, IQR (ms)", lambda x: (x["step_ms"]["q1"], x["step_ms"]["q3"]), lambda v: f"{v[0]:.1f}-{v[1]:.1f}")
     row("tokens/s", lambda x: x["tokens_per_s"], lambda v: f"{v:,.0f}", 1 / r["step_time"])
-    row("minor page faults per step, median", lambda x: x["page_faults_per_step"], lambda v: "-" if v is None else f"{v:,.0f}")
+    row(
+        "minor page faults per step, median",
+        lambda x: x["page_faults_per_step"],
+        lambda v: "-" if v is None else f"{v:,.0f}",
+    )
     row("peak tensor memory (MiB)", lambda x: x["peak_bytes"], _mib, r["peak_memory"])
     if "cuda_max_reserved_bytes" in e["vescale"]:
         row("CUDA max reserved (MiB)", lambda x: x["cuda_max_reserved_bytes"], _mib)
@@ -123,13 +135,17 @@ def write_plot(path: str, summary: dict[str, Any]) -> None:
     e = summary["engines"]
     fig, (steps_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for name, label in (("fsdp2", "FSDP2"), ("vescale", "veScale-FSDP")):
-        steps_ax.plot(e[name]["step_ms"]["samples"], marker="o", label=f"{label} (median {e[name]['step_ms']['median']:.1f} ms)")
+        steps_ax.plot(
+            e[name]["step_ms"]["samples"], marker="o", label=f"{label} (median {e[name]['step_ms']['median']:.1f} ms)"
+        )
     steps_ax.set_xlabel("measured step")
     steps_ax.set_ylabel("step time (ms, slowest rank)")
     steps_ax.legend()
     steps_ax.set_title(f"step time: ratio {summary['ratios']['step_time']:.3f}")
     names = ["FSDP2", "veScale-FSDP"]
-    mem_ax.bar(names, [e["fsdp2"]["peak_bytes"] / 2**20, e["vescale"]["peak_bytes"] / 2**20], color=["tab:blue", "tab:orange"])
+    mem_ax.bar(
+        names, [e["fsdp2"]["peak_bytes"] / 2**20, e["vescale"]["peak_bytes"] / 2**20], color=["tab:blue", "tab:orange"]
+    )
     mem_ax.set_ylabel("peak tensor memory per rank (MiB)")
     mem_ax.set_title(f"memory: ratio {summary['ratios']['peak_memory']:.3f}")
     fig.tight_layout()

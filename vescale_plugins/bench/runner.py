@@ -10,13 +10,26 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vescale_plugins.bench.engines import ENGINES, BenchSettings, UnitChoice, batches, build_engine, copy_ms, padding_and_traffic, parameter_names, sharded_state_bytes, vescale_unit_groups, vescale_units
+from vescale_plugins.bench.engines import (
+    ENGINES,
+    BenchSettings,
+    UnitChoice,
+    batches,
+    build_engine,
+    copy_ms,
+    padding_and_traffic,
+    parameter_names,
+    sharded_state_bytes,
+    vescale_unit_groups,
+    vescale_units,
+)
 from vescale_plugins.observe.allocations import AllocationTracker
 from vescale_plugins.tools.launch import launch_ranks, report_progress
 
@@ -39,7 +52,9 @@ def _synchronize(device: torch.device) -> None:
 CPU_MEMORY_REPEATS = 3
 
 
-def _measure_memory(name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, units: list[UnitChoice] | None) -> dict[str, int]:
+def _measure_memory(
+    name: str, settings: BenchSettings, mesh: Any, device: torch.device, data: list, units: list[UnitChoice] | None
+) -> dict[str, int]:
     """Peak live tensor bytes of one engine (``peak_bytes``): build, one warm step, one
     measured step.
 
@@ -122,8 +137,18 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
             losses[name] = loss.item()
             report_progress(name)
     params = {name: parameter_names(engines[name].model) for name in ENGINES}
-    max_diff = max((params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item() for k in params["fsdp2"])
-    result: dict[str, Any] = {"seconds": seconds, "page_faults": page_faults, "loss": losses, "max_param_diff": max_diff, "engines": {}, "units": vescale_unit_groups(vescale.model)}
+    max_diff = max(
+        (params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item()
+        for k in params["fsdp2"]
+    )
+    result: dict[str, Any] = {
+        "seconds": seconds,
+        "page_faults": page_faults,
+        "loss": losses,
+        "max_param_diff": max_diff,
+        "engines": {},
+        "units": vescale_unit_groups(vescale.model),
+    }
     tokens, targets = data[-1]
     for name, engine in engines.items():
         result["engines"][name] = {
@@ -136,14 +161,26 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
     del engines, params
     for name in ENGINES:
-        result["engines"][name].update(_measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None))
+        result["engines"][name].update(
+            _measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None)
+        )
         report_progress("memory")
     return result
 
 
-def launch(settings: BenchSettings, world: int, warmup: int, steps: int, timeout_s: float, on_progress: Callable[[str], None], record_steps: int = 0) -> list[dict[str, Any]]:
+def launch(
+    settings: BenchSettings,
+    world: int,
+    warmup: int,
+    steps: int,
+    timeout_s: float,
+    on_progress: Callable[[str], None],
+    record_steps: int = 0,
+) -> list[dict[str, Any]]:
     """Run every rank; return their results, or raise ``RankFailure`` with a failing rank's traceback."""
-    return launch_ranks(run_rank, world, settings, warmup, steps, record_steps, timeout_s=timeout_s, on_progress=on_progress)
+    return launch_ranks(
+        run_rank, world, settings, warmup, steps, record_steps, timeout_s=timeout_s, on_progress=on_progress
+    )
 
 
 def settings_dict(settings: BenchSettings) -> dict[str, Any]:

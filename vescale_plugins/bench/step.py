@@ -30,5 +30,14 @@ def run(args: argparse.Namespace) -> int:
     world = world_size(args)
     check_reshard_group(args.reshard_after_forward, world)
     config = LinearStackConfig(args.layers, args.dim)
-    settings = BenchSettings(config, args.batch_size, 1, args.precision == "bf16-mixed", args.reshard_after_forward, args.block_rows, "plain", args.seed)
+    settings = BenchSettings(
+        config,
+        args.batch_size,
+        1,
+        args.precision == "bf16-mixed",
+        args.reshard_after_forward,
+        args.block_rows,
+        "plain",
+        args.seed,
+    )
     return report_comparison(settings, world, args, label=f"{args.layers} x Linear({args.dim})")

@@ -13,6 +13,13 @@ from vescale_plugins.forecast.model import ModelSpec, resolve_model, spec_from_m
 from vescale_plugins.forecast.settings import ForecastSettings
 
 __all__ = [
-    "GPUS", "ForecastSettings", "Hardware", "ModelSpec", "forecast", "forecast_world_size",
-    "load_hardware", "resolve_model", "spec_from_modules",
+    "GPUS",
+    "ForecastSettings",
+    "Hardware",
+    "ModelSpec",
+    "forecast",
+    "forecast_world_size",
+    "load_hardware",
+    "resolve_model",
+    "spec_from_modules",
 ]

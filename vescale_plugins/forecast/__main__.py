@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from vescale_plugins.forecast.hardware import GPUS, load_hardware
 from vescale_plugins.forecast.memory import OPTIMIZERS, PRECISIONS
@@ -19,7 +19,7 @@ def _world_sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus {text!r}: give comma-separated integers, e.g. 8,64,256")
+        raise argparse.ArgumentTypeError(f"--gpus {text!r}: give comma-separated integers, e.g. 8,64,256") from None
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"--gpus {text!r}: give positive integers")
     return sizes
@@ -27,22 +27,49 @@ def _world_sizes(text: str) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m vescale_plugins.forecast", description=__doc__)
-    parser.add_argument("--model", default="Llama-3-70B", help="a catalogue name (vescale_plugins/model_catalog.py) or a Hugging Face config.json")
-    parser.add_argument("--gpus", type=_world_sizes, default=[8, 64, 256, 1024, 8192], help="world sizes, comma-separated")
+    parser.add_argument(
+        "--model",
+        default="Llama-3-70B",
+        help="a catalogue name (vescale_plugins/model_catalog.py) or a Hugging Face config.json",
+    )
+    parser.add_argument(
+        "--gpus", type=_world_sizes, default=[8, 64, 256, 1024, 8192], help="world sizes, comma-separated"
+    )
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
-    parser.add_argument("--hardware-file", default=None, help="JSON of Hardware fields replacing --gpu's (as --calibrate writes)")
-    parser.add_argument("--hsdp", type=int, default=1, metavar="R", help="replicate R times, shard over W/R (hybrid sharding)")
+    parser.add_argument(
+        "--hardware-file", default=None, help="JSON of Hardware fields replacing --gpu's (as --calibrate writes)"
+    )
+    parser.add_argument(
+        "--hsdp", type=int, default=1, metavar="R", help="replicate R times, shard over W/R (hybrid sharding)"
+    )
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--batch-tokens", type=int, default=8192, help="tokens per GPU per step")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--block-rows", type=int, default=None, help="veScale: blocks of this many dim-0 rows stay on one rank")
+    parser.add_argument(
+        "--block-rows", type=int, default=None, help="veScale: blocks of this many dim-0 rows stay on one rank"
+    )
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak matmul FLOP/s the model reaches")
-    parser.add_argument("--no-activation-checkpointing", action="store_true", help="peak and step time without checkpointing (both are shown)")
+    parser.add_argument(
+        "--no-activation-checkpointing",
+        action="store_true",
+        help="peak and step time without checkpointing (both are shown)",
+    )
     parser.add_argument("--json", default="forecast.json")
     parser.add_argument("--plot", default="forecast.png", help="'' for none")
-    parser.add_argument("--calibrate", default=None, metavar="FILE", help="measure this machine (gloo processes) and write a hardware file; nothing else")
-    parser.add_argument("--calibrate-ranks", type=int, default=2, metavar="N", help="--calibrate on N processes (the world size you forecast; default 2)")
+    parser.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="FILE",
+        help="measure this machine (gloo processes) and write a hardware file; nothing else",
+    )
+    parser.add_argument(
+        "--calibrate-ranks",
+        type=int,
+        default=2,
+        metavar="N",
+        help="--calibrate on N processes (the world size you forecast; default 2)",
+    )
     args = parser.parse_args(argv)
     if args.calibrate_ranks < 2:
         parser.error(f"--calibrate-ranks {args.calibrate_ranks}: collectives need at least 2 ranks")
@@ -71,9 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"wrote {args.calibrate}")
         return 0
     from vescale_plugins.forecast.forecast import forecast
-    from vescale_plugins.forecast.settings import ForecastSettings
     from vescale_plugins.forecast.model import resolve_model
     from vescale_plugins.forecast.report import render_tables, write_plot
+    from vescale_plugins.forecast.settings import ForecastSettings
     from vescale_plugins.tools.outputs import write_results
 
     try:
@@ -83,8 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[red]{error}[/red]")
         return 2
     settings = ForecastSettings(
-        precision=args.precision, optimizer=args.optimizer, tokens_per_gpu=args.batch_tokens,
-        seq_len=args.seq_len, replicas=args.hsdp, block_rows=args.block_rows, mfu=args.mfu,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        tokens_per_gpu=args.batch_tokens,
+        seq_len=args.seq_len,
+        replicas=args.hsdp,
+        block_rows=args.block_rows,
+        mfu=args.mfu,
         activation_checkpointing=not args.no_activation_checkpointing,
     )
     start = time.perf_counter()

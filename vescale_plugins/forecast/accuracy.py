@@ -37,7 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -58,7 +59,13 @@ from vescale_plugins.tools.launch import launch_ranks
 TOLERANCE = 0.10  # the issue's bar: forecast ratio within 10 % of the measured one
 BENCH_TIMEOUT_S = 3600.0
 # Calibrated fields the forecast uses (means of the calibrations before and after the bench).
-CALIBRATED_FIELDS = ("intra_node_latency_s", "intra_node_bandwidth", "memory_bandwidth", "fsdp2_all_gather_factor", "fsdp2_reduce_scatter_factor")
+CALIBRATED_FIELDS = (
+    "intra_node_latency_s",
+    "intra_node_bandwidth",
+    "memory_bandwidth",
+    "fsdp2_all_gather_factor",
+    "fsdp2_reduce_scatter_factor",
+)
 
 
 def bench_spec(settings: BenchSettings):
@@ -96,7 +103,11 @@ def _calibration(world: int, settings: BenchSettings) -> dict[str, Any]:
     load = os.getloadavg()[0]
     figures = calibrate(path, ranks=world)
     figures.pop("measured")
-    return {"hardware": figures, "unsharded_compute_s": unsharded_compute_s(settings, world), "load_average": [load, os.getloadavg()[0]]}
+    return {
+        "hardware": figures,
+        "unsharded_compute_s": unsharded_compute_s(settings, world),
+        "load_average": [load, os.getloadavg()[0]],
+    }
 
 
 def bench_arguments(world: int, steps: int) -> argparse.Namespace:
@@ -146,12 +157,30 @@ def compare(measured: dict[str, Any]) -> dict[str, Any]:
     # The compute rate is the bench model's own, measured unsharded: FLOPs over seconds, MFU 1.
     rate = training_flops_per_token(spec, settings.seq_len, False) * tokens / compute_s
     hardware = dataclasses.replace(
-        load_hardware("h100"), **constants, name=calibrations[0]["hardware"]["name"], peak_flops_fp32=rate,
-        inter_node_latency_s=constants["intra_node_latency_s"], inter_node_bandwidth=constants["intra_node_bandwidth"],
-        gpus_per_node=world, copy_efficiency=1.0, overlaps_communication=False,
+        load_hardware("h100"),
+        **constants,
+        name=calibrations[0]["hardware"]["name"],
+        peak_flops_fp32=rate,
+        inter_node_latency_s=constants["intra_node_latency_s"],
+        inter_node_bandwidth=constants["intra_node_bandwidth"],
+        gpus_per_node=world,
+        copy_efficiency=1.0,
+        overlaps_communication=False,
     )
     precision = "bf16-mixed" if settings.mixed_precision else "fp32"
-    entry = forecast_world_size(spec, hardware, world, ForecastSettings(precision=precision, tokens_per_gpu=tokens, seq_len=settings.seq_len, mfu=1.0, block_rows=settings.block_rows, activation_checkpointing=False))
+    entry = forecast_world_size(
+        spec,
+        hardware,
+        world,
+        ForecastSettings(
+            precision=precision,
+            tokens_per_gpu=tokens,
+            seq_len=settings.seq_len,
+            mfu=1.0,
+            block_rows=settings.block_rows,
+            activation_checkpointing=False,
+        ),
+    )
     steps = {e: entry["engines"][e]["step"] for e in ("vescale", "fsdp2")}
     runs = measured["bench_runs"]
     measured_ratio = statistics.median(r["paired_ratio"] for r in runs)
@@ -185,12 +214,22 @@ def _print(row: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vescale_plugins.forecast.accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vescale_plugins.forecast.accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--runs", type=int, default=3, help="bench runs per world size")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per engine per bench run")
     parser.add_argument("--out", default="docs/forecast_calibration.json")
-    parser.add_argument("--replay", nargs="+", default=None, metavar="JSON", help="recompute the forecast from these files' measurements (written to --out); measure nothing")
+    parser.add_argument(
+        "--replay",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="recompute the forecast from these files' measurements (written to --out); measure nothing",
+    )
     args = parser.parse_args(argv)
     if args.replay:
         measurements = []
@@ -208,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print(row)
         rows.append(row | {"measured": measured})
     with open(args.out, "w") as f:
-        json.dump({"machine": f"{os.cpu_count()} CPUs, shared", "tolerance": TOLERANCE, "world_sizes": rows}, f, indent=1)
+        json.dump(
+            {"machine": f"{os.cpu_count()} CPUs, shared", "tolerance": TOLERANCE, "world_sizes": rows}, f, indent=1
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -43,7 +43,9 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float], ranks: int) -> 
     fitted by least squares over total sizes ``B``."""
     count = len(sizes_bytes)
     mean_b, mean_t = sum(sizes_bytes) / count, sum(seconds) / count
-    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes_bytes, seconds)) / sum((b - mean_b) ** 2 for b in sizes_bytes)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes_bytes, seconds)) / sum(
+        (b - mean_b) ** 2 for b in sizes_bytes
+    )
     if slope <= 0:
         raise ValueError(
             f"collective times {seconds} do not grow with size {sizes_bytes}: the machine was too "
@@ -57,7 +59,12 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
     from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 
     n = dist.get_world_size()
-    timings: dict[str, list[float]] = {"fsdp2_all_gather": [], "fsdp2_reduce_scatter": [], "vescale_all_gather": [], "vescale_reduce_scatter": []}
+    timings: dict[str, list[float]] = {
+        "fsdp2_all_gather": [],
+        "fsdp2_reduce_scatter": [],
+        "vescale_all_gather": [],
+        "vescale_reduce_scatter": [],
+    }
     group = dist.group.WORLD
     for total in sizes_bytes:
         shard = torch.ones(total // 4 // n)  # sizes are rounded down to whole shards
@@ -65,15 +72,27 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
         timings["fsdp2_all_gather"].append(median_seconds(lambda: dist.all_gather_into_tensor(full, shard), repeats))
         timings["fsdp2_reduce_scatter"].append(median_seconds(lambda: dist.reduce_scatter_tensor(shard, full), repeats))
         timings["vescale_all_gather"].append(median_seconds(lambda: all_gather_into(full, shard, group), repeats))
-        timings["vescale_reduce_scatter"].append(median_seconds(lambda: reduce_scatter_into(shard, full, group), repeats))
+        timings["vescale_reduce_scatter"].append(
+            median_seconds(lambda: reduce_scatter_into(shard, full, group), repeats)
+        )
     a, b = torch.randn(512, 384), torch.randn(384, 1031)
     matmul_s = median_seconds(lambda: [a @ b for _ in range(8)], repeats)
     source, target = torch.ones(16 * 2**20), torch.empty(16 * 2**20)
     copy_s = median_seconds(lambda: target.copy_(source), repeats)
-    return {"timings": timings, "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s, "copy_bandwidth": 2 * source.numel() * 4 / copy_s}
+    return {
+        "timings": timings,
+        "flops": 8 * 2 * 512 * 384 * 1031 / matmul_s,
+        "copy_bandwidth": 2 * source.numel() * 4 / copy_s,
+    }
 
 
-def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = REPEATS, timeout_s: float = 300.0, ranks: int = DEFAULT_RANKS) -> dict[str, Any]:
+def calibrate(
+    path: str,
+    sizes_bytes: list[int] = SIZES_BYTES,
+    repeats: int = REPEATS,
+    timeout_s: float = 300.0,
+    ranks: int = DEFAULT_RANKS,
+) -> dict[str, Any]:
     """Measure (see the module docstring), write the hardware file at ``path``, return it
     (with the raw timings under ``"measured"``). ``sizes_bytes``: the collectives' total
     sizes; ``repeats``: timings per figure (the median is kept); ``ranks``: processes."""
@@ -83,7 +102,9 @@ def calibrate(path: str, sizes_bytes: list[int] = SIZES_BYTES, repeats: int = RE
     t = measured["timings"]
     # Bytes as measured: each size rounded down to ``ranks`` whole fp32 shards.
     sizes_bytes = [b // 4 // ranks * ranks * 4 for b in sizes_bytes]
-    latency, bandwidth = fit_alpha_beta(list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], ranks)
+    latency, bandwidth = fit_alpha_beta(
+        list(sizes_bytes), [(g + r) / 2 for g, r in zip(t["vescale_all_gather"], t["vescale_reduce_scatter"])], ranks
+    )
     figures = {
         "name": f"this machine ({os.cpu_count()} CPUs, gloo, {ranks} ranks, calibrated)",
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

@@ -30,10 +30,16 @@ from __future__ import annotations
 
 import math
 
-from vescale_plugins.tools.model_catalog import Unit
 from vescale_plugins.forecast.model import ModelSpec, is_routed_expert
+from vescale_plugins.tools.model_catalog import Unit
 
-__all__ = ["activation_bytes", "is_block", "block_activation_elements", "training_flops_per_token", "unit_flops_per_token"]
+__all__ = [
+    "activation_bytes",
+    "is_block",
+    "block_activation_elements",
+    "training_flops_per_token",
+    "unit_flops_per_token",
+]
 
 
 def _top_k_fraction(config: dict) -> float:
@@ -104,5 +110,7 @@ def activation_bytes(spec: ModelSpec, tokens: int, compute_itemsize: int) -> tup
     logits = spec.config["vocab_size"] * (compute_itemsize + 8)
     full = sum(u.count * e for u, e in blocks) * compute_itemsize + logits
     layers = sum(u.count for u, _ in blocks)
-    checkpointed = (layers * spec.config["hidden_size"] + max((e for _, e in blocks), default=0)) * compute_itemsize + logits
+    checkpointed = (
+        layers * spec.config["hidden_size"] + max((e for _, e in blocks), default=0)
+    ) * compute_itemsize + logits
     return math.ceil(full * tokens), math.ceil(checkpointed * tokens)

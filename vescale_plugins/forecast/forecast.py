@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from vescale_plugins.forecast.compute import activation_bytes, training_flops_per_token
 from vescale_plugins.forecast.hardware import Hardware
@@ -16,10 +17,14 @@ __all__ = ["forecast", "forecast_world_size"]
 ENGINES = ("vescale", "fsdp2")
 
 
-def forecast_world_size(spec: ModelSpec, hardware: Hardware, world_size: int, settings: ForecastSettings) -> dict[str, Any]:
+def forecast_world_size(
+    spec: ModelSpec, hardware: Hardware, world_size: int, settings: ForecastSettings
+) -> dict[str, Any]:
     """Memory and step time of both engines at ``world_size`` GPUs (JSON-ready)."""
     if world_size % settings.replicas:
-        raise ValueError(f"--hsdp {settings.replicas} does not divide {world_size} GPUs; pick world sizes that are multiples of it")
+        raise ValueError(
+            f"--hsdp {settings.replicas} does not divide {world_size} GPUs; pick world sizes that are multiples of it"
+        )
     group = world_size // settings.replicas
     compute_b = PRECISIONS[settings.precision][1] if settings.precision in PRECISIONS else None
     if compute_b is None:
@@ -54,7 +59,9 @@ def forecast_world_size(spec: ModelSpec, hardware: Hardware, world_size: int, se
     }
 
 
-def forecast(spec: ModelSpec, hardware: Hardware, world_sizes: Sequence[int], settings: ForecastSettings) -> dict[str, Any]:
+def forecast(
+    spec: ModelSpec, hardware: Hardware, world_sizes: Sequence[int], settings: ForecastSettings
+) -> dict[str, Any]:
     """The whole forecast (JSON-ready): settings, hardware, model size and one entry per W."""
     for w in world_sizes:
         if w < 1:

@@ -79,8 +79,18 @@ _BUS_EFFICIENCY = 0.8
 # NVLink 4 900 GB/s (450 GB/s each way); DGX H100: 8 x 400 Gb/s ConnectX-7, one per GPU.
 # nvidia-smi reports 81559 MiB.
 _H100 = Hardware(
-    "H100 SXM 80GB", 81559 * 2**20, _RESERVED, 989e12, 67e12, 3.35e12, 0.8, 8,
-    _INTRA_LATENCY_S, _BUS_EFFICIENCY * 450e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 50e9,
+    "H100 SXM 80GB",
+    81559 * 2**20,
+    _RESERVED,
+    989e12,
+    67e12,
+    3.35e12,
+    0.8,
+    8,
+    _INTRA_LATENCY_S,
+    _BUS_EFFICIENCY * 450e9,
+    _INTER_LATENCY_S,
+    _BUS_EFFICIENCY * 50e9,
 )
 
 GPUS: dict[str, Hardware] = {
@@ -95,8 +105,18 @@ GPUS: dict[str, Hardware] = {
     # HBM2e, NVLink 3 600 GB/s (300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR NICs.
     # nvidia-smi reports 81920 MiB.
     "a100": Hardware(
-        "A100 SXM 80GB", 81920 * 2**20, _RESERVED, 312e12, 19.5e12, 2.04e12, 0.8, 8,
-        _INTRA_LATENCY_S, _BUS_EFFICIENCY * 300e9, _INTER_LATENCY_S, _BUS_EFFICIENCY * 25e9,
+        "A100 SXM 80GB",
+        81920 * 2**20,
+        _RESERVED,
+        312e12,
+        19.5e12,
+        2.04e12,
+        0.8,
+        8,
+        _INTRA_LATENCY_S,
+        _BUS_EFFICIENCY * 300e9,
+        _INTER_LATENCY_S,
+        _BUS_EFFICIENCY * 25e9,
     ),
 }
 

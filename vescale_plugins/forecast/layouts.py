@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from vescale_plugins.tools.model_catalog import Unit
 from vescale_plugins.planner import Layout, plan_layout
 from vescale_plugins.planner.baselines import fsdp2_padding
+from vescale_plugins.tools.model_catalog import Unit
 
 __all__ = ["UnitLayouts", "dbuffer_alignment", "dbuffer_block_sizes", "plan_unit_layouts", "rank_payloads"]
 
@@ -67,16 +67,22 @@ class UnitLayouts:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(shapes: tuple[tuple[int, ...], ...], group_size: int, block_rows: int | None, sharded_itemsize: int) -> UnitLayouts:
+def _plan(
+    shapes: tuple[tuple[int, ...], ...], group_size: int, block_rows: int | None, sharded_itemsize: int
+) -> UnitLayouts:
     numels = [max(1, math.prod(s)) for s in shapes]
-    layout = plan_layout(numels, dbuffer_block_sizes(shapes, block_rows), group_size, alignment=dbuffer_alignment(sharded_itemsize))
+    layout = plan_layout(
+        numels, dbuffer_block_sizes(shapes, block_rows), group_size, alignment=dbuffer_alignment(sharded_itemsize)
+    )
     as_rows = [s if len(s) else (1,) for s in shapes]
     padding = fsdp2_padding(as_rows, [_slice_numel(s) for s in as_rows], group_size)
     rank0 = tuple(-(-s[0] // group_size) * _slice_numel(s) for s in as_rows)
     return UnitLayouts(group_size, layout, padding, (sum(numels) + padding) // group_size, rank0)
 
 
-def plan_unit_layouts(unit: Unit, group_size: int, block_rows: int | None = None, sharded_itemsize: int = 4) -> UnitLayouts:
+def plan_unit_layouts(
+    unit: Unit, group_size: int, block_rows: int | None = None, sharded_itemsize: int = 4
+) -> UnitLayouts:
     """Both engines' layouts of ``unit`` sharded over ``group_size`` ranks (cached)."""
     return _plan(tuple(tuple(s) for _, s in unit.params), group_size, block_rows, sharded_itemsize)
 

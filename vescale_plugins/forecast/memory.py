@@ -31,17 +31,23 @@ so the sum is a slight upper bound of the true peak.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from vescale_plugins.tools.model_catalog import Unit
-from vescale_plugins.observe.record import unit_sharding_figures
 from vescale_plugins.forecast.layouts import UnitLayouts, plan_unit_layouts, rank_payloads
 from vescale_plugins.forecast.model import ModelSpec
+from vescale_plugins.observe.record import unit_sharding_figures
+from vescale_plugins.tools.model_catalog import Unit
 
 __all__ = [
-    "OPTIMIZERS", "PRECISIONS", "MemoryBreakdown", "forecast_memory", "optimizer_bytes_per_element",
-    "vescale_optimizer_bytes_per_rank", "unit_figures",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "MemoryBreakdown",
+    "forecast_memory",
+    "optimizer_bytes_per_element",
+    "vescale_optimizer_bytes_per_rank",
+    "unit_figures",
 ]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
@@ -58,7 +64,11 @@ _MUON_EXCLUDED = ("embed_tokens", "lm_head")
 
 
 def _is_muon_matrix(name: str, shape: Sequence[int]) -> bool:
-    return len(shape) >= 2 and not any(part in name.split(".") for part in _MUON_EXCLUDED) and not name.startswith(_MUON_EXCLUDED)
+    return (
+        len(shape) >= 2
+        and not any(part in name.split(".") for part in _MUON_EXCLUDED)
+        and not name.startswith(_MUON_EXCLUDED)
+    )
 
 
 def optimizer_bytes_per_element(optimizer: str, name: str, shape: Sequence[int]) -> float:
@@ -78,7 +88,9 @@ def _step_counter_bytes(unit: Unit) -> int:
     return ADAMW_STEP_BYTES * len(unit.params)
 
 
-def vescale_optimizer_bytes_per_rank(spec: ModelSpec, group_size: int, optimizer: str = "adamw", block_rows: int | None = None) -> list[float]:
+def vescale_optimizer_bytes_per_rank(
+    spec: ModelSpec, group_size: int, optimizer: str = "adamw", block_rows: int | None = None
+) -> list[float]:
     """Optimizer state bytes on each veScale-FSDP rank (local shards, step counters included)."""
     totals = [0.0] * group_size
     for unit in spec.units.units:
@@ -127,11 +139,21 @@ class MemoryBreakdown:
 
     def total(self, activation_checkpointing: bool) -> int:
         activations = self.activations_checkpointed if activation_checkpointing else self.activations
-        return (self.sharded_state + self.unsharded_params + self.unsharded_grads + self.comm_buffers
-                + self.optimizer_transient + activations)
+        return (
+            self.sharded_state
+            + self.unsharded_params
+            + self.unsharded_grads
+            + self.comm_buffers
+            + self.optimizer_transient
+            + activations
+        )
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self) | {"sharded_state": self.sharded_state, "total": self.total(False), "total_checkpointed": self.total(True)}
+        return asdict(self) | {
+            "sharded_state": self.sharded_state,
+            "total": self.total(False),
+            "total_checkpointed": self.total(True),
+        }
 
 
 def _adjacent_pair_peak(sizes: Sequence[int]) -> int:
@@ -142,7 +164,15 @@ def _adjacent_pair_peak(sizes: Sequence[int]) -> int:
 
 
 def _largest_muon_matrix(spec: ModelSpec) -> int:
-    return max((math.prod(shape[-2:]) for unit in spec.units.units for name, shape in unit.params if _is_muon_matrix(name, shape)), default=0)
+    return max(
+        (
+            math.prod(shape[-2:])
+            for unit in spec.units.units
+            for name, shape in unit.params
+            if _is_muon_matrix(name, shape)
+        ),
+        default=0,
+    )
 
 
 def forecast_memory(

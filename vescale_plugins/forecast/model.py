@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from vescale_plugins.tools.model_catalog import CATALOG, CONFIGS, ModelUnits, Unit, model_from_config
 
@@ -36,10 +37,7 @@ def resolve_model(model: str) -> ModelSpec:
             config = json.load(f)
         name = os.path.basename(os.path.dirname(os.path.abspath(model))) or model
         return ModelSpec(name, model_from_config(name, config), config)
-    raise ValueError(
-        f"--model {model!r} is neither a catalogue model ({', '.join(CATALOG)}) nor a "
-        "config.json file"
-    )
+    raise ValueError(f"--model {model!r} is neither a catalogue model ({', '.join(CATALOG)}) nor a config.json file")
 
 
 def spec_from_modules(name: str, units: Sequence[tuple[str, Sequence[Any]]], config: dict[str, Any]) -> ModelSpec:

@@ -45,7 +45,9 @@ def render_tables(result: dict[str, Any]) -> list[Any]:
         table.add_column("FSDP2", justify="right")
         for key, label in MEMORY_PARTS:
             table.add_row(f"{label} (GiB)", _gib(v["memory"][key]), _gib(f["memory"][key]))
-        table.add_row("padding (elements)", f"{v['memory']['padding_elements']:,}", f"{f['memory']['padding_elements']:,}")
+        table.add_row(
+            "padding (elements)", f"{v['memory']['padding_elements']:,}", f"{f['memory']['padding_elements']:,}"
+        )
         label = "with" if ac else "without"
         usable = entry["usable_memory_bytes"]
         table.add_row(
@@ -54,9 +56,22 @@ def render_tables(result: dict[str, Any]) -> list[Any]:
             _gib(f["peak_bytes"]) + (" OOM" if f["oom"] else ""),
             style="bold",
         )
-        for key, name in (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"), ("copy_s", "copies"), ("optimizer_s", "optimizer"), ("all_gather_s", "all-gather (busy)"), ("reduce_scatter_s", "reduce-scatter (busy)"), ("step_s", "step")):
+        for key, name in (
+            ("compute_s", "compute"),
+            ("exposed_comm_s", "exposed communication"),
+            ("copy_s", "copies"),
+            ("optimizer_s", "optimizer"),
+            ("all_gather_s", "all-gather (busy)"),
+            ("reduce_scatter_s", "reduce-scatter (busy)"),
+            ("step_s", "step"),
+        ):
             table.add_row(f"{name} (ms)", _ms(v["step"][key]), _ms(f["step"][key]))
-        table.add_row("tokens/s per GPU", f"{v['step']['tokens_per_s_per_gpu']:,.0f}", f"{f['step']['tokens_per_s_per_gpu']:,.0f}", style="bold")
+        table.add_row(
+            "tokens/s per GPU",
+            f"{v['step']['tokens_per_s_per_gpu']:,.0f}",
+            f"{f['step']['tokens_per_s_per_gpu']:,.0f}",
+            style="bold",
+        )
         table.caption = f"veScale/FSDP2 throughput {entry['ratios']['throughput']:.3f}, peak memory {entry['ratios']['peak_memory']:.3f}"
         tables.append(table)
     return tables
@@ -76,22 +91,40 @@ def write_plot(path: str, result: dict[str, Any]) -> None:
         bottoms = [0.0] * len(sizes)
         for k, (key, label) in enumerate(parts):
             heights = [e["engines"][engine]["memory"][key] / 2**30 for e in result["world_sizes"]]
-            left.bar([i + offset for i in range(len(sizes))], heights, width, bottom=bottoms, color=colors(k), hatch=hatch, edgecolor="white", label=label if engine == "vescale" else None)
+            left.bar(
+                [i + offset for i in range(len(sizes))],
+                heights,
+                width,
+                bottom=bottoms,
+                color=colors(k),
+                hatch=hatch,
+                edgecolor="white",
+                label=label if engine == "vescale" else None,
+            )
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     usable = result["world_sizes"][0]["usable_memory_bytes"] / 2**30
     left.axhline(usable, color="red", linestyle="--", label=f"usable memory ({usable:.0f} GiB)")
     left.set_xticks(range(len(sizes)), [f"{w:,}" for w in sizes])
     left.set_xlabel("GPUs (left bar veScale-FSDP, hatched FSDP2)")
     left.set_ylabel("GiB per rank")
-    left.set_yscale("log") if max(e["engines"]["fsdp2"]["peak_bytes"] for e in result["world_sizes"]) / 2**30 > 4 * usable else None
+    left.set_yscale("log") if max(
+        e["engines"]["fsdp2"]["peak_bytes"] for e in result["world_sizes"]
+    ) / 2**30 > 4 * usable else None
     left.set_title(f"{result['model']}: memory per rank by part")
     left.legend(fontsize=7)
     for engine, label, style in (("vescale", "veScale-FSDP", "o-"), ("fsdp2", "FSDP2", "s--")):
-        right.plot(sizes, [e["engines"][engine]["step"]["tokens_per_s_per_gpu"] for e in result["world_sizes"]], style, label=label)
+        right.plot(
+            sizes,
+            [e["engines"][engine]["step"]["tokens_per_s_per_gpu"] for e in result["world_sizes"]],
+            style,
+            label=label,
+        )
     right.set_xscale("log", base=2)
     right.set_xlabel("GPUs")
     right.set_ylabel("tokens/s per GPU (forecast)")
-    right.set_title(f"{result['hardware']['name']}, {result['settings']['precision']}, {result['settings']['optimizer']}")
+    right.set_title(
+        f"{result['hardware']['name']}, {result['settings']['precision']}, {result['settings']['optimizer']}"
+    )
     right.legend()
     # Fixed margins: tight_layout measures every label's text, 0.4 s of the command's ~6 s.
     fig.subplots_adjust(left=0.06, right=0.985, bottom=0.1, top=0.93, wspace=0.2)

@@ -71,7 +71,9 @@ def _exposed(forward: list[float], backward: list[float], gathers: list[float], 
     return exposed
 
 
-def forecast_step_time(spec: ModelSpec, hardware: Hardware, group_size: int, settings: ForecastSettings, memory: dict[str, MemoryBreakdown]) -> dict[str, StepTime]:
+def forecast_step_time(
+    spec: ModelSpec, hardware: Hardware, group_size: int, settings: ForecastSettings, memory: dict[str, MemoryBreakdown]
+) -> dict[str, StepTime]:
     """Both engines' step time per rank: ``settings.tokens_per_gpu`` per rank per step, units
     sharded over ``group_size`` ranks and replicated ``settings.replicas`` times (HSDP);
     ``memory``: both engines' (``forecast_memory``), whose state the optimizer reads."""
@@ -99,7 +101,10 @@ def forecast_step_time(spec: ModelSpec, hardware: Hardware, group_size: int, set
             gather_factor = hardware.fsdp2_all_gather_factor if engine == "fsdp2" else 1.0
             reduce_factor = hardware.fsdp2_reduce_scatter_factor if engine == "fsdp2" else 1.0
             gathers.append(gather_factor * ring_collective_s(full * compute_b, group_size, shard_link))
-            reduces.append(reduce_factor * ring_collective_s(full * reduce_b, group_size, shard_link) + all_reduce_s(shard * reduce_b, replicas, replica_link))
+            reduces.append(
+                reduce_factor * ring_collective_s(full * reduce_b, group_size, shard_link)
+                + all_reduce_s(shard * reduce_b, replicas, replica_link)
+            )
             # Gradients into the reduce-scatter input: both engines, once per step.
             copy_bytes += unit.numel * compute_b + full * reduce_b
             cast = shard * (sharded_b + compute_b) if compute_b != sharded_b else 0

@@ -35,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,10 +83,14 @@ class _StreamCounter:
     def __init__(self) -> None:
         self.events_recorded = self.event_waits = self.record_stream_calls = 0
 
-    def __enter__(self) -> "_StreamCounter":
+    def __enter__(self) -> _StreamCounter:
         from vescale_plugins.dbuffer.streams import CommStreams
 
-        self._patched = [(CommStreams, "record", CommStreams.record), (CommStreams, "wait", CommStreams.wait), (torch.Tensor, "record_stream", torch.Tensor.record_stream)]
+        self._patched = [
+            (CommStreams, "record", CommStreams.record),
+            (CommStreams, "wait", CommStreams.wait),
+            (torch.Tensor, "record_stream", torch.Tensor.record_stream),
+        ]
         counter = self
         record, wait, record_stream = (p[2] for p in self._patched)
 
@@ -102,7 +107,11 @@ class _StreamCounter:
             counter.record_stream_calls += 1
             record_stream(tensor, stream)
 
-        CommStreams.record, CommStreams.wait, torch.Tensor.record_stream = counted_record, counted_wait, counted_record_stream
+        CommStreams.record, CommStreams.wait, torch.Tensor.record_stream = (
+            counted_record,
+            counted_wait,
+            counted_record_stream,
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -231,17 +240,34 @@ def run_bench(args: list[str], timeout_s: float) -> dict[str, Any]:
         command = [sys.executable, "-m", "vescale_plugins.bench", *args, "--json", str(path), "--plot", ""]
         done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[1:])} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
+            raise RuntimeError(
+                f"{' '.join(command[1:])} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
         data = json.loads(path.read_text())
     summary = data["summary"]
-    keep = ("step_ms", "tokens_per_s", "peak_bytes", "cuda_max_allocated_bytes", "cuda_max_reserved_bytes", "page_faults_per_step", "sharded_state_bytes", "padding_bytes")
+    keep = (
+        "step_ms",
+        "tokens_per_s",
+        "peak_bytes",
+        "cuda_max_allocated_bytes",
+        "cuda_max_reserved_bytes",
+        "page_faults_per_step",
+        "sharded_state_bytes",
+        "padding_bytes",
+    )
     engines = {name: {k: v for k, v in figures.items() if k in keep} for name, figures in summary["engines"].items()}
     for figures in engines.values():
         figures["step_ms"] = {k: v for k, v in figures["step_ms"].items() if k != "samples"}
     parity = summary["parity"]
     if abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) > 1e-3 * max(1.0, abs(parity["loss"]["fsdp2"])):
         raise AssertionError(f"bench losses differ: {parity}")
-    return {"command": "python -m vescale_plugins.bench " + " ".join(args), "environment": data["environment"], "ratios": summary["ratios"], "engines": engines, "parity": parity}
+    return {
+        "command": "python -m vescale_plugins.bench " + " ".join(args),
+        "environment": data["environment"],
+        "ratios": summary["ratios"],
+        "engines": engines,
+        "parity": parity,
+    }
 
 
 def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
@@ -257,7 +283,12 @@ def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
     except ImportError:
         return {"status": "skipped", "reason": "triton is not installed", "kernels": sources}
     if kind != "cuda":
-        return {"status": "skipped", "reason": "no CUDA: the test suite runs the kernels under TRITON_INTERPRET=1", "kernels": sources, "triton": triton.__version__}
+        return {
+            "status": "skipped",
+            "reason": "no CUDA: the test suite runs the kernels under TRITON_INTERPRET=1",
+            "kernels": sources,
+            "triton": triton.__version__,
+        }
     env = _env()
     env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "pytest", "-q", "tests", "-k", "triton", "-p", "no:cacheprovider"]
@@ -274,7 +305,11 @@ def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
 
 
 def device_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         info.update(
             gpus=torch.cuda.device_count(),
@@ -302,7 +337,20 @@ def plan(kind: str, gpus: int, quick: bool) -> list[tuple[str, Callable[[float],
         checks.append(("bench_bf16", lambda t: run_bench(["--precision", "bf16-mixed"], t)))
         checks.append(("bench_medium", lambda t: run_bench(["--model", "medium", "--steps", "12"], t)))
     else:
-        tiny = ["--model", "tiny", "--world-size", "2", "--seq-len", "32", "--warmup", "1", "--steps", "2" if quick else "4", "--batch-size", "2"]
+        tiny = [
+            "--model",
+            "tiny",
+            "--world-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--warmup",
+            "1",
+            "--steps",
+            "2" if quick else "4",
+            "--batch-size",
+            "2",
+        ]
         checks.append(("bench", lambda t: run_bench(tiny, t)))
     checks.append(("triton_kernels", lambda t: run_triton(kind, t)))
     return checks
@@ -316,22 +364,30 @@ def derived(results: dict[str, Any]) -> None:
             results["bf16_mixed"] = {"status": "passed", "from": source, **figures["bf16_mixed"]}
             results["comm_streams"] = {"status": "passed", "from": source, **figures["comm_streams"]}
             if not figures["comm_streams"]["enabled"]:
-                results["comm_streams"]["note"] = "streams are CUDA only; off CUDA one stream and Work.wait() (no record_stream either way)"
+                results["comm_streams"]["note"] = (
+                    "streams are CUDA only; off CUDA one stream and Work.wait() (no record_stream either way)"
+                )
             return
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="gpu_check.json", help="where to write every figure")
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all checks together (each check gets what is left)")
-    parser.add_argument("--quick", action="store_true", help="fallback only: W=2 parity only, fewer bench steps (the test suite's run)")
+    parser.add_argument(
+        "--budget", type=float, default=450.0, help="seconds for all checks together (each check gets what is left)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fallback only: W=2 parity only, fewer bench steps (the test suite's run)"
+    )
     parser.add_argument("--cpu", action="store_true", help="run the CPU fallback even where CUDA is available")
     args = parser.parse_args(argv)
     kind = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     info = device_info()
     report: dict[str, Any] = {
         "mode": "cuda" if kind == "cuda" else "cpu-fallback",
-        "note": f"CUDA/NCCL on {info.get('gpus')} GPU(s)" if kind == "cuda" else "no CUDA device: the same checks ran on CPU/gloo, small; no GPU figures",
+        "note": f"CUDA/NCCL on {info.get('gpus')} GPU(s)"
+        if kind == "cuda"
+        else "no CUDA device: the same checks ran on CPU/gloo, small; no GPU figures",
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": info,
         "checks": {},

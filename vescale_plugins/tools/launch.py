@@ -23,16 +23,24 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
-    "RankFailure", "await_ranks", "exit_when_orphaned", "join_process_group", "kill", "launch_ranks",
-    "rendezvous_store", "report_progress", "run_and_report",
+    "RankFailure",
+    "await_ranks",
+    "exit_when_orphaned",
+    "join_process_group",
+    "kill",
+    "launch_ranks",
+    "rendezvous_store",
+    "report_progress",
+    "run_and_report",
 ]
 
 STORE_TIMEOUT_S = 60.0
@@ -84,8 +92,17 @@ def join_process_group(rank: int, world: int, port: int, backend: str, timeout_s
     if backend == "nccl":
         device_id = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device_id)
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
+    )
 
 
 def run_and_report(results: Any, task: int, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
@@ -164,14 +181,27 @@ def kill(processes: Sequence[Any]) -> None:
         p.join(timeout=10)
 
 
-def _rank_main(rank: int, world: int, port: int, parent_pid: int, backend: str, threads: int, timeout_s: float, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    parent_pid: int,
+    backend: str,
+    threads: int,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
     global _progress
     exit_when_orphaned(parent_pid)
     # What launchers (torchrun) set, for code that reads them (Lightning's and Accelerate's).
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(threads)
     if rank == 0:
-        _progress = lambda what: results.put((0, rank, PROGRESS, what))  # noqa: E731
+        _progress = lambda what: results.put((0, rank, PROGRESS, what))
     try:
         join_process_group(rank, world, port, backend, timeout_s)
     except BaseException:
@@ -206,13 +236,20 @@ def launch_ranks(
     store = rendezvous_store(world)
     results = context.Queue()
     processes = [
-        context.Process(target=_rank_main, args=(rank, world, store.port, os.getpid(), backend, threads, timeout_s, fn, args, results), daemon=True, name=f"rank{rank}-of-{world}")
+        context.Process(
+            target=_rank_main,
+            args=(rank, world, store.port, os.getpid(), backend, threads, timeout_s, fn, args, results),
+            daemon=True,
+            name=f"rank{rank}-of-{world}",
+        )
         for rank in range(world)
     ]
     for p in processes:
         p.start()
     try:
-        values = await_ranks(results, processes, 0, timeout_s, f"{fn.__module__}.{fn.__qualname__} on {world} rank(s)", on_progress)
+        values = await_ranks(
+            results, processes, 0, timeout_s, f"{fn.__module__}.{fn.__qualname__} on {world} rank(s)", on_progress
+        )
     except RankFailure:
         kill(processes)
         raise

@@ -18,8 +18,15 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
-    "CATALOG", "CONFIGS", "ModelUnits", "Unit", "block_size", "model_from_config", "planner_inputs",
-    "row_count", "row_length",
+    "CATALOG",
+    "CONFIGS",
+    "ModelUnits",
+    "Unit",
+    "block_size",
+    "model_from_config",
+    "planner_inputs",
+    "row_count",
+    "row_length",
 ]
 
 Shape = tuple[int, ...]
@@ -28,41 +35,88 @@ Param = tuple[str, Shape]
 # Config numbers from the public config.json of each model (Hugging Face Hub).
 CONFIGS: dict[str, dict[str, int | bool]] = {
     "Llama-3-8B": dict(  # meta-llama/Meta-Llama-3-8B
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
         tie_word_embeddings=False,
     ),
     "Llama-3-70B": dict(  # meta-llama/Meta-Llama-3-70B
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
         tie_word_embeddings=False,
     ),
     "Llama-3.1-405B": dict(  # meta-llama/Llama-3.1-405B
-        hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-        num_attention_heads=128, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
         tie_word_embeddings=False,
     ),
     "Mixtral-8x7B": dict(  # mistralai/Mixtral-8x7B-v0.1
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
-        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
     ),
     "Qwen3-30B-A3B": dict(  # Qwen/Qwen3-30B-A3B
-        hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
     ),
     "DeepSeek-V3-671B": dict(  # deepseek-ai/DeepSeek-V3 (the MTP layer is not a training unit here)
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
-        n_shared_experts=1, num_experts_per_tok=8, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        first_k_dense_replace=3,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=129280,
         tie_word_embeddings=False,
     ),
     "GPT-OSS-120B": dict(  # openai/gpt-oss-120b
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
-        num_local_experts=128, num_experts_per_tok=4, tie_word_embeddings=False,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=201088,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -154,12 +208,11 @@ def _mla_attention(c: dict) -> list[Param]:
     params = _linear("self_attn.q_a_proj", c["q_lora_rank"], hidden)
     params.append(_norm("self_attn.q_a_layernorm", c["q_lora_rank"]))
     params += _linear("self_attn.q_b_proj", heads * qk_head, c["q_lora_rank"])
-    params += _linear(
-        "self_attn.kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden
-    )
+    params += _linear("self_attn.kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden)
     params.append(_norm("self_attn.kv_a_layernorm", c["kv_lora_rank"]))
     params += _linear(
-        "self_attn.kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+        "self_attn.kv_b_proj",
+        heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
         c["kv_lora_rank"],
     )
     params += _linear("self_attn.o_proj", hidden, heads * c["v_head_dim"])
@@ -167,7 +220,9 @@ def _mla_attention(c: dict) -> list[Param]:
 
 
 def _gated_mlp(
-    prefix: str, hidden: int, intermediate: int,
+    prefix: str,
+    hidden: int,
+    intermediate: int,
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> list[Param]:
     """Gate, up and down projections (the order the modules register them)."""
@@ -182,10 +237,7 @@ def _gated_mlp(
 def _block(attention: list[Param], mlp: list[Param], hidden: int) -> tuple[Param, ...]:
     """A decoder block in registration order: attention, MLP, then the two norms (the
     Hugging Face decoder layers create their norms after ``self_attn`` and ``mlp``)."""
-    return tuple(
-        attention + mlp
-        + [_norm("input_layernorm", hidden), _norm("post_attention_layernorm", hidden)]
-    )
+    return tuple(attention + mlp + [_norm("input_layernorm", hidden), _norm("post_attention_layernorm", hidden)])
 
 
 def _ends(c: dict, blocks: list[Unit]) -> tuple[Unit, ...]:
@@ -236,15 +288,19 @@ def _deepseek_v3(name: str, c: dict) -> ModelUnits:
         moe += _gated_mlp(f"mlp.experts.{e}", hidden, c["moe_intermediate_size"])
     moe += _linear("mlp.gate", experts, hidden)
     moe.append(("mlp.gate.e_score_correction_bias", (experts,)))
-    moe += _gated_mlp(
-        "mlp.shared_experts", hidden, c["n_shared_experts"] * c["moe_intermediate_size"]
-    )
+    moe += _gated_mlp("mlp.shared_experts", hidden, c["n_shared_experts"] * c["moe_intermediate_size"])
     moe_block = _block(_mla_attention(c), moe, hidden)
     dense_count = c["first_k_dense_replace"]
-    return ModelUnits(name, _ends(c, [
-        Unit("dense_decoder_layer", dense_count, dense),
-        Unit("moe_decoder_layer", c["num_hidden_layers"] - dense_count, moe_block),
-    ]))
+    return ModelUnits(
+        name,
+        _ends(
+            c,
+            [
+                Unit("dense_decoder_layer", dense_count, dense),
+                Unit("moe_decoder_layer", c["num_hidden_layers"] - dense_count, moe_block),
+            ],
+        ),
+    )
 
 
 def _gpt_oss(name: str, c: dict) -> ModelUnits:
@@ -266,13 +322,20 @@ def _gpt_oss(name: str, c: dict) -> ModelUnits:
 
 # Hugging Face ``model_type`` -> builder; the catalogue's own models by name.
 _BUILDERS = {
-    "llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
-    "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
+    "llama": _llama,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
 }
 _CATALOG_TYPES = {
-    "Llama-3-8B": "llama", "Llama-3-70B": "llama", "Llama-3.1-405B": "llama",
-    "Mixtral-8x7B": "mixtral", "Qwen3-30B-A3B": "qwen3_moe",
-    "DeepSeek-V3-671B": "deepseek_v3", "GPT-OSS-120B": "gpt_oss",
+    "Llama-3-8B": "llama",
+    "Llama-3-70B": "llama",
+    "Llama-3.1-405B": "llama",
+    "Mixtral-8x7B": "mixtral",
+    "Qwen3-30B-A3B": "qwen3_moe",
+    "DeepSeek-V3-671B": "deepseek_v3",
+    "GPT-OSS-120B": "gpt_oss",
 }
 
 

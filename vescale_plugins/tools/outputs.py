@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["pyplot", "write_json", "write_results"]
 
@@ -23,7 +24,13 @@ def pyplot() -> Any:
     return plt
 
 
-def write_results(say: Callable[[str], None], record: dict[str, Any], json_path: str, plot_path: str = "", draw: Callable[[str], None] | None = None) -> None:
+def write_results(
+    say: Callable[[str], None],
+    record: dict[str, Any],
+    json_path: str,
+    plot_path: str = "",
+    draw: Callable[[str], None] | None = None,
+) -> None:
     """Write ``record`` to ``json_path`` and, unless ``plot_path`` is empty, ``draw(plot_path)``;
     ``say`` where each went."""
     write_json(json_path, record)

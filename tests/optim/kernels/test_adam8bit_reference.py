@@ -20,8 +20,10 @@ def test_map_is_torchaos_dynamic_map_and_codes_match_its_quantizer():
         assert torch.equal(qmap, dynamic_map(signed))
         gen = torch.Generator().manual_seed(0)
         # Every magnitude the map covers, its own values, the exact midpoints, out-of-range values.
-        x = torch.cat([torch.rand(20_000, generator=gen) * scale for scale in (1.0, 1e-3, 1e-6, 1e-9)]
-                      + [qmap, (qmap[1:] + qmap[:-1]) / 2, torch.tensor([0.0, 1.0, 2.0])])
+        x = torch.cat(
+            [torch.rand(20_000, generator=gen) * scale for scale in (1.0, 1e-3, 1e-6, 1e-9)]
+            + [qmap, (qmap[1:] + qmap[:-1]) / 2, torch.tensor([0.0, 1.0, 2.0])]
+        )
         x = torch.cat([x, -x]) if signed else x
         assert torch.equal(quantize(x, signed), quant_utils.quantize_8bit_with_qmap(x, qmap))
 
@@ -43,8 +45,10 @@ def test_quantize_applies_torchaos_rule_at_every_rounding_threshold(signed):
         below, above = torch.nextafter(below, torch.tensor(-2.0)), torch.nextafter(above, torch.tensor(2.0))
         near += [below, above]
     gen = torch.Generator().manual_seed(0)
-    spread = [torch.rand(5000, generator=gen) * 10.0 ** -k for k in range(9)]
-    x = torch.cat(near + spread + [-s for s in spread] + [torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 1e-30, -1e-30])])
+    spread = [torch.rand(5000, generator=gen) * 10.0**-k for k in range(9)]
+    x = torch.cat(
+        near + spread + [-s for s in spread] + [torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, -3.0, 1e-30, -1e-30])]
+    )
     assert torch.equal(quantize(x, signed), rule(x))
     out = torch.empty(x.shape, dtype=torch.uint8)
     assert quantize(x, signed, out=out) is out and torch.equal(out, rule(x))
@@ -79,17 +83,23 @@ def _loop_step(p, g, mc, ms, vc, vs, tile_h, tile_w, h: AdamHyper):
             vc[r, c] = _nearest_code(v / vs[ti, tj], qu)
 
 
-@pytest.mark.parametrize("shape, tile", [((70, 45), 32), ((33,), 4), ((5, 3, 4), 2), ((), 32), ((40, 64), 32), ((9, 17), 8)])
+@pytest.mark.parametrize(
+    "shape, tile", [((70, 45), 32), ((33,), 4), ((5, 3, 4), 2), ((), 32), ((40, 64), 32), ((9, 17), 8)]
+)
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_reference_equals_the_per_tile_loop(shape, tile, decoupled):
     gen = torch.Generator().manual_seed(3)
     grid = TileGrid.of(shape, tile)
     p = torch.randn(grid.rows, grid.cols, generator=gen)
-    state = [torch.zeros(grid.rows, grid.cols, dtype=torch.uint8), torch.zeros(grid.tile_rows, grid.tile_cols),
-             torch.zeros(grid.rows, grid.cols, dtype=torch.uint8), torch.zeros(grid.tile_rows, grid.tile_cols)]
+    state = [
+        torch.zeros(grid.rows, grid.cols, dtype=torch.uint8),
+        torch.zeros(grid.tile_rows, grid.tile_cols),
+        torch.zeros(grid.rows, grid.cols, dtype=torch.uint8),
+        torch.zeros(grid.tile_rows, grid.tile_cols),
+    ]
     p_loop, state_loop = p.clone(), [s.clone() for s in state]
     for step in range(1, 5):
-        g = torch.randn(grid.rows, grid.cols, generator=gen) * (10.0 ** -step)
+        g = torch.randn(grid.rows, grid.cols, generator=gen) * (10.0**-step)
         h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, step, decoupled)
         adam8bit_step_(p, g, *state, grid.tile_h, grid.tile_w, h)
         _loop_step(p_loop, g, *state_loop, grid.tile_h, grid.tile_w, h)
@@ -123,7 +133,12 @@ def test_bands_of_tile_rows_step_like_the_whole_matrix(monkeypatch):
 
     gen = torch.Generator().manual_seed(1)
     p, g = torch.randn(103, 70, generator=gen), torch.randn(103, 70, generator=gen)
-    state = [torch.zeros(103, 70, dtype=torch.uint8), torch.zeros(4, 3), torch.zeros(103, 70, dtype=torch.uint8), torch.zeros(4, 3)]
+    state = [
+        torch.zeros(103, 70, dtype=torch.uint8),
+        torch.zeros(4, 3),
+        torch.zeros(103, 70, dtype=torch.uint8),
+        torch.zeros(4, 3),
+    ]
     banded_p, banded_state = p.clone(), [s.clone() for s in state]
     hyper = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)
     adam8bit_step_(p, g, *state, 32, 32, hyper)

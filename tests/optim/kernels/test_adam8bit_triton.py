@@ -40,8 +40,18 @@ def _compare() -> dict:
         at += g.numel + 3
         tiles += g.num_tiles
     span = at
-    table = tile_table([(o, (g.rows, g.cols), s) for o, g, s in zip(offsets, grids, scale_offsets)], [(g.tile_h, g.tile_w) for g in grids], "cpu")
-    triton_state = [torch.randn(span, generator=gen), torch.zeros(span, dtype=torch.uint8), torch.zeros(tiles), torch.zeros(span, dtype=torch.uint8), torch.zeros(tiles)]
+    table = tile_table(
+        [(o, (g.rows, g.cols), s) for o, g, s in zip(offsets, grids, scale_offsets)],
+        [(g.tile_h, g.tile_w) for g in grids],
+        "cpu",
+    )
+    triton_state = [
+        torch.randn(span, generator=gen),
+        torch.zeros(span, dtype=torch.uint8),
+        torch.zeros(tiles),
+        torch.zeros(span, dtype=torch.uint8),
+        torch.zeros(tiles),
+    ]
     torch_state = [t.clone() for t in triton_state]
     report = {"steps": []}
     for step in (1, 2):
@@ -51,20 +61,41 @@ def _compare() -> dict:
         adam8bit_tiles_(p, grad, mc, ms, vc, vs, table, tile * tile, hyper)
         for o, g, s in zip(offsets, grids, scale_offsets):
             el, sc = slice(o, o + g.numel), slice(s, s + g.num_tiles)
-            mat = lambda t: t[el].view(g.rows, g.cols)  # noqa: E731
-            sca = lambda t: t[sc].view(g.tile_rows, g.tile_cols)  # noqa: E731
-            adam8bit_step_(mat(torch_state[0]), mat(grad), mat(torch_state[1]), sca(torch_state[2]), mat(torch_state[3]), sca(torch_state[4]), g.tile_h, g.tile_w, hyper)
+            mat = lambda t: t[el].view(g.rows, g.cols)
+            sca = lambda t: t[sc].view(g.tile_rows, g.tile_cols)
+            adam8bit_step_(
+                mat(torch_state[0]),
+                mat(grad),
+                mat(torch_state[1]),
+                sca(torch_state[2]),
+                mat(torch_state[3]),
+                sca(torch_state[4]),
+                g.tile_h,
+                g.tile_w,
+                hyper,
+            )
         covered = torch.zeros(span, dtype=torch.bool)
         for o, g in zip(offsets, grids):
             covered[o : o + g.numel] = True
-        report["steps"].append({
-            "param_max_abs_diff": (triton_state[0] - torch_state[0]).abs().max().item(),
-            "padding_untouched": bool(torch.equal(triton_state[0][~covered], torch_state[0][~covered])),
-            "code_max_diff": max((a.int() - b.int()).abs().max().item() for a, b in ((triton_state[1], torch_state[1]), (triton_state[3], torch_state[3]))),
-            "codes_differing": sum(int((a != b).sum()) for a, b in ((triton_state[1], torch_state[1]), (triton_state[3], torch_state[3]))),
-            "codes_total": 2 * int(covered.sum()),
-            "scale_max_rel_diff": max(((a - b).abs() / b).max().item() for a, b in ((triton_state[2], torch_state[2]), (triton_state[4], torch_state[4]))),
-        })
+        report["steps"].append(
+            {
+                "param_max_abs_diff": (triton_state[0] - torch_state[0]).abs().max().item(),
+                "padding_untouched": bool(torch.equal(triton_state[0][~covered], torch_state[0][~covered])),
+                "code_max_diff": max(
+                    (a.int() - b.int()).abs().max().item()
+                    for a, b in ((triton_state[1], torch_state[1]), (triton_state[3], torch_state[3]))
+                ),
+                "codes_differing": sum(
+                    int((a != b).sum())
+                    for a, b in ((triton_state[1], torch_state[1]), (triton_state[3], torch_state[3]))
+                ),
+                "codes_total": 2 * int(covered.sum()),
+                "scale_max_rel_diff": max(
+                    ((a - b).abs() / b).max().item()
+                    for a, b in ((triton_state[2], torch_state[2]), (triton_state[4], torch_state[4]))
+                ),
+            }
+        )
         # Continue from the reference's state so the check is per step.
         triton_state = [t.clone() for t in torch_state]
     return report
