@@ -337,20 +337,8 @@ def plan(kind: str, gpus: int, quick: bool) -> list[tuple[str, Callable[[float],
         checks.append(("bench_bf16", lambda t: run_bench(["--precision", "bf16-mixed"], t)))
         checks.append(("bench_medium", lambda t: run_bench(["--model", "medium", "--steps", "12"], t)))
     else:
-        tiny = [
-            "--model",
-            "tiny",
-            "--world-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--warmup",
-            "1",
-            "--steps",
-            "2" if quick else "4",
-            "--batch-size",
-            "2",
-        ]
+        steps = "2" if quick else "4"
+        tiny = f"--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps {steps} --batch-size 2".split()
         checks.append(("bench", lambda t: run_bench(tiny, t)))
     checks.append(("triton_kernels", lambda t: run_triton(kind, t)))
     return checks
