@@ -22,7 +22,13 @@ import torch
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402  (after the importorskip above)
+from tests.support.hf_models import (  # noqa: E402  (after the importorskip above)
+    MODELS,
+    assert_saved_model_matches,
+    assert_trained_alike,
+    full_parameters,
+    make_model,
+)
 from tests.support.launched import launch  # noqa: E402  (after the importorskip above)
 
 LAUNCH_TIMEOUT_S = 540
@@ -61,13 +67,7 @@ def test_lightning_vescale_matches_ddp(launched, run):
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "policy_ac")
         assert len(got["losses"]) == 4
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
-        )
-        assert got["params"].keys() == want["params"].keys()
-        for key, value in want["params"].items():
-            torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
-        torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
+        assert_trained_alike(got, want, rank)
     assert results[0][run]["losses"] != results[1][run]["losses"]  # each rank saw its own batches
     initial = full_parameters(make_model(name))
     assert any(not torch.allclose(initial[k], v) for k, v in results[0][run]["params"].items())

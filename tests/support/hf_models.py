@@ -129,6 +129,17 @@ def full_parameters(model: torch.nn.Module, prefix: str = "") -> dict[str, torch
     return out
 
 
+def assert_trained_alike(got: dict[str, Any], want: dict[str, Any], rank: int) -> None:
+    """One rank's record of a run (losses, final parameters, probe logits) equals the reference run's."""
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
+    )
+    assert got["params"].keys() == want["params"].keys()
+    for key, value in want["params"].items():
+        torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
+    torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
+
+
 def assert_saved_model_matches(saved_dir: Any, name: str, trained: dict[str, Any]) -> None:
     """The model saved in ``saved_dir`` loads with ``from_pretrained`` in this (single)
     process with the trained run's parameters exactly and its logits on ``probe_input()``,
