@@ -75,7 +75,7 @@ class OnLocalShards:
     meta-pytorch/torchtune#1978 for the same class of failure). torchao
     quantizes the flattened local shard anyway, so stepping the shards themselves (as its
     maintainers suggest: unwrap ``_local_tensor``) keeps its blocks, its fp32 fallback rule
-    and its state bytes; only the state is no longer DTensors (no DCP resharding, unused here).
+    and its state bytes; only its state is plain tensors rather than DTensors (no DCP resharding, unused here).
     """
 
     def __init__(self, params: Any, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:

@@ -48,7 +48,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 # On CPU the tracker can only over-count (a free the profiler did not see; which ones varies
-# from run to run, see memory.py), so the smallest of a few measurements is the figure.
+# from run to run, see vescale_plugins.observe.allocations), so the smallest of a few
+# measurements is the figure.
 CPU_MEMORY_REPEATS = 3
 
 

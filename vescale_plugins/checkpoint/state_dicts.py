@@ -5,7 +5,7 @@ a sharded checkpoint is a DCP directory written with no gathering (each rank wri
 boxes of its own ragged shards) and loads at any world size; a full checkpoint is one
 ``torch.save`` file written by rank 0 that a plain, unsharded model loads.
 
-Sharded saves commit atomically (see ``checkpoint_commit``): a save that dies part-way
+Sharded saves commit atomically (see :mod:`.commit`): a save that dies part-way
 leaves the previous checkpoint loadable and is itself never loaded.
 """
 

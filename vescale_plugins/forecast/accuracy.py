@@ -56,7 +56,7 @@ from vescale_plugins.forecast.model import spec_from_modules
 from vescale_plugins.forecast.settings import ForecastSettings
 from vescale_plugins.tools.launch import launch_ranks
 
-TOLERANCE = 0.10  # the bar: forecast ratio within 10 % of the measured one
+TOLERANCE = 0.10  # the accepted error: forecast ratio within 10 % of the measured one
 BENCH_TIMEOUT_S = 3600.0
 # Calibrated fields the forecast uses (means of the calibrations before and after the bench).
 CALIBRATED_FIELDS = (

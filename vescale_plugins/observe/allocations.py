@@ -31,15 +31,15 @@ same entry point as ``torch.profiler._memory_profiler``.
 
 Frees the profiler cannot see: the allocator reports only on threads that carry the
 profiler's thread-local state, and a collective backend's worker thread sometimes drops the
-last reference to a tensor. Two cases, measured with gloo:
+last reference to a tensor. Two cases, seen with gloo:
 
-* temporaries the collective allocated (gloo's reduce-scatter clones its 4 MiB input; about
-  3 frees in 20 go unreported). A block allocated inside a collective op (``c10d::*``,
+* temporaries the collective allocated (gloo's reduce-scatter clones its input; a few of
+  those frees go unreported). A block allocated inside a collective op (``c10d::*``,
   ``gloo:*``) whose free never shows is closed at the first allocator event of its thread
   after that op: the issuing thread of a synchronous collective blocks in ``wait()`` until
   the collective completes, and the worker frees the temporary as it completes.
 * tensors the caller handed to the collective and dropped while the worker still held them
-  (seen for FSDP2's all-gather output in about 1 run in 7). Such a block, like any other
+  (seen for FSDP2's all-gather output in some runs). Such a block, like any other
   whose free went unreported, is closed when its address is handed out again, or stays live.
 
 A free that stays unreported can only make the count too high, and which frees go missing

@@ -6,8 +6,8 @@ holds units ``[sum(u[:r]), sum(u[:r+1]))``. Zeros are allowed (that rank holds n
 one placement covers element-wise, row-wise (even = ``Shard(0)``, or uneven), block-wise
 (a unit of g rows) and whole-tensor-on-one-rank (``dims=()``, one-hot units) sharding.
 
-Stock DTensor code works on it once ``vescale_plugins`` is imported: see ``_dtensor_bridge``
-for the few places where torch is taught about it.
+Stock DTensor code works on it once ``vescale_plugins`` is imported: see
+:mod:`vescale_plugins.ragged.dtensor` for the few places where torch is taught about it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ to AdamW too), and the max/mean Newton–Schulz flops per rank of the root assig
 the lower bound no assignment can beat (``max(1, W * largest / total)``) and the upper bound
 the assignment guarantees (``1 + (W - 1) * largest / total``).
 
-Target (issue 13): max/mean <= 1.10 wherever there are at least 4 W matrices.
+Target: max/mean <= 1.10 wherever there are at least 4 W matrices.
 """
 
 from __future__ import annotations

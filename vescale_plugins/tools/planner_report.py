@@ -32,7 +32,7 @@ WORLD_SIZES = (8, 64, 256, 1024, 8192)
 GRANULARITIES = (1, 16, 128)
 SPLIT_BUDGETS = (1, 2, 3, 4)
 RANDOM_INSTANCES = 1500
-# Targets from the issue: single-buffer gap to the bound (percentage points) per granularity.
+# The planner's targets: single-buffer gap to the bound (percentage points) per granularity.
 BOUND_GAP_TARGET_PP = {1: 1.0, 16: 1.0, 128: 3.0}
 
 
@@ -159,7 +159,7 @@ def split_table(rows: int, cells: dict) -> list[str]:
 
 
 def target_lines(singles: dict, splits: dict) -> list[str]:
-    """The issue's quality targets, checked cell by cell."""
+    """The planner's quality targets, checked cell by cell."""
     lines = ["### Targets", ""]
     for rows, target in BOUND_GAP_TARGET_PP.items():
         gaps = [(c.worst_gap_pp, key) for key, c in singles.items() if key[0] == rows]

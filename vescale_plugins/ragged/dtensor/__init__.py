@@ -97,7 +97,7 @@ def _redirect(original: Callable[..., Any], replacement: Callable[..., Any]) -> 
     distribute_tensor``), some before ``vescale_plugins`` is imported. Rebinding names would
     miss references taken earlier (locals, partials, other objects), so the function object
     is changed instead: its code becomes a call to ``replacement``, and ``replacement``
-    calls the returned copy for what it leaves to torch. Import order no longer matters.
+    calls the returned copy for what it leaves to torch. So import order does not matter.
     """
     assert isinstance(original, types.FunctionType)  # torch's Python functions: code to swap
     copy = types.FunctionType(
