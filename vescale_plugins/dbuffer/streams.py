@@ -44,8 +44,8 @@ class CommStreams:
     def __init__(self, device: torch.device, module: Any = None) -> None:
         self.module, self.device = module, device
         self.enabled = module is not None
-        self.all_gather = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
-        self.reduce_scatter = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self.all_gather: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self.reduce_scatter: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
         self._post_optim_event: Any = None
 
     def wait_before_next_all_gather(self, event: Any) -> None:
