@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
-from tests.support.parity import TOL, assert_matches, reference_and_ours, train_like_reference
+from tests.support.parity import TOL, assert_matches, reference_and_ours, sharded_step, train_like_reference
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.planning import plan_buffers
 from vescale_plugins.dbuffer.streams import CommStreams
@@ -146,3 +146,37 @@ def _trains_like_the_unsharded_model_on_side_streams():
 
 def test_trains_like_the_unsharded_model_on_side_streams(dist_run):
     dist_run(_trains_like_the_unsharded_model_on_side_streams, 2)
+
+
+class _PostOptimEvent:
+    def __init__(self):
+        self.synchronized = False
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+def _post_optim_event_is_waited_on_the_all_gather_stream():
+    api = FakeStreamAPI()
+    streams = CommStreams(torch.device("cpu"), api)
+    original = dbuffer_module.comm_streams_for
+    dbuffer_module.comm_streams_for = lambda device: streams
+    try:
+        _, model = reference_and_ours()
+        sharded_step(model, 0)
+        event = _PostOptimEvent()
+        model.set_post_optim_event(event)
+        api.log.clear()
+        sharded_step(model, 1)
+    finally:
+        dbuffer_module.comm_streams_for = original
+    gather_waits = [entry for entry in api.log if entry[1] == "all_gather" and entry[0].startswith("wait")]
+    return event.synchronized, gather_waits[0] == ("wait_event", "all_gather", event), gather_waits[1:]
+
+
+def test_post_optim_event_is_a_stream_wait_as_fsdp2(dist_run):
+    """The next forward's first all-gather waits for the event on its stream (FSDP2's
+    root pre-forward), the host never blocks on it, later gathers wait for compute."""
+    synchronized, first_waits_for_event, later = dist_run(_post_optim_event_is_waited_on_the_all_gather_stream, 2)[0]
+    assert not synchronized and first_waits_for_event
+    assert later and all(entry == ("wait_stream", "all_gather", "compute") for entry in later)

@@ -112,9 +112,12 @@ class VeScaleFSDPModule(FSDPModule):
         )
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """FSDP2 makes the next all-gathers wait for ``event``; ours waits for it here (on the
-        host), which orders them after the optimizer step just the same."""
-        event.synchronize()
+        """As FSDP2: the next all-gather waits for ``event`` on its stream instead of for the
+        compute stream (no host sync, no false dependency on work after the step)."""
+        units = groups_under([cast(nn.Module, self)])
+        streams = {id(d.streams): d.streams for group in units for d in group.dbuffers}
+        for comm_streams in streams.values():
+            comm_streams.wait_before_next_all_gather(event)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2: use :meth:`set_gradient_divide_factor`."""

@@ -137,14 +137,17 @@ class RootState:
 
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
-        every reduce-scatter (gradients are final when ``backward()`` returns), reset state."""
+        every reduce-scatter (gradients are final when ``backward()`` returns), reshard every
+        unit (those no backward reached too), reset state."""
         self.callback_queued = False
         for group in reversed(self.groups):
             group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if group.training_state is TrainingState.PRE_BACKWARD:
                 group.post_backward()
             group._pending_post_backward = 0
-            if group.training_state is TrainingState.POST_BACKWARD:
+            # FORWARD: no backward reached the unit (a frozen embedding), though it may have
+            # been prefetched for one; it reshards below, as FSDP2's final callback does.
+            if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
         self.wait_for_reduces()
         if self.reduced_without_local_grad:
