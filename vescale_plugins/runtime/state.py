@@ -53,7 +53,7 @@ class RootState:
         self.groups = groups  # every unit under the root, outermost first (the root first)
         self.forward_order: list[FSDPParamGroup] = []  # units in the order this forward ran them
         self.previous_forward_order: list[FSDPParamGroup] = []
-        self.reduces_in_flight: list[ReduceScatterHandle] = []
+        self.reduces_in_flight: list[list[ReduceScatterHandle]] = []  # per unit, oldest first
         # Parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
@@ -129,11 +129,12 @@ class RootState:
                 return [earlier]
         return []
 
-    def wait_for_reduces(self) -> None:
-        """Complete every reduce-scatter in flight, freeing their gradient buffers."""
-        for handle in self.reduces_in_flight:
-            handle.wait()
-        self.reduces_in_flight = []
+    def wait_for_reduces(self, keep: int = 0) -> None:
+        """Complete the oldest units' reduce-scatters until ``keep`` units' remain in flight,
+        freeing their gradient buffers."""
+        while len(self.reduces_in_flight) > keep:
+            for handle in self.reduces_in_flight.pop(0):
+                handle.wait()
 
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
@@ -186,8 +187,9 @@ class RootState:
         """After an exception aborted a forward or backward: finish every collective in
         flight, reshard every unit and forget the iteration (its unreduced gradients and
         no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
-        for handle in self.reduces_in_flight:
-            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        for handles in self.reduces_in_flight:
+            for handle in handles:
+                handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
         self.wait_for_reduces()
         self.reduced_without_local_grad = []
         self.callback_queued = False
