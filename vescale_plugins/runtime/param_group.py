@@ -322,6 +322,8 @@ class FSDPParamGroup:
             else:
                 self.reshard()
         if torch.is_grad_enabled():
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
+            self.root_state.post_forward_order.append(self)
             output = register_on_tensors(output, self._pre_backward_hook)
         return output
 

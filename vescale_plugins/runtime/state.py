@@ -53,6 +53,9 @@ class RootState:
         self.groups = groups  # every unit under the root, outermost first (the root first)
         self.forward_order: list[FSDPParamGroup] = []  # units in the order this forward ran them
         self.previous_forward_order: list[FSDPParamGroup] = []
+        # Units in the order this forward finished them (a unit's forward ends after those of
+        # the units inside it): backward runs in its reverse, so it orders the prefetch.
+        self.post_forward_order: list[FSDPParamGroup] = []
         self.reduces_in_flight: list[list[ReduceScatterHandle]] = []  # per unit, oldest first
         # Parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
@@ -84,6 +87,7 @@ class RootState:
         """(At the root's pre-forward) The last forward's order becomes the prefetch order."""
         if self.forward_order:
             self.previous_forward_order, self.forward_order = self.forward_order, []
+            self.post_forward_order = []
 
     def forward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
@@ -113,11 +117,12 @@ class RootState:
     # -- backward ---------------------------------------------------------------------
 
     def backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
-        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit before
-        ``group`` in this forward whose backward has not started."""
+        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit to
+        finish its forward before ``group`` did whose backward has not started (FSDP2's
+        post-forward order: the root gathers the last block during the head's backward)."""
         if group.backward_prefetch is not None:
             return group.backward_prefetch
-        order = self.forward_order
+        order = self.post_forward_order
         if group not in order:
             return []
         position = order.index(group)
@@ -194,5 +199,6 @@ class RootState:
         self.reduced_without_local_grad = []
         self.callback_queued = False
         self.forward_order = []
+        self.post_forward_order = []
         for group in self.groups:
             group.reset_iteration_state()
