@@ -135,17 +135,15 @@ class VeScaleFSDPModule(FSDPModule):
             raise TypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Validated as FSDP2 does; veScale-FSDP keeps one reduce-scatter in flight (FSDP2's
-        default, 1), so only 1 is accepted."""
+        """As FSDP2: how many units' reduce-scatters (and their gradient buffers) may be in
+        flight at once; a unit's post-backward waits for the oldest until fewer remain. 1 (the
+        default) bounds memory; more hides an exposed reduce-scatter at the cost of buffers."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        if max_input_buffers > 1:
-            raise NotImplementedError(
-                f"set_reduce_scatter_max_input_buffers({max_input_buffers}): veScale-FSDP keeps one "
-                "reduce-scatter in flight; use 1 (the default)"
-            )
+        for unit in self._units(recurse):
+            unit.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         if enable:

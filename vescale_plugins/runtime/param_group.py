@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins.dbuffer import DBuffer
-from vescale_plugins.dbuffer.handles import GatherHandle
+from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
@@ -64,6 +64,7 @@ class FSDPParamGroup:
         self.requires_all_reduce = True
         self.is_last_backward = True
         self.unshard_in_backward = True
+        self.reduce_scatter_max_input_buffers = 1  # units whose reduce-scatters may be in flight
         # None: each DBuffer divides by its mesh's size (every data-parallel rank of it).
         self.gradient_divide_factor: float | None = None
         self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit (see RootState)
@@ -321,6 +322,8 @@ class FSDPParamGroup:
             else:
                 self.reshard()
         if torch.is_grad_enabled():
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
+            self.root_state.post_forward_order.append(self)
             output = register_on_tensors(output, self._pre_backward_hook)
         return output
 
@@ -359,15 +362,11 @@ class FSDPParamGroup:
             self._prefetch_for_backward()
 
     def _after_gradient(self, param: nn.Parameter) -> None:
-        """At the unit's first gradient: finish the previous unit's reduce-scatter, then start
-        gathering the unit whose backward comes next.
+        """At the unit's first gradient: start gathering the unit whose backward comes next.
 
-        The reduce-scatter has overlapped this unit's backward up to here; finishing it frees
-        its gradient buffer before the prefetch allocates, so the two are never alive at once.
+        The previous unit's reduce-scatter goes on overlapping this unit's whole backward; it
+        is waited for at this unit's post-backward (FSDP2's place, see ``_reduce_gradients``).
         """
-        if not self._backward_prefetched:
-            assert self.root_state is not None  # set at the first forward (RootState.init_under)
-            self.root_state.wait_for_reduces()
         self._prefetch_for_backward()
 
     def _prefetch_for_backward(self) -> None:
@@ -409,18 +408,21 @@ class FSDPParamGroup:
 
     def _reduce_gradients(self) -> None:
         """Move the unit's gradients into its gradient buffers and reduce-scatter them
-        asynchronously (at most one unit in flight).
+        asynchronously (at most ``reduce_scatter_max_input_buffers`` units in flight).
 
         Called after resharding, as FSDP2 chunk-cats after resharding: the buffer is allocated
-        once the unsharded parameters are freed and the previous unit's reduce-scatter (which
-        overlapped this unit's backward) is finished, so one unit's full gradients are alive
-        at a time, the root's aside. Autograd's gradients are copied in (one copy each: its
-        backward ops always write fresh tensors) and freed as they are copied. The root waits
-        for the last reduce-scatters at the end of backward.
+        once the unsharded parameters are freed and the oldest reduce-scatters (which
+        overlapped this unit's backward) are finished until fewer than the cap remain, as
+        FSDP2's post-backward recycles its reduce-scatter inputs: with the default cap of 1,
+        the previous unit's gradient buffer and this unit's autograd gradients are what is
+        alive. Autograd's gradients are copied in (one copy each: its backward ops always
+        write fresh tensors) and freed as they are copied. The root waits for the last
+        reduce-scatters at the end of backward.
         """
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
-        root_state.wait_for_reduces()
+        root_state.wait_for_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+        issued: list[ReduceScatterHandle] = []
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
             if not members:
@@ -443,9 +445,7 @@ class FSDPParamGroup:
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's sums wait in a partial buffer; no gradient is attached yet.
-                root_state.reduces_in_flight.append(
-                    dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True)
-                )
+                issued.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
                 continue
             # Default: the mean over every data-parallel rank of the buffer's own mesh.
             divide_factor = (
@@ -455,7 +455,7 @@ class FSDPParamGroup:
                 divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group
             )
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
-            root_state.reduces_in_flight.append(handle)
+            issued.append(handle)
             for p, got in zip(members, received):
                 if p.sharded.grad is not None:
                     continue
@@ -465,6 +465,8 @@ class FSDPParamGroup:
                     sharded_grad = dbuffer.sharded_grad
                     assert sharded_grad is not None  # the reduce-scatter's handle holds it
                     root_state.reduced_without_local_grad.append((p, sharded_grad))
+        if issued:
+            root_state.reduces_in_flight.append(issued)
 
     def reset_iteration_state(self) -> None:
         """Forget this iteration (after an exception aborted it): no gradient, no gather."""
