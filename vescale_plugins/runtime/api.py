@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost
+from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
 from vescale_plugins.runtime.placement import mesh_device, move_unit_states
@@ -98,15 +99,18 @@ def fully_shard(
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
         m.__class__ = fsdp_class(type(m))
+        mark_managed(m)
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, prepend=False)
     return module
 
 
+@eager_hook
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return group_of(module).pre_forward(module, args, kwargs)
 
 
+@eager_hook
 def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
     return group_of(module).post_forward(module, output)
 

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
+from vescale_plugins.runtime.dynamo import eager_hook
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -261,6 +262,7 @@ class FSDPParamGroup:
 
     # -- forward ----------------------------------------------------------------------
 
+    @eager_hook
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # Activation checkpointing recomputes this forward inside the unit's backward: the
@@ -301,6 +303,7 @@ class FSDPParamGroup:
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
 
+    @eager_hook
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return self._cast_output(output)  # a recomputation (see pre_forward)
@@ -347,6 +350,7 @@ class FSDPParamGroup:
         replacements = iter(outs if isinstance(outs, tuple) else (outs,))
         return map_grad_tensors(inputs, lambda t: next(replacements))
 
+    @eager_hook
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
@@ -389,6 +393,7 @@ class FSDPParamGroup:
         if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
+    @eager_hook
     def post_backward(self) -> None:
         """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from vescale_plugins.dbuffer.handles import ReduceScatterHandle
+from vescale_plugins.runtime.dynamo import eager_hook
 
 if TYPE_CHECKING:
     from vescale_plugins.runtime.param import FSDPParam
@@ -141,6 +142,7 @@ class RootState:
             for handle in self.reduces_in_flight.pop(0):
                 handle.wait()
 
+    @eager_hook
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
         every reduce-scatter (gradients are final when ``backward()`` returns), reshard every
