@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -169,8 +169,10 @@ def plan_unit_setup(
 
 def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any) -> None:
     check_reshard_after_forward(reshard_after_forward)
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
+    if offload_policy is not None and type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r}: pass OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...)"
+        )
     for m in modules:
         if getattr(m, "_vescale_fsdp_unit", None) is not None:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
