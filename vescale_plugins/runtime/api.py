@@ -94,7 +94,9 @@ def fully_shard(
         block_size_fn=block_size_fn,
     )
     move_unit_states(modules, [s.param for s in unit.params], mesh_device(unit.mesh))
-    group = FSDPParamGroup(modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost)
+    group = FSDPParamGroup(
+        modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
+    )
     record_sharded(modules, unit.params)
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value

@@ -193,7 +193,7 @@ class VeScaleFSDPModule(FSDPModule):
         check_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
             if len({b.mesh.mesh for b in unit.buffers}) > 1:
-                refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward, None)
+                refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward)
             unit.reshard_after_forward = normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:

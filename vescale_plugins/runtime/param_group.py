@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
@@ -54,8 +54,12 @@ class FSDPParamGroup:
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
         buffer_split_cost: BufferSplitCost,
+        offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self.modules = modules
+        # CPU offload: sharded parameters and gradients in host memory, computed with on the
+        # mesh's device (FSDP2's CPUOffloadPolicy).
+        self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.mesh = mesh
         self.group = UnitMesh.of(mesh).shard_group  # the unit mesh's (each DBuffer has its own)
         self.reshard_after_forward = reshard_after_forward
@@ -128,15 +132,18 @@ class FSDPParamGroup:
         layout: Any,
     ) -> DBuffer:
         floating = dtype.is_floating_point
+        offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
         return DBuffer(
             shapes,
             block_rows,
             dtype,
-            device,
+            device if offload is None else _compute_device(self.mesh),
             group,
             layout,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
+            offload_to_cpu=offload is not None,
+            pin_memory=offload is not None and offload.pin_memory,
         )
 
     @property
@@ -152,9 +159,15 @@ class FSDPParamGroup:
                 continue
             old = buffer.dbuffer
             locals_ = [p.sharded._local_tensor for p in members]
-            device = locals_[0].device if locals_ else old.device
+            device = locals_[0].device if locals_ else old.sharded_device
             dtype = locals_[0].dtype if locals_ else old.dtype
-            if device != old.device or dtype != old.dtype or old.sharded.device.type == "meta":
+            if self.offload is not None and device.type not in ("cpu", "meta"):
+                raise RuntimeError(
+                    "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                    'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                    f"Found following parameters on non-CPU device: {[(p.fqn, device) for p in members]}"
+                )
+            if device != old.sharded_device or dtype != old.dtype or old.sharded.device.type == "meta":
                 # Mixed-precision dtypes follow a dtype change unless the policy fixed them.
                 buffer.dbuffer = self._new_dbuffer(
                     [s.shape for s in old.slots],
@@ -487,6 +500,14 @@ class FSDPParamGroup:
         self.reshard()
         for dbuffer in self.dbuffers:
             dbuffer.release_unsharded_grad()
+
+
+def _compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device a CPU-offloaded unit computes on: its mesh's (the current CUDA device)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:

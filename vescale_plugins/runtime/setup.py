@@ -21,13 +21,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
-from vescale_plugins.runtime.tensor_parallel import ParallelSpec, SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
+from vescale_plugins.runtime.tensor_parallel import (
+    ParallelSpec,
+    SpmdMesh,
+    parallel_spec_for,
+    resolve_dp_mesh_dims,
+    spmd_mesh_of,
+)
 
 if TYPE_CHECKING:  # type-checked against a torch that has it
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
@@ -123,15 +129,15 @@ def plan_unit_setup(
             _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
         )
         if own_mesh:
-            refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward, spmd)
+            refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward)
         specs = [
             ParamSpec(
                 fqn,
                 tuple(owners),
                 p,
                 _block_rows(fqn, p, block_size_fn),
-                parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd),
-                own_mesh.get(fqn),
+                parallel_spec_for(fqn, p, *own_mesh.get(fqn, (mesh, spmd))),
+                own_mesh[fqn][0] if fqn in own_mesh else None,
             )
             for fqn, owners, p in params
         ]
@@ -165,8 +171,10 @@ def plan_unit_setup(
 
 def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any) -> None:
     check_reshard_after_forward(reshard_after_forward)
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
+    if offload_policy is not None and type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r}: pass OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...)"
+        )
     for m in modules:
         if getattr(m, "_vescale_fsdp_unit", None) is not None:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
@@ -256,7 +264,8 @@ def _resolve_spmd_mesh(
         raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {dp_mesh_dims!r}")
     full_mesh = _resolve_mesh(mesh) if mesh is None else mesh
     _check_mesh(full_mesh)
-    return resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
+    spmd = resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
+    return spmd.dp_mesh, spmd
 
 
 # -- the parameters ---------------------------------------------------------------------
@@ -379,7 +388,7 @@ def _check_shard_placements(
     shard_placement_fn: Callable[[nn.Parameter], Any],
     mesh: DeviceMesh,
     device: torch.device,
-) -> dict[str, DeviceMesh]:
+) -> dict[str, tuple[DeviceMesh, SpmdMesh | None]]:
     """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it; returns the parameters it
     puts on another mesh than the unit's.
 
@@ -389,7 +398,9 @@ def _check_shard_placements(
     FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank (placement
     ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so. A
     ``ShardPlacementResult`` may also name another mesh for the parameter (torch >= 2.12;
-    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it.
+    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it,
+    and where that mesh info was built with ``dp_mesh_dims`` the parameter is a DTensor on its
+    full SPMD mesh (torchtitan's experts on the sparse mesh).
     """
     other_dims, own_mesh = [], {}
     for fqn, _, param in params:
@@ -397,7 +408,7 @@ def _check_shard_placements(
         if isinstance(placement, ShardPlacementResult):
             param_mesh = _parameter_mesh(fqn, placement.mesh_info, device)
             if param_mesh != mesh:
-                own_mesh[fqn] = param_mesh
+                own_mesh[fqn] = (param_mesh, spmd_mesh_of(placement.mesh_info))
             placement = placement.placement
         if placement is None:
             continue
@@ -456,16 +467,12 @@ def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMes
     return param_mesh
 
 
-def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any, spmd: Any) -> None:
+def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any) -> None:
     """What a unit with parameters on their own mesh (``shard_placement_fn``) cannot do."""
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward} with parameters on their own mesh ({first_fqn!r}, from "
             "shard_placement_fn): pass True or False, as FSDP2 needs for such units"
-        )
-    if spmd is not None:
-        raise NotImplementedError(
-            f"dp_mesh_dims with parameters on their own mesh ({first_fqn!r}, from shard_placement_fn)"
         )
 
 

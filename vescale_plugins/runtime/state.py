@@ -158,6 +158,9 @@ class RootState:
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
         self.wait_for_reduces()
+        for group in self.groups:  # CPU offload: the gradients' copies to host, as FSDP2
+            for dbuffer in group.dbuffers:
+                dbuffer.wait_for_offloaded_grads()
         if self.reduced_without_local_grad:
             self._attach_remote_gradients()
         if self.root.reshard_after_backward:
