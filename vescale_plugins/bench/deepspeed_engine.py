@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,6 +64,10 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, 
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what DeepSpeed's own launcher would set
+    # DeepSpeed calls the collectives torch 2.13 renamed, warning at every step: noise in the bench's output.
+    warnings.filterwarnings(
+        "ignore", r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning
+    )
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, dist_init_required=False
     )
