@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test bench setup lint
+.PHONY: test bench bench-deepspeed setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,8 @@ lint: $(LINT_STAMP)
 # The side-by-side benchmark against torch's FSDP2 (CPU: 2 gloo ranks; CUDA: every GPU).
 bench: $(STAMP)
 	$(PY) -m vescale_plugins.bench $(BENCH_ARGS)
+
+# The same with DeepSpeed ZeRO-3 as a third engine (installs the `deepspeed` extra first).
+bench-deepspeed: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[deepspeed]"
+	$(PY) -m vescale_plugins.bench --engines fsdp2,vescale,deepspeed --json bench_deepspeed.json --plot bench_deepspeed.png $(BENCH_ARGS)

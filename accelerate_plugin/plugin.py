@@ -20,7 +20,6 @@ import torch.nn as nn
 from accelerate import FullyShardedDataParallelPlugin
 from accelerate.utils import str_to_bool
 from accelerate.utils.dataclasses import get_module_class_from_name
-from torch.distributed.fsdp import CPUOffloadPolicy
 
 __all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "FIND_UNUSED_PARAMETERS_ENV", "SUPPORTED_MIXED_PRECISION"]
 
@@ -80,10 +79,6 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
                 "converts an FSDP1 config)"
             )
         super().__post_init__()
-        if isinstance(self.cpu_offload, CPUOffloadPolicy):
-            raise NotImplementedError(
-                "cpu_offload (fsdp_offload_params) is not supported by veScale-FSDP yet; set it to false"
-            )
         if self.block_size_fn is None:
             self.block_size_fn = os.environ.get(BLOCK_SIZE_FN_ENV) or None
         if isinstance(self.block_size_fn, str):

@@ -48,6 +48,7 @@ def prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         block_size_fn=plugin.block_size_fn,
         ignored_params=ignored,
+        offload_policy=plugin.cpu_offload,  # fsdp_offload_params: FSDP2's CPUOffloadPolicy, as Accelerate builds it
     )
     if rank0_state is not None:
         load_model_from_rank0(model, rank0_state)

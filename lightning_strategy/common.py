@@ -50,12 +50,13 @@ class VeScaleFSDPCommon:
         find_unused_parameters: bool,
         data_parallel_size: int | Literal["auto"],
         tensor_parallel_size: int,
+        cpu_offload: Any = None,
     ) -> None:
         """Check and keep the strategy's arguments. Called first in ``__init__``: a bad
         configuration fails in ``Trainer(...)`` / ``Fabric(...)``, before any process starts."""
         self._layer_checkpointing = LayerCheckpointing.from_policy(activation_checkpointing_policy)
         self._sharding = ShardingOptions.from_arguments(
-            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters
+            auto_wrap_policy, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters, cpu_offload
         )
         check_state_dict_type(state_dict_type)
         check_device_mesh(device_mesh)

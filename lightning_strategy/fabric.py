@@ -28,7 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -69,7 +69,8 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
     ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
-    ``find_unused_parameters``, ``data_parallel_size``, ``tensor_parallel_size``). Call the
+    ``find_unused_parameters``, ``data_parallel_size``, ``tensor_parallel_size``,
+    ``cpu_offload``). Call the
     model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
 
     Tensor parallelism as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(module,
@@ -100,6 +101,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         find_unused_parameters: bool = False,
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
+        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
     ) -> None:
         self._configure(
@@ -115,6 +117,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
             find_unused_parameters,
             data_parallel_size,
             tensor_parallel_size,
+            cpu_offload,
         )
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(

@@ -67,6 +67,7 @@ def shard_for_training(
             reshard_after_forward=options.reshard_after_forward,
             mp_policy=mp_policy,
             block_size_fn=options.block_size_fn,
+            offload_policy=options.offload_policy,
         )
     if options.find_unused_parameters:  # DDP's switch: data-dependent routing (MoE, conditional branches)
         module.set_find_unused_parameters(True)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from vescale_plugins import BlockSizeFn
@@ -69,6 +69,7 @@ class ShardingOptions:
     mp_policy: MixedPrecisionPolicy | None = None
     block_size_fn: BlockSizeFn | None = None
     find_unused_parameters: bool = False
+    offload_policy: CPUOffloadPolicy | None = None
 
     @classmethod
     def from_arguments(
@@ -78,6 +79,7 @@ class ShardingOptions:
         mp_policy: MixedPrecisionPolicy | None,
         block_size_fn: BlockSizeFn | None,
         find_unused_parameters: bool = False,
+        cpu_offload: Any = None,
     ) -> ShardingOptions:
         """Check a strategy's sharding arguments and normalise the wrap policy."""
         if (
@@ -101,7 +103,15 @@ class ShardingOptions:
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got {find_unused_parameters!r}")
         unit_classes, unit_fn = _normalise_wrap_policy(auto_wrap_policy)
-        return cls(unit_classes, unit_fn, reshard_after_forward, mp_policy, block_size_fn, find_unused_parameters)
+        return cls(
+            unit_classes,
+            unit_fn,
+            reshard_after_forward,
+            mp_policy,
+            block_size_fn,
+            find_unused_parameters,
+            _offload_policy(cpu_offload),
+        )
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """The modules to shard before the root; raises if the policy names no module of ``model``."""
@@ -141,6 +151,20 @@ def module_classes(policy: type | str | Iterable[Any], argument: str) -> tuple[t
             f"{argument} must name nn.Module classes (a set of types or class names), got {bad or 'nothing'}"
         )
     return classes
+
+
+def _offload_policy(cpu_offload: Any) -> CPUOffloadPolicy | None:
+    """``cpu_offload`` as Lightning's FSDPStrategy takes it (a bool or FSDP1's ``CPUOffload``),
+    or FSDP2's ``CPUOffloadPolicy``: the policy ``fully_shard`` gets (None: no offload)."""
+    if cpu_offload is None or isinstance(cpu_offload, bool):
+        return CPUOffloadPolicy() if cpu_offload else None
+    if isinstance(cpu_offload, CPUOffload):
+        return CPUOffloadPolicy() if cpu_offload.offload_params else None
+    if isinstance(cpu_offload, CPUOffloadPolicy):
+        return cpu_offload
+    raise TypeError(
+        f"cpu_offload must be a bool, torch.distributed.fsdp.CPUOffload or CPUOffloadPolicy, got {cpu_offload!r}"
+    )
 
 
 def _normalise_wrap_policy(policy: Any) -> tuple[tuple[Any, ...] | None, UnitFn | None]:

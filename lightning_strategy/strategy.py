@@ -27,7 +27,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from vescale_plugins import BlockSizeFn
@@ -91,6 +91,10 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
         find_unused_parameters: Accepted as DDP's, for code that passes it: veScale-FSDP always
             handles data-dependent routing (a parameter that gets a gradient on some ranks only
             gets the reduced gradient on every rank; see ``set_find_unused_parameters``).
+        cpu_offload: As Lightning's ``FSDPStrategy``: ``True`` or FSDP1's
+            ``CPUOffload(offload_params=True)`` keeps the sharded parameters, their gradients and
+            the optimizer step on the CPU (FSDP2's ``CPUOffloadPolicy()``, which may also be
+            passed, e.g. with ``pin_memory=False``); the forward and backward run on the device.
         process_group_backend, timeout: as for Lightning's other distributed strategies.
     """
 
@@ -117,6 +121,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
         find_unused_parameters: bool = False,
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
+        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
     ) -> None:
         self._configure(
             process_group_backend,
@@ -131,6 +136,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
             find_unused_parameters,
             data_parallel_size,
             tensor_parallel_size,
+            cpu_offload,
         )
         self._checkpointed_model: torch.nn.Module | None = None
         super().__init__(

@@ -10,16 +10,9 @@ Importing this package teaches torch's DTensor the ``RaggedShard`` placement
 (:func:`vescale_plugins.ragged.dtensor.install`); nothing else in torch changes behaviour.
 """
 
+from vescale_plugins import ragged as _ragged
 from vescale_plugins.dbuffer.planning import BufferSplitCost
-from vescale_plugins.ragged import (
-    RaggedLayout,
-    RaggedShard,
-    RankSlice,
-    StridedRaggedShard,
-    flat_interval_boxes,
-    ragged_layout,
-    validate_ragged,
-)
+from vescale_plugins.ragged import *  # noqa: F403  (the placement and layout names, as ragged.__all__ lists them)
 from vescale_plugins.ragged import dtensor as _dtensor
 from vescale_plugins.runtime.api import fully_shard, register_fsdp_forward_method
 from vescale_plugins.runtime.module import UnshardHandle, VeScaleFSDPModule
@@ -35,11 +28,5 @@ __all__ = [
     "BlockSizeFn",
     "BufferSplitCost",
     "PlanMismatchError",
-    "RaggedShard",
-    "StridedRaggedShard",
-    "RaggedLayout",
-    "RankSlice",
-    "ragged_layout",
-    "validate_ragged",
-    "flat_interval_boxes",
+    *_ragged.__all__,
 ]

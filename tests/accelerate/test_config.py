@@ -18,7 +18,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from torch.distributed.fsdp import StateDictType
+from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 from torch.distributed.tensor import DTensor, Replicate
 
 import accelerate_plugin.hooks as hooks
@@ -95,7 +95,7 @@ def test_a_stock_fsdp2_plugin_converts_with_all_its_settings(clean_fsdp_env):
         assert getattr(ours, name) == getattr(stock, name), name
 
 
-def test_fsdp1_configs_and_cpu_offload_are_refused_when_the_plugin_is_built(clean_fsdp_env):
+def test_fsdp1_configs_are_refused_when_the_plugin_is_built(clean_fsdp_env):
     with pytest.raises(ValueError, match="fsdp_version=1.*accelerate to-fsdp2"):
         VeScaleFSDPPlugin(fsdp_version=1)
     clean_fsdp_env.setenv("FSDP_VERSION", "1")
@@ -104,8 +104,8 @@ def test_fsdp1_configs_and_cpu_offload_are_refused_when_the_plugin_is_built(clea
     with pytest.raises(ValueError, match="fsdp_version=1"):
         VeScaleFSDPPlugin.from_fsdp_plugin(FullyShardedDataParallelPlugin())
     clean_fsdp_env.delenv("FSDP_VERSION")
-    with pytest.raises(NotImplementedError, match="cpu_offload"):
-        VeScaleFSDPPlugin(cpu_offload=True)
+    # fsdp_offload_params: FSDP2's CPUOffloadPolicy, which fully_shard takes (see test_parity)
+    assert VeScaleFSDPPlugin(cpu_offload=True).cpu_offload == CPUOffloadPolicy()
     with pytest.raises(ValueError, match="module:function"):
         VeScaleFSDPPlugin(block_size_fn="no_colon_here")
     with pytest.raises(ValueError, match="cannot be imported"):

@@ -12,7 +12,10 @@ transformers' gradient checkpointing and with the config's ``fsdp_activation_che
 Every run must reproduce DDP's per-micro-batch losses, clipped gradient norms, parameters and
 logits to fp32 tolerance; every rank must end with the same parameters; the model
 ``trainer.save_model()`` wrote must load with ``from_pretrained`` in this (single) process and
-give the same logits; GPT-2's embedding must stay tied. About 3 minutes on 2 quiet cores.
+give the same logits; GPT-2's embedding must stay tied. Llama is fine-tuned too, under both
+engines: PEFT LoRA adapters over fp32 and over frozen bf16 base weights (QLoRA style), which
+must leave the base weights bit for bit as they were, and whose adapters ``save_model()``
+writes alone, loading onto the base model in this process with the same logits. About 3 minutes on 2 quiet cores.
 """
 
 from __future__ import annotations
@@ -28,7 +31,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from tests.support.accelerate_harness import accelerate_env  # noqa: E402  (after the importorskip above)
-from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402  (after the importorskip above)
+
+pytest.importorskip("peft")
+
+from tests.support.hf_models import (  # noqa: E402  (after the importorskips above)
+    FINE_TUNING,
+    MODELS,
+    assert_fine_tuned,
+    assert_saved_adapter_matches,
+    assert_saved_model_matches,
+    assert_trained_alike,
+    full_parameters,
+    make_lora_model,
+    make_model,
+)
 from tests.support.launched import launch  # noqa: E402  (after the importorskip above)
 
 LAUNCH_TIMEOUT_S = 420  # each of two launches, within the module's 900 s
@@ -51,9 +67,15 @@ fsdp_config:
   fsdp_cpu_ram_efficient_loading: false
   fsdp_offload_params: false
 """
-# model:variant (see hf_trainer_run.py); DDP trains each model once, plainly.
-VESCALE_RUNS = [f"{m}:{v}" for m in MODELS for v in ("plain", "hf_ac")] + ["llama:plugin_ac", "gpt2:plugin_ac"]
-SAVED_RUNS = [f"{m}:plain" for m in MODELS]
+# model:variant (see hf_trainer_run.py); DDP trains each model once plainly, and fine-tunes Llama.
+FINE_TUNING_RUNS = [f"llama:{v}" for v in FINE_TUNING]
+VESCALE_RUNS = [f"{m}:{v}" for m in MODELS for v in ("plain", "hf_ac")] + [
+    "llama:plugin_ac",
+    "gpt2:plugin_ac",
+    *FINE_TUNING_RUNS,
+]
+SAVED_RUNS = [f"{m}:plain" for m in MODELS] + FINE_TUNING_RUNS
+DDP_RUNS = [f"{m}:plain" for m in MODELS] + FINE_TUNING_RUNS
 ACCELERATE = ["-m", "accelerate.commands.accelerate_cli", "launch", "--num_processes", "2", "--main_process_port", "0"]
 
 
@@ -96,7 +118,7 @@ def ddp(tmp_path_factory) -> list[dict]:
             "--out",
             str(out),
             "--runs",
-            ",".join(f"{m}:plain" for m in MODELS),
+            ",".join(DDP_RUNS),
         ],
         timeout_s=LAUNCH_TIMEOUT_S,
         env={"ACCELERATE_USE_CPU": "true"},
@@ -107,26 +129,21 @@ def ddp(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("run", VESCALE_RUNS)
 def test_trainer_on_vescale_matches_ddp(vescale, ddp, run):
     name, variant = run.split(":")
+    baseline = run if run in DDP_RUNS else f"{name}:plain"
     for rank in range(2):
-        got, want = vescale[1][rank][run], ddp[rank][f"{name}:plain"]
+        got, want = vescale[1][rank][run], ddp[rank][baseline]
         assert got["engine"] == "RaggedShard" and want["engine"] == "DistributedDataParallel"
         # The checkpointing asked for is in place (and only that one).
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "plugin_ac")
         assert len(got["losses"]) == 4 and len(got["grad_norms"]) == 2
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
-        )
+        assert_trained_alike(got, want, rank)
         torch.testing.assert_close(
             torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), msg=lambda m: f"grad norms: {m}"
         )
-        assert got["params"].keys() == want["params"].keys()
-        for key, value in want["params"].items():
-            torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
-        torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
     # Each rank trained on its own batches, and training changed the model.
     assert vescale[1][0][run]["losses"] != vescale[1][1][run]["losses"]
-    initial = full_parameters(make_model(name))
+    initial = full_parameters(make_lora_model(name, variant) if variant in FINE_TUNING else make_model(name))
     assert any(not torch.allclose(initial[k], v) for k, v in vescale[1][0][run]["params"].items())
 
 
@@ -149,6 +166,20 @@ def test_mixture_of_experts_routes_differently_per_rank_and_still_matches_ddp(ve
 def test_save_model_loads_with_from_pretrained_in_one_process(vescale, name):
     out, results = vescale
     assert_saved_model_matches(out / f"{name}-plain" / "saved", name, results[0][f"{name}:plain"])
+
+
+@pytest.mark.parametrize("run", FINE_TUNING_RUNS)
+def test_fine_tuning_trains_only_the_adapters_under_both_engines(vescale, ddp, run):
+    name, variant = run.split(":")
+    for results in (vescale[1], ddp):
+        assert_fine_tuned(name, variant, results[0][run])
+
+
+@pytest.mark.parametrize("run", FINE_TUNING_RUNS)
+def test_save_model_writes_an_adapter_that_loads_in_one_process(vescale, run):
+    out, results = vescale
+    name, variant = run.split(":")
+    assert_saved_adapter_matches(out / f"{name}-{variant}" / "saved", name, variant, results[0][run])
 
 
 def test_gpt2_embedding_stays_tied_while_training(vescale):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from tests.support.accelerate_harness import MAX_GRAD_NORM, accelerate_env, decaying_lr, decoder_plugin, token_loader
 from tests.support.models import PER_RANK, clone, local_batch, loss_fn, make_decoder, reference_step
@@ -108,6 +108,33 @@ def test_prepare_backward_clip_accumulate_match_plain_fully_shard(dist_run, worl
 
 def test_mixed_precision_bf16_matches_fully_shard_with_the_same_policy(dist_run):
     dist_run(_accelerate_matches_plain_loop, 2, 1, "bf16")
+
+
+def _offload_params_trains_like_fully_shard_with_cpu_offload() -> None:
+    initial = make_decoder()
+    policy = CPUOffloadPolicy(pin_memory=False)  # what FSDP2 trains with where there is no accelerator
+    plain = shard_decoder(clone(initial), offload_policy=policy)
+    plain_opt = adamw(plain)
+    with accelerate_env():
+        accelerator = Accelerator(fsdp_plugin=decoder_plugin(cpu_offload=policy))
+        model = clone(initial)
+        model, optimizer = accelerator.prepare(model, adamw(model))
+        assert all(m._vescale_fsdp_unit.offload == policy for m in (model, *model.layers))
+        for step in range(2):
+            tokens, targets = local_batch(step, PER_RANK)
+            loss = loss_fn(model(tokens), targets)
+            accelerator.backward(loss)
+            plain_loss = loss_fn(plain(tokens), targets)
+            plain_loss.backward()
+            torch.testing.assert_close(loss, plain_loss, **EXACT)
+            for opt in (optimizer, plain_opt):
+                opt.step()
+                opt.zero_grad()
+        assert_same_params(full_params(model), full_params(plain), EXACT)
+
+
+def test_offload_params_trains_like_fully_shard_with_cpu_offload(dist_run):
+    dist_run(_offload_params_trains_like_fully_shard_with_cpu_offload, 2)
 
 
 def _bf16_weights_become_fp32_masters() -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
-from tests.support.parity import TOL, assert_matches, reference_and_ours, train_like_reference
+from tests.support.parity import TOL, assert_matches, reference_and_ours, sharded_step, train_like_reference
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.planning import plan_buffers
 from vescale_plugins.dbuffer.streams import CommStreams
@@ -146,3 +146,92 @@ def _trains_like_the_unsharded_model_on_side_streams():
 
 def test_trains_like_the_unsharded_model_on_side_streams(dist_run):
     dist_run(_trains_like_the_unsharded_model_on_side_streams, 2)
+
+
+class _PostOptimEvent:
+    def __init__(self):
+        self.synchronized = False
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+def _post_optim_event_is_waited_on_the_all_gather_stream():
+    api = FakeStreamAPI()
+    streams = CommStreams(torch.device("cpu"), api)
+    original = dbuffer_module.comm_streams_for
+    dbuffer_module.comm_streams_for = lambda device: streams
+    try:
+        _, model = reference_and_ours()
+        sharded_step(model, 0)
+        event = _PostOptimEvent()
+        model.set_post_optim_event(event)
+        api.log.clear()
+        sharded_step(model, 1)
+    finally:
+        dbuffer_module.comm_streams_for = original
+    gather_waits = [entry for entry in api.log if entry[1] == "all_gather" and entry[0].startswith("wait")]
+    return event.synchronized, gather_waits[0] == ("wait_event", "all_gather", event), gather_waits[1:]
+
+
+def test_post_optim_event_is_a_stream_wait_as_fsdp2(dist_run):
+    """The next forward's first all-gather waits for the event on its stream (FSDP2's
+    root pre-forward), the host never blocks on it, later gathers wait for compute."""
+    synchronized, first_waits_for_event, later = dist_run(_post_optim_event_is_waited_on_the_all_gather_stream, 2)[0]
+    assert not synchronized and first_waits_for_event
+    assert later and all(entry == ("wait_stream", "all_gather", "compute") for entry in later)
+
+
+def _reduce_scatter_schedule(max_input_buffers):
+    """One backward's collectives as ("issue", n) / ("wait", n) per reduce-scatter event n,
+    and "gather" per all-gather issued, in order."""
+    api = FakeStreamAPI()
+    streams = CommStreams(torch.device("cpu"), api)
+    original = dbuffer_module.comm_streams_for
+    dbuffer_module.comm_streams_for = lambda device: streams
+    try:
+        _, model = reference_and_ours()
+        model.set_reduce_scatter_max_input_buffers(max_input_buffers)
+        sharded_step(model, 0)
+    finally:
+        dbuffer_module.comm_streams_for = original
+    reduce_events = {entry[2] for entry in api.log if entry[:2] == ("record", "reduce_scatter")}
+    first = next(i for i, entry in enumerate(api.log) if entry[:2] == ("record", "reduce_scatter"))
+    schedule = []
+    for entry in api.log[first:]:
+        if entry[:2] == ("record", "reduce_scatter"):
+            schedule.append(("issue", entry[2]))
+        elif entry[:2] == ("wait_event", "compute") and entry[2] in reduce_events:
+            schedule.append(("wait", entry[2]))
+        elif entry[:2] == ("record", "all_gather"):
+            schedule.append("gather")
+    return schedule
+
+
+def _in_flight(schedule):
+    """The most reduce-scatters issued and not yet waited for, over the schedule."""
+    pending, most = set(), 0
+    for step in schedule:
+        if step != "gather":
+            kind, event = step
+            pending.add(event) if kind == "issue" else pending.discard(event)
+            most = max(most, len(pending))
+    return most, pending
+
+
+def test_reduce_scatter_is_waited_at_the_next_post_backward_as_fsdp2(dist_run):
+    """FSDP2's place: a unit's reduce-scatter overlaps the next unit's whole backward (its
+    prefetch included) and is waited for at that unit's post-backward, before it issues its own;
+    the last ones at the end of backward."""
+    schedule = dist_run(_reduce_scatter_schedule, 2, 1)[0]
+    first = schedule[0]
+    assert first[0] == "issue" and schedule.index("gather") < schedule.index(("wait", first[1])), schedule
+    assert _in_flight(schedule) == (1, set()), schedule
+
+
+def test_reduce_scatter_max_input_buffers_bounds_the_units_in_flight_as_fsdp2(dist_run):
+    schedule = dist_run(_reduce_scatter_schedule, 2, 2)[0]
+    assert _in_flight(schedule) == (2, set()), schedule
+    # The oldest is waited for only when a third would be issued.
+    (_, first), (_, second) = [s for s in schedule if s != "gather" and s[0] == "issue"][:2]
+    assert schedule.index(("issue", second)) < schedule.index(("wait", first)), schedule

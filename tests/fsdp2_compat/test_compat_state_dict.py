@@ -1,7 +1,7 @@
 """test_fully_shard_state_dict.py (FSDP2) on CPU/gloo.
 
-The DP x TP and HSDP x TP cases are in test_compat_tensor_parallel.py; the
-CPU-offload case needs a non-CPU device to be meaningful (excluded).
+The DP x TP and HSDP x TP cases are in test_compat_tensor_parallel.py; the CPU-offload
+case runs with ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs an accelerator).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
@@ -127,10 +128,10 @@ def test_cached_state_dict(dist_run, impl, mlp_dim, mutate_after_state_dict):
     dist_run(_cached_state_dict, 2, impl, mlp_dim, mutate_after_state_dict, timeout=T)
 
 
-def _meta_load_state_dict_assign(impl):
-    """The original's test_dp_state_dict_cpu_offload without offload: load DTensors built
-    with ``distribute_tensor`` into a meta-initialised model with ``assign=True`` in pieces
-    (``strict=False``), then run forward."""
+def _meta_load_state_dict_assign(impl, offload_policy):
+    """The original's test_dp_state_dict_cpu_offload (and without offload): load DTensors
+    built with ``distribute_tensor`` into a meta-initialised model with ``assign=True`` in
+    pieces (``strict=False``), then run forward."""
     from torch.distributed.tensor import distribute_tensor
 
     A = api(impl)
@@ -139,8 +140,8 @@ def _meta_load_state_dict_assign(impl):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(mlp_dim, mlp_dim, bias=False), nn.Linear(mlp_dim, mlp_dim, bias=False))
     for module in model:
-        A.fully_shard(module)
-    A.fully_shard(model)
+        A.fully_shard(module, offload_policy=offload_policy)
+    A.fully_shard(model, offload_policy=offload_policy)
     state_dicts, full = [], {}
     for name, dtensor in model.named_parameters():
         full[name] = torch.randn(dtensor.size())
@@ -156,8 +157,9 @@ def _meta_load_state_dict_assign(impl):
         tc.assertEqual(dtensor.full_tensor(), full[name])
 
 
-def test_meta_load_state_dict_assign(dist_run, impl):
-    dist_run(_meta_load_state_dict_assign, 2, impl, timeout=T)
+@pytest.mark.parametrize("offload_policy", [OffloadPolicy(), CPUOffloadPolicy(pin_memory=False)], ids=["none", "cpu"])
+def test_meta_load_state_dict_assign(dist_run, impl, offload_policy):
+    dist_run(_meta_load_state_dict_assign, 2, impl, offload_policy, timeout=T)
 
 
 def _rank0_offload_full_state_dict(impl):

@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
     apply_activation_checkpointing,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP, check_sharded_parity
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
@@ -284,7 +284,7 @@ def test_train_parity_single_group_shard_largest_dim(dist_run, impl):
     dist_run(_train_parity_single_group, 2, impl, [(32, 16), (16, 8)], True, timeout=T)
 
 
-def _train_parity_multi_group(impl, reshard_after_forward):
+def _train_parity_multi_group(impl, reshard_after_forward, offload_policy=None):
     A = api(impl)
     torch.manual_seed(42)
     vocab_size = 1024
@@ -293,7 +293,9 @@ def _train_parity_multi_group(impl, reshard_after_forward):
     ref_model = copy.deepcopy(model)
     replicate(ref_model)
     ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
-    fully_shard_fn = functools.partial(A.fully_shard, reshard_after_forward=reshard_after_forward)
+    fully_shard_fn = functools.partial(
+        A.fully_shard, reshard_after_forward=reshard_after_forward, offload_policy=offload_policy or OffloadPolicy()
+    )
     for module in model.modules():
         if isinstance(module, TransformerBlock):
             fully_shard_fn(module)
@@ -315,6 +317,11 @@ def _train_parity_multi_group(impl, reshard_after_forward):
 def test_train_parity_multi_group(dist_run, impl, reshard_after_forward):
     world_size = 4 if reshard_after_forward == 2 else 2
     dist_run(_train_parity_multi_group, world_size, impl, reshard_after_forward, timeout=T)
+
+
+def test_train_parity_multi_group_cpu_offload(dist_run, impl):
+    # The original's offload_policy=CPUOffloadPolicy(pin_memory=False) subtest (pinning needs an accelerator)
+    dist_run(_train_parity_multi_group, 2, impl, True, CPUOffloadPolicy(pin_memory=False), timeout=T)
 
 
 def _non_root_forward_backward(impl):

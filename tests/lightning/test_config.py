@@ -14,7 +14,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
@@ -108,6 +108,21 @@ def test_bad_strategy_arguments_fail_when_the_strategy_is_built(strategy_cls):
         strategy_cls(auto_wrap_policy={int})
     with pytest.raises(TypeError, match="mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy"):
         strategy_cls(mp_policy=torch.bfloat16)
+
+
+@pytest.mark.parametrize("strategy_cls", STRATEGIES)
+def test_cpu_offload_takes_lightnings_fsdp_strategy_forms(strategy_cls):
+    """As Lightning's FSDPStrategy: a bool or FSDP1's CPUOffload; FSDP2's policy too."""
+    for cpu_offload, policy in [
+        (True, CPUOffloadPolicy()),
+        (CPUOffload(offload_params=True), CPUOffloadPolicy()),
+        (CPUOffloadPolicy(pin_memory=False), CPUOffloadPolicy(pin_memory=False)),
+        (False, None),
+        (CPUOffload(offload_params=False), None),
+    ]:
+        assert strategy_cls(cpu_offload=cpu_offload)._sharding.offload_policy == policy, cpu_offload
+    with pytest.raises(TypeError, match="cpu_offload must be a bool, torch.distributed.fsdp.CPUOffload"):
+        strategy_cls(cpu_offload="cpu")
 
 
 def test_wrap_policy_picks_units_like_lightnings_fsdp_strategy():

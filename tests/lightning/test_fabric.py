@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from lightning_strategy import VeScaleFSDPFabricStrategy
 from tests.support.lightning_harness import LAYERS, Tokens, launched_by_harness, make_fabric
@@ -111,6 +112,7 @@ def _sharding_options_reach_fully_shard():
             auto_wrap_policy={Block},
             reshard_after_forward=False,
             block_size_fn=lambda name, p: 36 if name.endswith("qkv.weight") else None,
+            cpu_offload=True,
         )
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size())
         fabric.launch()
@@ -118,6 +120,7 @@ def _sharding_options_reach_fully_shard():
     units = [name for name, m in model.named_modules() if getattr(m, "_vescale_fsdp_unit", None) is not None]
     assert units == ["", "layers.0", "layers.1"]
     assert all(model.get_submodule(name)._vescale_fsdp_unit.reshard_after_forward is False for name in units)
+    assert all(model.get_submodule(name)._vescale_fsdp_unit.offload == CPUOffloadPolicy() for name in units)
     for block in model.layers:
         assert block.attn.qkv.weight.to_local().shape[0] % 36 == 0  # whole 36-row blocks on each rank
 

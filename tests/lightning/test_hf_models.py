@@ -8,7 +8,11 @@ experts) and BERT (masked LM), trained with gradient accumulation 2 and clipping
 ``activation_checkpointing_policy``. Every veScale run must reproduce DDP's per-micro-batch
 losses, parameters and logits to fp32 tolerance; every rank must end with the same parameters;
 the full state dict saved with ``save_pretrained`` must load with ``from_pretrained`` in this
-process and give the same logits; GPT-2's embedding must stay tied. About 2 minutes on 2 quiet cores.
+process and give the same logits; GPT-2's embedding must stay tied. Llama is fine-tuned too, by
+both strategies: PEFT LoRA adapters over fp32 and over frozen bf16 base weights (QLoRA style),
+which must leave the base weights bit for bit as they were, and whose adapters, picked out of
+the full state dict by ``save_pretrained``, load onto the base model in this process with the
+same logits. About 2 minutes on 2 quiet cores.
 """
 
 from __future__ import annotations
@@ -22,15 +26,28 @@ import torch
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from tests.support.hf_models import MODELS, assert_saved_model_matches, full_parameters, make_model  # noqa: E402  (after the importorskip above)
-from tests.support.launched import launch  # noqa: E402  (after the importorskip above)
+pytest.importorskip("peft")
+
+from tests.support.hf_models import (  # noqa: E402  (after the importorskips above)
+    FINE_TUNING,
+    MODELS,
+    assert_fine_tuned,
+    assert_saved_adapter_matches,
+    assert_saved_model_matches,
+    assert_trained_alike,
+    full_parameters,
+    make_lora_model,
+    make_model,
+)
+from tests.support.launched import launch  # noqa: E402  (after the importorskips above)
 
 LAUNCH_TIMEOUT_S = 540
 VESCALE_RUNS = [f"{m}:vescale_fsdp:{v}" for m in MODELS for v in ("plain", "hf_ac")] + [
     "llama:vescale_fsdp:policy_ac",
     "gpt2:vescale_fsdp:policy_ac",
+    *(f"llama:vescale_fsdp:{v}" for v in FINE_TUNING),
 ]
-DDP_RUNS = [f"{m}:ddp:plain" for m in MODELS]
+DDP_RUNS = [f"{m}:ddp:plain" for m in MODELS] + [f"llama:ddp:{v}" for v in FINE_TUNING]
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +72,16 @@ def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
 def test_lightning_vescale_matches_ddp(launched, run):
     name, _, variant = run.split(":")
     results = launched[1]
+    baseline = f"{name}:ddp:{variant if variant in FINE_TUNING else 'plain'}"
     for rank in range(2):
-        got, want = results[rank][run], results[rank][f"{name}:ddp:plain"]
+        got, want = results[rank][run], results[rank][baseline]
         assert got["engine"] == "VeScaleFSDPStrategy" and want["engine"] == "DDPStrategy"
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "policy_ac")
         assert len(got["losses"]) == 4
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
-        )
-        assert got["params"].keys() == want["params"].keys()
-        for key, value in want["params"].items():
-            torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
-        torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
+        assert_trained_alike(got, want, rank)
     assert results[0][run]["losses"] != results[1][run]["losses"]  # each rank saw its own batches
-    initial = full_parameters(make_model(name))
+    initial = full_parameters(make_lora_model(name, variant) if variant in FINE_TUNING else make_model(name))
     assert any(not torch.allclose(initial[k], v) for k, v in results[0][run]["params"].items())
 
 
@@ -84,6 +96,20 @@ def test_every_rank_ends_with_the_same_parameters(launched):
 def test_saved_full_state_dict_loads_with_from_pretrained(launched, name):
     out, results = launched
     assert_saved_model_matches(out / name / "saved", name, results[0][f"{name}:vescale_fsdp:plain"])
+
+
+@pytest.mark.parametrize("variant", FINE_TUNING)
+def test_fine_tuning_trains_only_the_adapters_under_both_strategies(launched, variant):
+    for strategy in ("ddp", "vescale_fsdp"):
+        assert_fine_tuned("llama", variant, launched[1][0][f"llama:{strategy}:{variant}"])
+
+
+@pytest.mark.parametrize("variant", FINE_TUNING)
+def test_saved_adapter_loads_in_one_process(launched, variant):
+    out, results = launched
+    assert_saved_adapter_matches(
+        out / f"llama-{variant}" / "saved", "llama", variant, results[0][f"llama:vescale_fsdp:{variant}"]
+    )
 
 
 def test_gpt2_embedding_stays_tied_while_training(launched):

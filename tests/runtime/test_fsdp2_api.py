@@ -73,7 +73,7 @@ _CALLS = {
     "set_reduce_scatter_divide_factor": ((2.0,), "works"),
     "set_force_sum_reduction_for_comms": ((True,), "works"),
     "set_reduce_scatter_unused_params": ((True,), "works"),
-    "set_reduce_scatter_max_input_buffers": ((1,), "works"),
+    "set_reduce_scatter_max_input_buffers": ((2,), "works"),
     "set_separate_reduce_scatter_group": ((False,), "works"),
     "set_unshard_in_backward": ((False,), "works"),
     "set_allocate_memory_from_process_group_for_comm": ((False,), "works"),

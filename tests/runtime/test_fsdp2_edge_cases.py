@@ -418,3 +418,30 @@ def _recovery_after_exceptions():
 
 def test_reset_iter_state_recovers_after_an_exception_as_fsdp2(dist_run):
     dist_run(_recovery_after_exceptions, 2)
+
+
+# ----------------------------------------------------------------------------------
+# two backward passes through one forward (retain_graph=True)
+# ----------------------------------------------------------------------------------
+
+
+def _two_backwards_through_one_forward():
+    world = dist.get_world_size()
+    reference, ours, theirs = reference_ours_and_fsdp2s()
+    tokens, targets = local_batch(0)
+    for model in (ours, theirs):
+        loss = loss_fn(model(tokens), targets)
+        loss.backward(retain_graph=True)
+        loss.backward()  # each unit gathers and reduces again; the gradients accumulate
+    for _ in range(2):
+        reference_step(reference, 0, world)
+    assert_matches(ours, reference, "grad")
+    _assert_same_grads(ours, theirs)
+    # and the next forward and backward run as usual
+    torch.testing.assert_close(sharded_step(ours, 1), sharded_step(theirs, 1), **TOL)
+    _assert_same_grads(ours, theirs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_backwards_through_one_forward_accumulate_as_fsdp2(dist_run, world):
+    dist_run(_two_backwards_through_one_forward, world, timeout=120)

@@ -7,7 +7,7 @@ global batch (so its gradient is the mean of the ranks' gradients, as DDP comput
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from tests.support.comm_counts import comm_counts
@@ -62,8 +62,9 @@ def test_reshard_after_forward_true_and_false(dist_run, reshard_after_forward):
     dist_run(_parity_with_unsharded, 3, reshard_after_forward)
 
 
-def _parity_with_fsdp2(mp_policy):
-    _, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp_policy)
+def _parity_with_fsdp2(mp_policy, offload_policy=None):
+    offload_policy = offload_policy or OffloadPolicy()
+    _, ours, theirs = reference_ours_and_fsdp2s(mp_policy=mp_policy, offload_policy=offload_policy)
     opt, their_opt = adamw(ours), adamw(theirs)
     tol = TOL if mp_policy.param_dtype is None else dict(rtol=2e-2, atol=2e-3)
     for step in range(STEPS):
@@ -92,6 +93,11 @@ def test_trains_like_torch_fsdp2_step_by_step(dist_run, world):
 
 def test_mixed_precision_bf16_params_fp32_reduce_matches_fsdp2(dist_run):
     dist_run(_parity_with_fsdp2, 3, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+
+
+def test_cpu_offload_trains_like_fsdp2(dist_run):
+    # pin_memory=False: what FSDP2 trains with where there is no accelerator (this machine)
+    dist_run(_parity_with_fsdp2, 2, MixedPrecisionPolicy(), CPUOffloadPolicy(pin_memory=False))
 
 
 def _mixed_precision_dtypes():

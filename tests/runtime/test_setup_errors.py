@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.support.models import local_batch, make_decoder
@@ -67,7 +67,11 @@ def _every_bad_input():
         r"reshard_after_forward=5 must divide the shard group's size",
         lambda: fully_shard(model, reshard_after_forward=5),
     )
-    _expect(NotImplementedError, "CPU offload", lambda: fully_shard(model, offload_policy=CPUOffloadPolicy()))
+    _expect(
+        NotImplementedError,
+        r"pass OffloadPolicy\(\) \(none\) or CPUOffloadPolicy",
+        lambda: fully_shard(model, offload_policy=type("DiskOffloadPolicy", (OffloadPolicy,), {})()),
+    )
     _untouched(model, before)
     _expect(
         TypeError,

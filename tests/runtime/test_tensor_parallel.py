@@ -6,6 +6,7 @@ combinations are refused, naming the parameter, before any collective."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.support.parity import PARAM_TOL, TOL, step_and_zero
 from tests.support.tp_transformer import (
@@ -371,6 +373,159 @@ def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_parity, 4)
 
 
+class BatchSpmdMLP(SpmdMLP):
+    """SpmdMLP on the full mesh ``mesh``: the batch split over ``batch_placements`` (Shard(0)
+    on the data-parallel dims), its output back to this rank's batch."""
+
+    mesh = None
+    batch_placements: list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh is None:  # the unsharded reference
+            return self.w2(F.gelu(self.w1(x)))
+        x = DTensor.from_local(x, self.mesh, self.batch_placements, run_check=False)
+        out = self.w2(F.gelu(self.w1(x)))
+        return out.redistribute(self.mesh, self.batch_placements).to_local()
+
+
+def _assert_placements_like_fsdp2(ours: nn.Module, theirs: nn.Module) -> None:
+    """Our sharded parameters live on FSDP2's mesh with FSDP2's placements, one RaggedShard
+    (StridedRaggedShard) where FSDP2 has its Shard (_StridedShard)."""
+    fsdp2_of = {RaggedShard: Shard, StridedRaggedShard: _StridedShard}
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        assert p.device_mesh == q.device_mesh, (name, p.device_mesh, q.device_mesh)
+        ragged = [i for i, t in enumerate(p.placements) if type(t) in fsdp2_of]
+        assert len(ragged) == 1 and type(q.placements[ragged[0]]) is fsdp2_of[type(p.placements[ragged[0]])], name
+        assert all(t == u for i, (t, u) in enumerate(zip(p.placements, q.placements)) if i != ragged[0]), name
+
+
+def _dp_mesh_dims_forms_parity():
+    """FSDP2's other dp_mesh_dims forms: HSDP (shard and replicate dims), flattened shard dims
+    (torchtitan's dp_shard x cp), flattened shard dims x TP (StridedRaggedShard on the
+    flattened dim): ours trains as FSDP2 and the unsharded model, on FSDP2's layout."""
+    rank = dist.get_rank()
+    tp_plan = {"w1.weight": Shard(0), "w1.bias": Shard(0), "w2.weight": Shard(1), "w2.bias": Replicate()}
+    forms = [  # (mesh shape, names, dp_mesh_dims, data-parallel index of this rank, dims with TP)
+        (
+            (2, 2),
+            ("dp_replicate", "dp_shard"),
+            DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
+            rank,
+            0,
+        ),
+        ((2, 2), ("dp_shard", "cp"), DataParallelMeshDims(shard=("dp_shard", "cp")), rank, 0),
+        ((2, 1, 2), ("dp_shard", "cp", "tp"), DataParallelMeshDims(shard=("dp_shard", "cp")), rank // 2, 1),
+    ]
+    for shape, names, dims, dp_rank, tp_dims in forms:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dp_dims = len(names) - tp_dims
+        dp_size = math.prod(shape[:dp_dims])
+        torch.manual_seed(0)
+        reference = BatchSpmdMLP()
+        models = []
+        for shard in (fully_shard, torch_fully_shard):
+            model = copy.deepcopy(reference)
+            model.mesh, model.batch_placements = mesh, [Shard(0)] * dp_dims + [Replicate()] * tp_dims
+            for name, p in list(model.named_parameters()):
+                module, attr = name.rsplit(".", 1)
+                placements = [Replicate()] * dp_dims + [tp_plan[name]] * tp_dims
+                setattr(
+                    model.get_submodule(module), attr, nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+                )
+            shard(model.w1, mesh=mesh, dp_mesh_dims=dims)
+            shard(model, mesh=mesh, dp_mesh_dims=dims)
+            models.append(model)
+        ours, theirs = models
+        _assert_placements_like_fsdp2(ours, theirs)
+
+        def backward(step, dp_rank=dp_rank, dp_size=dp_size, ours=ours, theirs=theirs, reference=reference):
+            batches = [_moe_batch(step, d) for d in range(dp_size)]
+            x, y = batches[dp_rank]
+            _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
+            (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
+
+        _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
+
+
+def test_dp_mesh_dims_hsdp_and_flattened_shard_dims_match_fsdp2_and_unsharded(dist_run):
+    dist_run(_dp_mesh_dims_forms_parity, 4)
+
+
+class SpmdMoE(MoEModel):
+    """MoEModel with dense parameters on the dense SPMD mesh and experts on the sparse one
+    (torchtitan's storage meshes): the forward runs the experts on local tensors."""
+
+    dense = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is None:  # the unsharded reference
+            return super().forward(x)
+        dense = self.dense
+        h = self.proj(DTensor.from_local(x, dense, [Shard(0)], run_check=False))
+        scores = self.router(h).softmax(-1).to_local()
+        h = h.to_local()
+        expert = scores.argmax(-1)
+        routed = h * scores.gather(1, expert[:, None])
+        ep_rank, ep_size = dist.get_rank(self.ep_group), dist.get_world_size(self.ep_group)
+        all_routed = all_gather_tensor_autograd(routed, 0, self.ep_group)
+        all_expert = all_gather_tensor_autograd(expert, 0, self.ep_group)
+        out = self.experts(all_routed, all_expert, ep_rank * EXPERTS // ep_size)
+        moe = h + reduce_scatter_tensor_autograd(out, "sum", 0, self.ep_group)
+        return self.head(DTensor.from_local(moe, dense, [Shard(0)], run_check=False)).to_local()
+
+
+def _dp_mesh_dims_with_expert_meshes_parity():
+    """torchtitan's MoE path with EP: one fully_shard with dp_mesh_dims on the dense mesh and
+    a shard_placement_fn giving the experts FSDP2's mesh info of the sparse (efsdp, ep) mesh
+    with its own dp_mesh_dims; gradient division off, the loss scaled by the world size."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    world = dist.get_world_size()
+    dense = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    dense_dims, sparse_dims = DataParallelMeshDims(shard="dp_shard"), DataParallelMeshDims(shard="efsdp")
+    reference = SpmdMoE()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = copy.deepcopy(reference)
+        experts = set()
+        for name, p in list(model.named_parameters()):
+            module, attr = name.rsplit(".", 1)
+            on_sparse = module == "experts"
+            dt = distribute_tensor(
+                p.detach(), *((sparse, [Replicate(), Shard(0)]) if on_sparse else (dense, [Replicate()]))
+            )
+            setattr(model.get_submodule(module), attr, nn.Parameter(dt))
+            if on_sparse:
+                experts.add(getattr(model.get_submodule(module), attr))
+        model.ep_group, model.dense = sparse.get_group("ep"), dense
+        infos = _get_mesh_info(sparse, sparse_dims), _get_mesh_info(dense, dense_dims)
+
+        def placement_fn(param, experts=experts, infos=infos):
+            return ShardPlacementResult(placement=Shard(0), mesh_info=infos[0] if param in experts else infos[1])
+
+        shard(model, mesh=dense, dp_mesh_dims=dense_dims, shard_placement_fn=placement_fn)
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (FSDP2's divide)
+        models.append(model)
+    ours, theirs = models
+    _assert_placements_like_fsdp2(ours, theirs)
+    assert ours.experts.w1.device_mesh is sparse and ours.proj.weight.device_mesh is dense
+
+    def backward(step):
+        x, y = _moe_batch(step, dist.get_rank())
+        _backward_both_equal([F.mse_loss(m(x), y) / world for m in (ours, theirs)])
+        batches = [_moe_batch(step, r) for r in range(world)]
+        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / world).backward()
+
+    _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
+
+
+def test_dp_mesh_dims_with_expert_shard_placement_meshes_matches_fsdp2_and_unsharded(dist_run):
+    dist_run(_dp_mesh_dims_with_expert_meshes_parity, 4)
+
+
 def _dp_mesh_dims_errors():
     mesh = _mesh_2x2()
     cases = [
@@ -388,6 +543,11 @@ def _dp_mesh_dims_errors():
             dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"), reshard_after_forward=2),
             NotImplementedError,
             r"reshard_after_forward as int is not yet supported with SPMD mesh \(dp_mesh_dims\)",
+        ),
+        (
+            dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate="tp")),
+            ValueError,
+            r"Expected Replicate\(\) on DP replicate dim 'tp' \(index 1\) but got S\(0\)",
         ),
     ]
     for kwargs, error, message in cases:
@@ -408,6 +568,9 @@ def _dp_mesh_dims_errors():
         match=r"Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\) \(parameter 'weight'\)",
     ):
         fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    # replicate dims only (DDP on an SPMD mesh), which FSDP2 trains unsharded: refused
+    with pytest.raises(NotImplementedError, match=r"names no shard dim \(DDP on an SPMD mesh\)"):
+        fully_shard(_spmd_model(mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     other_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="Expected param's DTensor mesh to be the same mesh passed to fully_shard"):
         fully_shard(_spmd_model(mesh), mesh=other_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))

@@ -7,10 +7,12 @@ A LightningModule wraps each model (``tests/support/hf_models.py``) as a user wo
 returns the model's own loss; gradient accumulation 2, clipping, AdamW. Strategies: ``ddp``
 (Lightning's) and ``vescale_fsdp``. Variants: ``plain``; ``hf_ac``: the model's own
 checkpointed layers (``gradient_checkpointing_enable()``); ``policy_ac``: the strategy's
-``activation_checkpointing_policy={<decoder layer class>}``. All runs share one launch (one
+``activation_checkpointing_policy={<decoder layer class>}``; ``lora``, ``qlora``: fine-tuning
+PEFT adapters (``hf_models.FINE_TUNING``). All runs share one launch (one
 process group). Each rank writes ``DIR/rank{r}.pt``: per run the per-micro-batch losses, every
 parameter (full), the logits of a fixed batch and whether checkpointing was on; ``vescale_fsdp``
-``plain`` runs also save the full state dict with ``save_pretrained`` to ``DIR/<model>/saved``.
+``plain`` runs also save the full state dict with ``save_pretrained`` to ``DIR/<model>/saved``,
+fine-tuning runs their adapters to ``DIR/<model>-<variant>/saved``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import examples, full_parameters, make_model, probe_input
+from hf_models import FINE_TUNING, examples, full_parameters, make_lora_model, make_model, probe_input
 
 import lightning_strategy  # noqa: F401  (registers "vescale_fsdp")
 from lightning_strategy import VeScaleFSDPStrategy
@@ -45,10 +47,10 @@ CLIP = 0.5  # below the models' gradient norms: every step clips
 
 
 class LitHF(LightningModule):
-    def __init__(self, name: str, hf_checkpointing: bool) -> None:
+    def __init__(self, name: str, variant: str) -> None:
         super().__init__()
-        self.model = make_model(name)
-        if hf_checkpointing:
+        self.model = make_lora_model(name, variant) if variant in FINE_TUNING else make_model(name)
+        if variant == "hf_ac":
             self.model.gradient_checkpointing_enable()
         self.losses: list[float] = []
 
@@ -65,7 +67,7 @@ class LitHF(LightningModule):
 
 
 def train(name: str, strategy: str, variant: str, out: Path) -> dict[str, Any]:
-    module = LitHF(name, hf_checkpointing=variant == "hf_ac")
+    module = LitHF(name, variant)
     chosen: Any = strategy
     if strategy == "vescale_fsdp":
         policy = {LAYER_CLASSES[name]} if variant == "policy_ac" else None
@@ -93,12 +95,14 @@ def train(name: str, strategy: str, variant: str, out: Path) -> dict[str, Any]:
     }
     if name == "gpt2":
         result["tied"] = module.model.lm_head.weight is module.model.transformer.wte.weight
-    if strategy == "vescale_fsdp" and variant == "plain":
-        # The full state dict (rank 0 gets full tensors), written as a Hugging Face model directory.
+    if strategy == "vescale_fsdp" and variant in ("plain", *FINE_TUNING):
+        # The full state dict (rank 0 gets full tensors), written as a Hugging Face model
+        # directory (a PEFT model's save_pretrained picks its adapters out of it).
         state = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
             hf_state = {key.removeprefix("model."): value for key, value in state.items()}
-            module.model.save_pretrained(str(out / name / "saved"), state_dict=hf_state)
+            saved = out / (name if variant == "plain" else f"{name}-{variant}") / "saved"
+            module.model.save_pretrained(str(saved), state_dict=hf_state)
     module.eval()
     with torch.no_grad():
         result["logits"] = module(probe_input()).float().cpu()

@@ -113,6 +113,25 @@ def examples(name: str) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "labels": label} for i, label in zip(inputs, labels)]
 
 
+# Fine-tuning variants of a model: PEFT LoRA adapters (r=8 on the attention's q and v
+# projections, as PEFT's own examples), over the base weights in fp32 (``lora``) or, QLoRA
+# style without the 4-bit kernels CPUs lack, over frozen bf16 base weights (``qlora``); PEFT
+# keeps the adapters in fp32 either way.
+FINE_TUNING = ("lora", "qlora")
+
+
+def make_lora_model(name: str, variant: str, seed: int = 0) -> Any:
+    """``make_model(name, seed)`` with LoRA adapters: only the adapters train."""
+    import peft
+
+    model = make_model(name, seed)
+    if variant == "qlora":
+        model = model.to(torch.bfloat16)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(seed)
+    return peft.get_peft_model(model, config)
+
+
 def probe_input() -> torch.Tensor:
     """A fixed batch whose logits compare the trained model, its saved copy and DDP's."""
     return torch.randint(5, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
@@ -127,6 +146,17 @@ def full_parameters(model: torch.nn.Module, prefix: str = "") -> dict[str, torch
         # Activation-checkpoint wrappers insert a module level into the name (not into state dicts).
         out[name.replace("_checkpoint_wrapped_module.", "").removeprefix(prefix)] = t.detach().float().cpu().clone()
     return out
+
+
+def assert_trained_alike(got: dict[str, Any], want: dict[str, Any], rank: int) -> None:
+    """One rank's record of a run (losses, final parameters, probe logits) equals the reference run's."""
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want["losses"]), msg=lambda m: f"rank {rank} losses: {m}"
+    )
+    assert got["params"].keys() == want["params"].keys()
+    for key, value in want["params"].items():
+        torch.testing.assert_close(got["params"][key], value, msg=lambda m: f"rank {rank} {key}: {m}")
+    torch.testing.assert_close(got["logits"], want["logits"], msg=lambda m: f"rank {rank} logits: {m}")
 
 
 def assert_saved_model_matches(saved_dir: Any, name: str, trained: dict[str, Any]) -> None:
@@ -144,6 +174,45 @@ def assert_saved_model_matches(saved_dir: Any, name: str, trained: dict[str, Any
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     if name == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def assert_fine_tuned(name: str, variant: str, trained: dict[str, Any]) -> None:
+    """A fine-tuning run trained only its fp32 adapters: every base weight is bit for bit what
+    it was (bf16 under ``qlora``), and every adapter moved."""
+    initial = make_lora_model(name, variant)
+    dtypes = {n: p.dtype for n, p in initial.named_parameters()}
+    before = full_parameters(initial)
+    assert trained["params"].keys() == before.keys()
+    adapters = [key for key in before if "lora_" in key]
+    assert adapters and all(dtypes[key] == torch.float32 for key in adapters)
+    base_dtype = torch.bfloat16 if variant == "qlora" else torch.float32
+    for key, value in before.items():
+        if key in adapters:
+            assert not torch.equal(trained["params"][key], value), f"adapter {key} did not train"
+        else:
+            assert dtypes[key] == base_dtype, key
+            assert torch.equal(trained["params"][key], value), f"frozen {key} changed"
+
+
+def assert_saved_adapter_matches(saved_dir: Any, name: str, variant: str, trained: dict[str, Any]) -> None:
+    """The adapter saved in ``saved_dir`` (``save_pretrained``: the adapters alone) loads onto
+    the base model in this (single) process with the trained parameters exactly and its
+    logits on ``probe_input()``."""
+    import peft
+    import safetensors.torch
+
+    saved = safetensors.torch.load_file(f"{saved_dir}/adapter_model.safetensors")
+    assert saved and all("lora_" in key for key in saved), sorted(saved)
+    base = make_model(name)
+    model = peft.PeftModel.from_pretrained(base.to(torch.bfloat16) if variant == "qlora" else base, saved_dir)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_input()).logits.float()
+    torch.testing.assert_close(logits, trained["logits"], rtol=0, atol=0)
+    loaded = full_parameters(model)
+    assert loaded.keys() == trained["params"].keys()
+    for key, value in trained["params"].items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
 def count_expert_tokens(model: torch.nn.Module) -> Callable[[], torch.Tensor]:

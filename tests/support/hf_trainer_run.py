@@ -10,7 +10,8 @@ gradient accumulation 2, clipping, AdamW. Variants: ``plain``; ``hf_ac``: the
 ``gradient_checkpointing=True`` training argument (transformers' own checkpointed layers);
 ``plugin_ac``: the FSDP config's ``fsdp_activation_checkpointing: true`` (Accelerate wraps the
 units), set here through ``FSDP_ACTIVATION_CHECKPOINTING``, the variable ``accelerate launch``
-turns that key into. Several runs share one launch to keep the test fast, so Accelerate's
+turns that key into; ``lora``, ``qlora``: fine-tuning PEFT adapters (``hf_models.FINE_TUNING``),
+which ``save_model()`` writes alone. Several runs share one launch to keep the test fast, so Accelerate's
 process-wide state is reset between runs. Each rank writes ``DIR/rank{r}.pt``: per run the
 per-micro-batch losses, the logged gradient norms, every parameter (full), the logits of a fixed
 batch, and the engine that trained it; ``--save`` runs also ``trainer.save_model()``.
@@ -31,7 +32,15 @@ from accelerate.state import AcceleratorState, GradientState
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_models import count_expert_tokens, examples, full_parameters, make_model, probe_input
+from hf_models import (
+    FINE_TUNING,
+    count_expert_tokens,
+    examples,
+    full_parameters,
+    make_lora_model,
+    make_model,
+    probe_input,
+)
 
 OPTIMIZER_STEPS = 2
 ACCUMULATION = 2
@@ -76,7 +85,7 @@ def train(name: str, variant: str, out: Path, save: bool) -> dict[str, Any]:
     # One training per process is the usual case; this process runs several.
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    model = make_model(name)
+    model = make_lora_model(name, variant) if variant in FINE_TUNING else make_model(name)
     args = transformers.TrainingArguments(
         output_dir=str(out / f"{name}-{variant}"),
         max_steps=OPTIMIZER_STEPS,

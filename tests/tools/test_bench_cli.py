@@ -10,32 +10,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_bench(arguments: str, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m vescale_plugins.bench`` with ``arguments`` (split on spaces) and ``extra``, asserted to succeed."""
+    command = [sys.executable, "-m", "vescale_plugins.bench", *arguments.split(), *extra]
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed
+
+
 @pytest.mark.distributed
 def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
     result_json, plot, record = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "record.json"
-    command = [
-        sys.executable,
-        "-m",
-        "vescale_plugins.bench",
-        "--model",
-        "tiny",
-        "--world-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--warmup",
-        "1",
-        "--steps",
-        "3",
-        "--json",
-        str(result_json),
-        "--plot",
-        str(plot),
-        "--record",
-        str(record),
-    ]
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    completed = run_bench(
+        "--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps 3",
+        *("--json", str(result_json), "--plot", str(plot), "--record", str(record)),
+    )
     assert "veScale / FSDP2" in completed.stdout and "parity:" in completed.stdout
 
     data = json.loads(result_json.read_text())
@@ -70,29 +59,10 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
 @pytest.mark.parametrize("frontend", ["fabric", "accelerate"])
 def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     result_json = tmp_path / "bench.json"
-    command = [
-        sys.executable,
-        "-m",
-        "vescale_plugins.bench",
-        "--model",
-        "tiny",
-        "--world-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--warmup",
-        "1",
-        "--steps",
-        "2",
-        "--frontend",
-        frontend,
-        "--json",
-        str(result_json),
-        "--plot",
-        "",
-    ]
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    run_bench(
+        "--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps 2 --plot=",
+        *("--frontend", frontend, "--json", str(result_json)),
+    )
     data = json.loads(result_json.read_text())
     assert data["settings"]["frontend"] == frontend
     # The front end chose the units (each decoder layer, then the root); FSDP2 got the same
@@ -109,29 +79,11 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
 def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
     """``--hsdp 2`` at W=4: both engines on the same (replicate, shard) mesh, trained alike."""
     result_json = tmp_path / "bench.json"
-    command = [
-        sys.executable,
-        "-m",
-        "vescale_plugins.bench",
-        "--model",
-        "tiny",
-        "--world-size",
-        "4",
-        "--hsdp",
-        "2",
-        "--seq-len",
-        "32",
-        "--warmup",
-        "1",
-        "--steps",
-        "2",
-        "--json",
-        str(result_json),
-        "--plot",
-        "",
-    ]
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    run_bench(
+        "--model tiny --world-size 4 --hsdp 2 --seq-len 32 --warmup 1 --steps 2 --plot=",
+        *("--json", str(result_json)),
+        timeout=400,
+    )
     data = json.loads(result_json.read_text())
     assert data["settings"]["replicate"] == 2 and data["environment"]["world_size"] == 4
     parity = data["summary"]["parity"]

@@ -35,7 +35,15 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     report = json.loads(out.read_text())
     assert report["mode"] == "cpu-fallback" and "no CUDA" in report["note"] and report["ok"] is True
     checks = report["checks"]
-    assert {"parity_multi_rank", "bench", "triton_kernels", "bf16_mixed", "comm_streams"} <= set(checks)
+    assert {
+        "parity_multi_rank",
+        "bench",
+        "triton_kernels",
+        "bf16_mixed",
+        "comm_streams",
+        "optimizer_host_syncs",
+    } <= set(checks)
+    assert checks["optimizer_host_syncs"]["status"] == "passed"
     parity = checks["parity_multi_rank"]
     assert parity["status"] == "passed" and parity["world_size"] == 2
     assert parity["fp32"]["max_param_diff_vs_unsharded"] <= 1e-4 and parity["fp32"]["max_param_diff_vs_fsdp2"] <= 1e-4

@@ -11,15 +11,23 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vescale_plugins.bench import adam8bit, collectives, compare, init_memory, muon, step
+from vescale_plugins.bench import adam8bit, collectives, compare, init_memory, muon, scale, step
 
-SUBCOMMANDS = {"step": step, "collectives": collectives, "adam8bit": adam8bit, "muon": muon, "init-memory": init_memory}
+SUBCOMMANDS = {
+    "step": step,
+    "collectives": collectives,
+    "adam8bit": adam8bit,
+    "muon": muon,
+    "init-memory": init_memory,
+    "scale": scale,
+}
 SUMMARIES = {
     "step": "the same comparison on a stack of Linear layers",
     "collectives": "gloo's all-gather / reduce-scatter against the in-place ones DBuffer uses",
     "adam8bit": "8-bit and flat AdamW against FSDP2 with torchao's and torch's",
     "muon": "distributed Muon against FSDP2's full_tensor() workaround",
     "init-memory": "peak memory of meta-device initialisation",
+    "scale": "host work, set-up and padding at 1,024 to 16,384 ranks on torch's fake process group",
 }
 
 

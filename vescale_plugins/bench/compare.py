@@ -14,7 +14,7 @@ import os
 import torch
 
 from vescale_plugins.bench.arguments import count, reshard_choice
-from vescale_plugins.bench.engines import ENGINES, FRONTENDS, BenchSettings
+from vescale_plugins.bench.engines import ALL_ENGINES, ENGINES, FRONTENDS, BenchSettings, deepspeed_config
 from vescale_plugins.bench.llama import PRESETS, LlamaConfig
 from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_plot
 from vescale_plugins.bench.runner import launch, settings_dict
@@ -36,8 +36,32 @@ def _model_name(name: str) -> str:
     return name
 
 
+def engine_list(text: str) -> tuple[str, ...]:
+    """``--engines``: a comma-separated list; FSDP2 (the reference) and veScale always run,
+    first, and an engine whose library is missing is refused with how to install it."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in ALL_ENGINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown engine {unknown[0]!r}: choose from {', '.join(ALL_ENGINES)}")
+    if "deepspeed" in names:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise argparse.ArgumentTypeError(
+                "deepspeed is not installed: pip install -e '.[deepspeed]' (or make bench-deepspeed)"
+            )
+    return (*ENGINES, *(name for name in ALL_ENGINES if name in names and name not in ENGINES))
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """What every comparison takes, whatever the model: ranks, precision, sharding, steps, outputs."""
+    parser.add_argument(
+        "--engines",
+        type=engine_list,
+        default=ENGINES,
+        metavar="NAMES",
+        help=f"comma-separated, from {', '.join(ALL_ENGINES)} (FSDP2 and veScale always run; deepspeed: ZeRO-3)",
+    )
     parser.add_argument("--world-size", type=count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
     parser.add_argument(
         "--precision",
@@ -137,6 +161,8 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         raise SystemExit(f"--hsdp {args.hsdp} must divide the world size ({world})")
     if args.hsdp > 1 and args.frontend != "plain":
         raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
+    if args.hsdp > 1 and "deepspeed" in args.engines:
+        raise SystemExit("--engines deepspeed runs with --hsdp 1 (ZeRO-3 shards over every rank)")
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -150,6 +176,7 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         args.frontend,
         args.seed,
         args.hsdp,
+        args.engines,
     )
     return settings, world
 
@@ -161,16 +188,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report_comparison(settings: BenchSettings, world: int, args: argparse.Namespace, label: str) -> int:
-    """Run both engines on ``world`` ranks (``add_run_arguments``' steps, record, timeout),
+    """Run the engines on ``world`` ranks (``add_run_arguments``' steps, record, timeout),
     print the table, the verdict and the parity line, write the JSON and the plot; 1 if a
     rank failed (no ratios then)."""
     from rich.console import Console
     from rich.progress import Progress
 
     console = Console()
-    total = len(ENGINES) * (args.warmup + args.steps + 1)
+    ds_config = deepspeed_config(settings) if "deepspeed" in settings.engines else None
+    if ds_config is not None:
+        console.print(f"DeepSpeed ZeRO-3 settings: {ds_config['zero_optimization']}")
+    total = len(settings.engines) * (args.warmup + args.steps + 1)
+    # What each progress event from rank 0 means (runner.run_rank): a warm-up step, a timed
+    # step of an engine, an engine's memory measurement.
+    phases = {"warmup": "warm-up", "memory": "peak memory", **{name: "interleaved steps" for name in settings.engines}}
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"{label} on {world} ranks", total=total)
+        task = progress.add_task(f"{label} on {world} ranks: building", total=total)
+
+        def advance(what: str) -> None:
+            progress.update(task, advance=1, description=f"{label} on {world} ranks: {phases[what]}")
+
         try:
             results = launch(
                 settings,
@@ -178,7 +215,7 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
                 args.warmup,
                 args.steps,
                 args.timeout,
-                lambda _: progress.advance(task),
+                advance,
                 record_steps=2 if args.record else 0,
             )
         except RuntimeError as error:
@@ -187,6 +224,8 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
     summary = summarize(results, tokens_per_step=world * settings.batch_size * settings.seq_len)
     console.print(render_table(summary))
     console.print(f"verdict: {summary['verdict']}")
+    if "vs_deepspeed" in summary:
+        console.print(f"verdict against DeepSpeed ZeRO-3: {summary['vs_deepspeed']['verdict']}")
     console.print(parity_line(summary))
     if args.record:
         records = [r.pop("record") for r in results]
@@ -195,6 +234,7 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
         console.print(f"wrote {args.record}")
     record = {
         "settings": settings_dict(settings),
+        **({"deepspeed_config": ds_config} if ds_config is not None else {}),
         "environment": environment(world),
         "summary": summary,
         "ranks": results,

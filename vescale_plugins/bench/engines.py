@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ from vescale_plugins.bench.llama import LlamaConfig
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.runtime.state import groups_under
 
-ENGINES = ("fsdp2", "vescale")
+ENGINES = ("fsdp2", "vescale")  # the default comparison; "deepspeed" (ZeRO-3) joins it on request
+ALL_ENGINES = (*ENGINES, "deepspeed")
 FRONTENDS = ("plain", "fabric", "accelerate")
 
 
@@ -46,6 +47,7 @@ class BenchSettings:
     frontend: str
     seed: int
     replicate: int = 1  # HSDP: replicas (mesh dim 0); the ranks of each shard the rest
+    engines: tuple[str, ...] = ENGINES  # which engines run, FSDP2 first (the reference)
 
     def mesh(self, device_type: str, world: int) -> DeviceMesh:
         """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
@@ -161,6 +163,8 @@ def build_engine(
     (see :func:`vescale_units`): Accelerate, for one, reshards the root after forward too.
     """
     model = build_model(settings, device)
+    if name == "deepspeed":
+        return _deepspeed_engine(model, settings)
     if name == "fsdp2":
         _shard_plain(model, settings, mesh, torch_fully_shard, units)
         optimizer = _optimizer(model)
@@ -177,6 +181,54 @@ def build_engine(
         engine = _accelerate_engine(model, settings)
     engine.planner_seconds = time.perf_counter() - start
     return engine
+
+
+def free_after_forward(settings: BenchSettings) -> bool:
+    """Whether parameters are freed between forward and backward (FSDP2's default schedule)."""
+    return settings.reshard_after_forward is not False
+
+
+def deepspeed_config(settings: BenchSettings) -> dict[str, Any]:
+    """The ZeRO-3 config the ``deepspeed`` engine runs under ``settings``."""
+    from vescale_plugins.bench import deepspeed_engine
+
+    with torch.device("meta"):  # the config reads sizes only
+        model = settings.config.build()
+    return deepspeed_engine.zero3_config(
+        model, settings.batch_size, settings.mixed_precision, free_after_forward(settings)
+    )
+
+
+def _deepspeed_engine(model: nn.Module, settings: BenchSettings) -> Engine:
+    import deepspeed  # noqa: F401  (imported before the timer: set-up is timed, not the import)
+
+    from vescale_plugins.bench import deepspeed_engine
+
+    config = deepspeed_engine.zero3_config(
+        model, settings.batch_size, settings.mixed_precision, free_after_forward(settings)
+    )
+    start = time.perf_counter()
+    engine, optimizer = deepspeed_engine.build(model, _optimizer(model), config)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = settings.config.loss(engine(inputs), targets)
+        engine.backward(loss)
+        engine.step()  # the optimizer step and zero_grad
+        return loss.detach()
+
+    return Engine("deepspeed", engine, optimizer, step, planner_seconds=time.perf_counter() - start)
+
+
+def full_parameters(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each parameter whole, by its name in the user's model, one at a time (collectives:
+    every rank iterates alike)."""
+    if engine.name == "deepspeed":
+        from vescale_plugins.bench import deepspeed_engine
+
+        yield from deepspeed_engine.full_parameters(engine.model)
+        return
+    for name, p in parameter_names(engine.model).items():
+        yield name, p.full_tensor()
 
 
 def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
@@ -230,7 +282,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_state_bytes(engine: Engine) -> int:
-    """Parameters + gradients + optimizer state held by this rank (sharded)."""
+    """Parameters + gradients + optimizer state held by this rank (sharded); DeepSpeed's fp32
+    master copy too."""
+    if engine.name == "deepspeed":
+        from vescale_plugins.bench import deepspeed_engine
+
+        return deepspeed_engine.sharded_state_bytes(engine.model)
     params = sum(_local(p).numel() * _local(p).element_size() for p in engine.model.parameters())
     state = sum(
         _local(v).numel() * _local(v).element_size()
@@ -243,6 +300,12 @@ def sharded_state_bytes(engine: Engine) -> int:
 
 def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, int]:
     """Padding bytes per rank (fp32 shards), and all-gather / reduce-scatter bytes per step."""
+    if engine.name == "deepspeed":
+        from vescale_plugins.bench import deepspeed_engine
+
+        return deepspeed_engine.padding_and_traffic(
+            engine.model, settings.mixed_precision, free_after_forward(settings)
+        )
     world = dist.get_world_size() // settings.replicate  # the shard group's ranks
     gather_itemsize = 2 if settings.mixed_precision else 4
     reduce_itemsize = 4
@@ -306,13 +369,16 @@ def _inside(event: Any, predicate: Callable[[str], bool]) -> bool:
     return False
 
 
-def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> float | None:
     """CPU ms of one step spent in the copies that reorder data around the collectives.
 
     Counted: split/chunk-cat/cat and any copy inside a ``*copy_in*``/``*copy_out*`` region of
     the engine's collective path (FSDP2 labels them so). Not counted: casts, and what the
-    backend does inside its own collective calls.
+    backend does inside its own collective calls. ``None`` for DeepSpeed: its collective path
+    is not labelled in the profiler, so its copies cannot be told from the model's.
     """
+    if engine.name == "deepspeed":
+        return None
     from torch.profiler import ProfilerActivity
 
     from vescale_plugins.observe.quiet_profiler import profile

@@ -1,7 +1,7 @@
 """Run the comparison on W processes and collect every rank's measurements.
 
-Each rank builds both engines on the same model, data and seed, warms both up, then steps
-them alternately (A B A B ...) so machine noise hits both alike, timing each step between
+Each rank builds the engines on the same model, data and seed, warms them up, then steps
+them alternately (A B C, C B A, ...) so machine noise hits all alike, timing each step between
 barriers. Peak memory is measured per engine in a fresh process-local tracker around
 building and a steady-state step. Progress events stream to the parent for the bar.
 """
@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.bench.engines import (
-    ENGINES,
     BenchSettings,
+    Engine,
     UnitChoice,
     batches,
     build_engine,
     copy_ms,
+    full_parameters,
     padding_and_traffic,
     parameter_names,
     sharded_state_bytes,
@@ -100,6 +101,11 @@ def _record_vescale(engine: Any, data: list, device: torch.device) -> dict[str, 
     return {"record": record.to_dict(), "summary": record.summary()}
 
 
+def _max_param_diff(engine: Engine, reference: dict[str, Any]) -> float:
+    """The largest difference of any parameter from FSDP2's (``reference``: its DTensors by name)."""
+    return max((p - reference[name].full_tensor()).abs().max().item() for name, p in full_parameters(engine))
+
+
 def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int = 0) -> dict[str, Any]:
     """Everything one rank measures; returns plain data. Reports each step as progress."""
     device = _device()
@@ -116,17 +122,20 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
         units = vescale_units(vescale.model)
         fsdp2 = build_engine("fsdp2", settings, mesh, device, units)
     engines = {"fsdp2": fsdp2, "vescale": vescale}
+    if "deepspeed" in settings.engines:
+        engines["deepspeed"] = build_engine("deepspeed", settings, mesh, device)
+    names = tuple(engines)
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
             engine.step(tokens.to(device), targets.to(device))
             report_progress("warmup")
-    seconds: dict[str, list[float]] = {name: [] for name in ENGINES}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     # Minor page faults of this process during each step: first touches of memory the C
     # allocator mapped afresh (memory handed back to the OS and taken again).
-    page_faults: dict[str, list[int]] = {name: [] for name in ENGINES}
+    page_faults: dict[str, list[int]] = {name: [] for name in names}
     losses: dict[str, float] = {}
     for i, (tokens, targets) in enumerate(data[warmup:]):
-        order = ENGINES if i % 2 == 0 else tuple(reversed(ENGINES))
+        order = names if i % 2 == 0 else tuple(reversed(names))
         for name in order:
             _synchronize(device)
             faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -137,16 +146,14 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
             page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
             losses[name] = loss.item()
             report_progress(name)
-    params = {name: parameter_names(engines[name].model) for name in ENGINES}
-    max_diff = max(
-        (params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item()
-        for k in params["fsdp2"]
-    )
+    reference = parameter_names(fsdp2.model)
+    diffs = {name: _max_param_diff(engine, reference) for name, engine in engines.items() if name != "fsdp2"}
     result: dict[str, Any] = {
         "seconds": seconds,
         "page_faults": page_faults,
         "loss": losses,
-        "max_param_diff": max_diff,
+        "max_param_diff": diffs["vescale"],
+        "max_param_diff_vs_fsdp2": diffs,
         "engines": {},
         "units": vescale_unit_groups(vescale.model),
     }
@@ -160,8 +167,8 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
         }
     if record_steps:
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
-    del engines, params
-    for name in ENGINES:
+    del engines, reference
+    for name in names:
         result["engines"][name].update(
             _measure_memory(name, settings, mesh, device, data, units if name == "fsdp2" else None)
         )

@@ -39,5 +39,6 @@ def run(args: argparse.Namespace) -> int:
         args.block_rows,
         "plain",
         args.seed,
+        engines=args.engines,
     )
     return report_comparison(settings, world, args, label=f"{args.layers} x Linear({args.dim})")

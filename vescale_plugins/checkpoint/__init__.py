@@ -1,26 +1,8 @@
 """Saving and loading sharded models: sharded (DCP, any world size) and full checkpoints,
 committed atomically (:mod:`.commit`)."""
 
-from vescale_plugins.checkpoint.state_dicts import (
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_full_model_state_dict,
-    load_full_optimizer_state_dict,
-    load_sharded,
-    save_sharded,
-    write_sharded,
-)
+from vescale_plugins.checkpoint import state_dicts
+from vescale_plugins.checkpoint.state_dicts import *  # noqa: F403  (the functions state_dicts.__all__ lists)
+from vescale_plugins.checkpoint.state_dicts import MODEL_KEY, OPTIMIZER_KEY
 
-__all__ = [
-    "MODEL_KEY",
-    "OPTIMIZER_KEY",
-    "save_sharded",
-    "write_sharded",
-    "load_sharded",
-    "full_model_state_dict",
-    "full_optimizer_state_dict",
-    "load_full_model_state_dict",
-    "load_full_optimizer_state_dict",
-]
+__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", *state_dicts.__all__]

@@ -19,6 +19,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,12 +63,19 @@ class DBuffer:
         shapes: parameter shapes, in the group's order.
         block_rows: rows of dim 0 that must stay on one rank, per parameter, counted from
             row 0 (need not divide the rows: the last block is then shorter).
-        dtype, device: of the sharded (and full-precision) parameters.
+        dtype: of the sharded (and full-precision) parameters.
+        device: where they are computed with (gathered, their gradients reduced); the sharded
+            parameters and gradients live there too unless ``offload_to_cpu``.
         group: the process group that shards them.
         layout: the planner's layout for these parameters (``planning.plan_buffers``); kept
             as it is when the buffer is rebuilt in another device or dtype.
         param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
         reduce_dtype: dtype of the reduce-scatter, default ``param_dtype``.
+        offload_to_cpu: keep the sharded parameters and gradients in host memory (FSDP2's
+            ``CPUOffloadPolicy``): the all-gather copies its input to ``device`` (with the
+            mixed-precision cast) and the reduced shard is copied back.
+        pin_memory: (with ``offload_to_cpu``) pinned host memory, so both copies run
+            asynchronously on the collectives' streams; only with an accelerator ``device``.
     """
 
     def __init__(
@@ -81,6 +89,8 @@ class DBuffer:
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        offload_to_cpu: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.group = group
         self.label = "unit"  # the unit's module name, set when the root initialises (run record)
@@ -97,7 +107,9 @@ class DBuffer:
         self.shard_size = layout.shard_size
         self.slots = tuple(self._slot(i, torch.Size(s), rows) for i, (s, rows) in enumerate(zip(shapes, block_rows)))
 
-        self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        self.sharded_device = torch.device("cpu") if offload_to_cpu else self.device
+        self.pin_memory = offload_to_cpu and pin_memory and self.device.type != "cpu"
+        self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.sharded_device, pin_memory=self.pin_memory)
         self._unsharded = ResizableStorage(layout.buffer_size, self.param_dtype, self.device, "unsharded_params")
         # Gradient shards carry one presence flag per parameter after their S elements: every
         # rank writes "I have a local gradient" into each rank's chunk, so the reduce-scatter
@@ -119,6 +131,7 @@ class DBuffer:
         self._post_forward: ResizableStorage | None = None
         self._post_forward_group: dist.ProcessGroup | None = None
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
+        self._grad_offload_event: Any = None  # the pinned copy of the reduced shard to host
         self.streams = comm_streams_for(self.device)
 
     def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
@@ -162,7 +175,9 @@ class DBuffer:
     def _sharded_grad_for_reduce(self) -> torch.Tensor:
         buffer = self._sharded_grad_ref()
         if buffer is None:
-            buffer = torch.empty(self.grad_shard_size, dtype=self.dtype, device=self.device)
+            buffer = torch.empty(
+                self.grad_shard_size, dtype=self.dtype, device=self.sharded_device, pin_memory=self.pin_memory
+            )
             self._sharded_grad_ref = weakref.ref(buffer)
         return buffer
 
@@ -220,7 +235,8 @@ class DBuffer:
         return self._unsharded.allocated
 
     def all_gather(self, async_op: bool = False) -> GatherHandle:
-        """Gather the sharded buffer into the unsharded one, in place (cast first under MP).
+        """Gather the sharded buffer into the unsharded one, in place (cast first under MP,
+        copied to the device first under CPU offload: one copy for both).
 
         Returns a handle to ``wait()`` on (already complete unless ``async_op``).
         """
@@ -235,7 +251,8 @@ class DBuffer:
             else:
                 group = self.group
                 with observer.scope(COMM_BUFFER_REGION):
-                    shard = self.sharded if self.param_dtype == self.dtype else self.sharded.to(self.param_dtype)
+                    # No copy unless one of them differs; from pinned memory, on this stream.
+                    shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
             watcher = observer.current()
             token = (
                 watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype)
@@ -346,7 +363,12 @@ class DBuffer:
         streams = self.streams
         with torch.profiler.record_function(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
-            in_place = not accumulate and not partial and self.reduce_dtype == self.dtype
+            in_place = (
+                not accumulate
+                and not partial
+                and self.reduce_dtype == self.dtype
+                and self.sharded_device == self.device
+            )
             with observer.scope(COMM_BUFFER_REGION):
                 temporary_out = (
                     None if in_place else torch.empty(self.grad_shard_size, dtype=self.reduce_dtype, device=self.device)
@@ -386,6 +408,25 @@ class DBuffer:
         if not async_op:
             handle.wait()
         return handle
+
+    def land_reduced(self, reduced: torch.Tensor, sharded_grad: torch.Tensor) -> None:
+        """Write the reduced shard (on the device) into the sharded gradient buffer; under CPU
+        offload into host memory, asynchronously on the reduce-scatter stream from pinned
+        memory (:meth:`wait_for_offloaded_grads` before the host reads it)."""
+        if not self.pin_memory:
+            sharded_grad.copy_(reduced)
+            return
+        streams = self.streams
+        with streams.issue_on(streams.reduce_scatter):
+            sharded_grad.copy_(reduced, non_blocking=True)
+            self._grad_offload_event = streams.record(streams.reduce_scatter)
+
+    def wait_for_offloaded_grads(self) -> None:
+        """Block until the sharded gradients' copy to pinned host memory is done (before the
+        optimizer or a gradient hook reads them on the host)."""
+        if self._grad_offload_event is not None:
+            self._grad_offload_event.synchronize()
+            self._grad_offload_event = None
 
     def keep_partial(self, reduced: torch.Tensor) -> None:
         """(HSDP, no all-reduce this backward) Add the shard group's sum to the partial buffer."""

@@ -137,8 +137,10 @@ class ReduceScatterHandle:
         if self._divide_factor != 1:
             out.div_(self._divide_factor)
         if self._accumulate:
+            # CPU offload: the host adds what it has fully received (as FSDP2, a blocking copy).
+            out = out.to(sharded_grad.device)
             shard_size = self._dbuffer.shard_size
             sharded_grad[:shard_size].add_(out[:shard_size])
             sharded_grad[shard_size:].copy_(out[shard_size:])  # this reduce's presence flags
         elif not self._in_place:
-            sharded_grad.copy_(out)
+            self._dbuffer.land_reduced(out, sharded_grad)

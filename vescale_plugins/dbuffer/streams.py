@@ -44,8 +44,16 @@ class CommStreams:
     def __init__(self, device: torch.device, module: Any = None) -> None:
         self.module, self.device = module, device
         self.enabled = module is not None
-        self.all_gather = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
-        self.reduce_scatter = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self.all_gather: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self.reduce_scatter: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        self._post_optim_event: Any = None
+
+    def wait_before_next_all_gather(self, event: Any) -> None:
+        """FSDP2's ``set_post_optim_event``: the next all-gather waits for ``event`` (recorded
+        after the optimizer step) instead of for all the compute stream's work so far. Off
+        CUDA work is already done when the host records an event, so nothing is kept."""
+        if self.enabled:
+            self._post_optim_event = event
 
     @contextlib.contextmanager
     def issue_on(self, stream: Any) -> Iterator[None]:
@@ -53,7 +61,11 @@ class CommStreams:
         if not self.enabled:
             yield
             return
-        stream.wait_stream(self.module.current_stream(self.device))
+        if stream is self.all_gather and self._post_optim_event is not None:
+            stream.wait_event(self._post_optim_event)
+            self._post_optim_event = None
+        else:
+            stream.wait_stream(self.module.current_stream(self.device))
         with self.module.stream(stream):
             yield
 

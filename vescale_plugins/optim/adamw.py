@@ -15,6 +15,7 @@ import torch
 
 from vescale_plugins.optim.flat import Run
 from vescale_plugins.optim.flat_state import FlatStateOptimizer, StateSpec
+from vescale_plugins.optim.kernels.adam8bit_torch import step_tensor
 from vescale_plugins.optim.sharding import wrap_like
 
 __all__ = ["AdamW"]
@@ -50,7 +51,7 @@ class AdamW(FlatStateOptimizer):
             # Padding between parameters: its gradient is not the parameters' (maybe garbage).
             run.grad_flat[start:end].zero_()
         beta1, beta2 = group["betas"]
-        step_t = torch.tensor(float(step), dtype=torch.float32, device=run.param_flat.device)
+        step_t = step_tensor(step, run.param_flat.device)
         torch._fused_adamw_(
             [run.param_flat],
             [run.grad_flat],

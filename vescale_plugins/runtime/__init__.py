@@ -13,4 +13,5 @@ backward, one concern per module (FSDP2's shape):
 * :mod:`.mesh`: a unit's shard and replicate groups and placements.
 * :mod:`.tensor_parallel`: parameters that are already DTensors (TP, EP, SPMD meshes).
 * :mod:`.traversal`: walking a module's inputs and outputs.
+* :mod:`.dynamo`: the hooks kept out of ``torch.compile``'s graphs, as FSDP2's.
 """

@@ -16,8 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost
+from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
+from vescale_plugins.runtime.placement import mesh_device, move_unit_states
 from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup, record_sharded
 
 __all__ = ["fully_shard", "register_fsdp_forward_method"]
@@ -76,6 +78,8 @@ def fully_shard(
     for the 32x32 tiles of block-wise 8-bit optimizers. ``buffer_split_cost`` says when a
     unit's parameters are split into several buffers (each its own collectives) to save
     padding; give every rank the same one.
+    As FSDP2, the default mesh is over every rank on the accelerator, and the unit's CPU
+    parameters and buffers move to the mesh's device first (meta ones stay for deferred init).
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -89,20 +93,26 @@ def fully_shard(
         dp_mesh_dims=dp_mesh_dims,
         block_size_fn=block_size_fn,
     )
-    group = FSDPParamGroup(modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost)
+    move_unit_states(modules, [s.param for s in unit.params], mesh_device(unit.mesh))
+    group = FSDPParamGroup(
+        modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
+    )
     record_sharded(modules, unit.params)
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
         m.__class__ = fsdp_class(type(m))
+        mark_managed(m)
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, prepend=False)
     return module
 
 
+@eager_hook
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return group_of(module).pre_forward(module, args, kwargs)
 
 
+@eager_hook
 def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
     return group_of(module).post_forward(module, output)
 

@@ -112,9 +112,12 @@ class VeScaleFSDPModule(FSDPModule):
         )
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """FSDP2 makes the next all-gathers wait for ``event``; ours waits for it here (on the
-        host), which orders them after the optimizer step just the same."""
-        event.synchronize()
+        """As FSDP2: the next all-gather waits for ``event`` on its stream instead of for the
+        compute stream (no host sync, no false dependency on work after the step)."""
+        units = groups_under([cast(nn.Module, self)])
+        streams = {id(d.streams): d.streams for group in units for d in group.dbuffers}
+        for comm_streams in streams.values():
+            comm_streams.wait_before_next_all_gather(event)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2: use :meth:`set_gradient_divide_factor`."""
@@ -132,17 +135,15 @@ class VeScaleFSDPModule(FSDPModule):
             raise TypeError(f"reduce_scatter_unused_params must be a bool, got {reduce_scatter_unused_params!r}")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Validated as FSDP2 does; veScale-FSDP keeps one reduce-scatter in flight (FSDP2's
-        default, 1), so only 1 is accepted."""
+        """As FSDP2: how many units' reduce-scatters (and their gradient buffers) may be in
+        flight at once; a unit's post-backward waits for the oldest until fewer remain. 1 (the
+        default) bounds memory; more hides an exposed reduce-scatter at the cost of buffers."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        if max_input_buffers > 1:
-            raise NotImplementedError(
-                f"set_reduce_scatter_max_input_buffers({max_input_buffers}): veScale-FSDP keeps one "
-                "reduce-scatter in flight; use 1 (the default)"
-            )
+        for unit in self._units(recurse):
+            unit.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         if enable:
@@ -192,7 +193,7 @@ class VeScaleFSDPModule(FSDPModule):
         check_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
             if len({b.mesh.mesh for b in unit.buffers}) > 1:
-                refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward, None)
+                refuse_with_parameter_meshes(unit.fsdp_params[0].fqn, reshard_after_forward)
             unit.reshard_after_forward = normalise_reshard_after_forward(reshard_after_forward, unit.mesh)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:

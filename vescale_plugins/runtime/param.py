@@ -235,6 +235,7 @@ class FSDPParam:
         (optimizer-in-backward steps there), as FSDP2's do."""
         hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
         if hooks and self.sharded.grad is not None:
+            self.dbuffer.wait_for_offloaded_grads()  # a hook reads the gradient on the host
             for hook in list(hooks.values()):
                 hook(self.sharded)
 

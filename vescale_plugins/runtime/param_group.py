@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer import DBuffer
-from vescale_plugins.dbuffer.handles import GatherHandle
+from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
+from vescale_plugins.runtime.dynamo import eager_hook
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -53,8 +54,12 @@ class FSDPParamGroup:
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
         buffer_split_cost: BufferSplitCost,
+        offload_policy: OffloadPolicy | None = None,
     ) -> None:
         self.modules = modules
+        # CPU offload: sharded parameters and gradients in host memory, computed with on the
+        # mesh's device (FSDP2's CPUOffloadPolicy).
+        self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         self.mesh = mesh
         self.group = UnitMesh.of(mesh).shard_group  # the unit mesh's (each DBuffer has its own)
         self.reshard_after_forward = reshard_after_forward
@@ -64,6 +69,7 @@ class FSDPParamGroup:
         self.requires_all_reduce = True
         self.is_last_backward = True
         self.unshard_in_backward = True
+        self.reduce_scatter_max_input_buffers = 1  # units whose reduce-scatters may be in flight
         # None: each DBuffer divides by its mesh's size (every data-parallel rank of it).
         self.gradient_divide_factor: float | None = None
         self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit (see RootState)
@@ -126,15 +132,18 @@ class FSDPParamGroup:
         layout: Any,
     ) -> DBuffer:
         floating = dtype.is_floating_point
+        offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
         return DBuffer(
             shapes,
             block_rows,
             dtype,
-            device,
+            device if offload is None else _compute_device(self.mesh),
             group,
             layout,
             param_dtype=self.mp_policy.param_dtype if floating else None,
             reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
+            offload_to_cpu=offload is not None,
+            pin_memory=offload is not None and offload.pin_memory,
         )
 
     @property
@@ -150,9 +159,15 @@ class FSDPParamGroup:
                 continue
             old = buffer.dbuffer
             locals_ = [p.sharded._local_tensor for p in members]
-            device = locals_[0].device if locals_ else old.device
+            device = locals_[0].device if locals_ else old.sharded_device
             dtype = locals_[0].dtype if locals_ else old.dtype
-            if device != old.device or dtype != old.dtype or old.sharded.device.type == "meta":
+            if self.offload is not None and device.type not in ("cpu", "meta"):
+                raise RuntimeError(
+                    "FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                    'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                    f"Found following parameters on non-CPU device: {[(p.fqn, device) for p in members]}"
+                )
+            if device != old.sharded_device or dtype != old.dtype or old.sharded.device.type == "meta":
                 # Mixed-precision dtypes follow a dtype change unless the policy fixed them.
                 buffer.dbuffer = self._new_dbuffer(
                     [s.shape for s in old.slots],
@@ -260,6 +275,7 @@ class FSDPParamGroup:
 
     # -- forward ----------------------------------------------------------------------
 
+    @eager_hook
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # Activation checkpointing recomputes this forward inside the unit's backward: the
@@ -300,6 +316,7 @@ class FSDPParamGroup:
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
 
+    @eager_hook
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return self._cast_output(output)  # a recomputation (see pre_forward)
@@ -321,6 +338,8 @@ class FSDPParamGroup:
             else:
                 self.reshard()
         if torch.is_grad_enabled():
+            assert self.root_state is not None  # set at the first forward (RootState.init_under)
+            self.root_state.post_forward_order.append(self)
             output = register_on_tensors(output, self._pre_backward_hook)
         return output
 
@@ -344,6 +363,7 @@ class FSDPParamGroup:
         replacements = iter(outs if isinstance(outs, tuple) else (outs,))
         return map_grad_tensors(inputs, lambda t: next(replacements))
 
+    @eager_hook
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return
@@ -359,15 +379,11 @@ class FSDPParamGroup:
             self._prefetch_for_backward()
 
     def _after_gradient(self, param: nn.Parameter) -> None:
-        """At the unit's first gradient: finish the previous unit's reduce-scatter, then start
-        gathering the unit whose backward comes next.
+        """At the unit's first gradient: start gathering the unit whose backward comes next.
 
-        The reduce-scatter has overlapped this unit's backward up to here; finishing it frees
-        its gradient buffer before the prefetch allocates, so the two are never alive at once.
+        The previous unit's reduce-scatter goes on overlapping this unit's whole backward; it
+        is waited for at this unit's post-backward (FSDP2's place, see ``_reduce_gradients``).
         """
-        if not self._backward_prefetched:
-            assert self.root_state is not None  # set at the first forward (RootState.init_under)
-            self.root_state.wait_for_reduces()
         self._prefetch_for_backward()
 
     def _prefetch_for_backward(self) -> None:
@@ -390,6 +406,7 @@ class FSDPParamGroup:
         if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
 
+    @eager_hook
     def post_backward(self) -> None:
         """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
 
@@ -409,18 +426,21 @@ class FSDPParamGroup:
 
     def _reduce_gradients(self) -> None:
         """Move the unit's gradients into its gradient buffers and reduce-scatter them
-        asynchronously (at most one unit in flight).
+        asynchronously (at most ``reduce_scatter_max_input_buffers`` units in flight).
 
         Called after resharding, as FSDP2 chunk-cats after resharding: the buffer is allocated
-        once the unsharded parameters are freed and the previous unit's reduce-scatter (which
-        overlapped this unit's backward) is finished, so one unit's full gradients are alive
-        at a time, the root's aside. Autograd's gradients are copied in (one copy each: its
-        backward ops always write fresh tensors) and freed as they are copied. The root waits
-        for the last reduce-scatters at the end of backward.
+        once the unsharded parameters are freed and the oldest reduce-scatters (which
+        overlapped this unit's backward) are finished until fewer than the cap remain, as
+        FSDP2's post-backward recycles its reduce-scatter inputs: with the default cap of 1,
+        the previous unit's gradient buffer and this unit's autograd gradients are what is
+        alive. Autograd's gradients are copied in (one copy each: its backward ops always
+        write fresh tensors) and freed as they are copied. The root waits for the last
+        reduce-scatters at the end of backward.
         """
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
-        root_state.wait_for_reduces()
+        root_state.wait_for_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+        issued: list[ReduceScatterHandle] = []
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
             if not members:
@@ -443,9 +463,7 @@ class FSDPParamGroup:
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's sums wait in a partial buffer; no gradient is attached yet.
-                root_state.reduces_in_flight.append(
-                    dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True)
-                )
+                issued.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
                 continue
             # Default: the mean over every data-parallel rank of the buffer's own mesh.
             divide_factor = (
@@ -455,7 +473,7 @@ class FSDPParamGroup:
                 divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group
             )
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
-            root_state.reduces_in_flight.append(handle)
+            issued.append(handle)
             for p, got in zip(members, received):
                 if p.sharded.grad is not None:
                     continue
@@ -465,6 +483,8 @@ class FSDPParamGroup:
                     sharded_grad = dbuffer.sharded_grad
                     assert sharded_grad is not None  # the reduce-scatter's handle holds it
                     root_state.reduced_without_local_grad.append((p, sharded_grad))
+        if issued:
+            root_state.reduces_in_flight.append(issued)
 
     def reset_iteration_state(self) -> None:
         """Forget this iteration (after an exception aborted it): no gradient, no gather."""
@@ -480,6 +500,14 @@ class FSDPParamGroup:
         self.reshard()
         for dbuffer in self.dbuffers:
             dbuffer.release_unsharded_grad()
+
+
+def _compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device a CPU-offloaded unit computes on: its mesh's (the current CUDA device)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:

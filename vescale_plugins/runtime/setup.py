@@ -20,13 +20,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vescale_plugins.ragged.placement import RaggedShard
-from vescale_plugins.runtime.tensor_parallel import ParallelSpec, SpmdMesh, parallel_spec_for, resolve_dp_mesh_dims
+from vescale_plugins.runtime.placement import default_mesh, mesh_device
+from vescale_plugins.runtime.tensor_parallel import (
+    ParallelSpec,
+    SpmdMesh,
+    parallel_spec_for,
+    resolve_dp_mesh_dims,
+    spmd_mesh_of,
+)
 
 if TYPE_CHECKING:  # type-checked against a torch that has it
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
@@ -107,29 +114,30 @@ def plan_unit_setup(
     """Check every argument and plan the unit's parameters, the same on every rank of the
     unit's shard group (see :func:`agree_on_plan`); raises before the modules change."""
     _check_modules_and_policies(modules, reshard_after_forward, offload_policy)
-    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
     spmd: SpmdMesh | None = None
     if dp_mesh_dims is not None:
-        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward, device)
-    mesh = _resolve_mesh(mesh, device)
+        mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
+    mesh = _resolve_mesh(mesh)
+    device = mesh_device(mesh)  # where fully_shard moves the unit's states (FSDP2's choice)
     ignored = set(ignored_params or ())
 
     def plan() -> list[ParamSpec]:
         params, shared = _collect_params(modules, ignored)
         _check_not_already_sharded(modules[0], params)
+        _check_dtensors_on(device, params)
         own_mesh = (
             _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
         )
         if own_mesh:
-            refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward, spmd)
+            refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward)
         specs = [
             ParamSpec(
                 fqn,
                 tuple(owners),
                 p,
                 _block_rows(fqn, p, block_size_fn),
-                parallel_spec_for(fqn, p, own_mesh.get(fqn, mesh), spmd),
-                own_mesh.get(fqn),
+                parallel_spec_for(fqn, p, *own_mesh.get(fqn, (mesh, spmd))),
+                own_mesh[fqn][0] if fqn in own_mesh else None,
             )
             for fqn, owners, p in params
         ]
@@ -163,8 +171,10 @@ def plan_unit_setup(
 
 def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward: Any, offload_policy: Any) -> None:
     check_reshard_after_forward(reshard_after_forward)
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(f"offload_policy={offload_policy!r}: CPU offload is not supported yet")
+    if offload_policy is not None and type(offload_policy) not in (OffloadPolicy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            f"offload_policy={offload_policy!r}: pass OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...)"
+        )
     for m in modules:
         if getattr(m, "_vescale_fsdp_unit", None) is not None:
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
@@ -231,12 +241,9 @@ def _check_mesh(mesh: Any) -> None:
         )
 
 
-def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
+def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
-        if not dist.is_initialized():
-            raise RuntimeError("fully_shard needs an initialised process group or an explicit mesh")
-        device_type = "cuda" if device.type == "cuda" else "cpu"
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        mesh = default_mesh()
     _check_mesh(mesh)
     if mesh.ndim > 2:
         raise NotImplementedError(
@@ -249,15 +256,16 @@ def _resolve_mesh(mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
 
 
 def _resolve_spmd_mesh(
-    mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any, device: torch.device
+    mesh: DeviceMesh | None, dp_mesh_dims: Any, reshard_after_forward: Any
 ) -> tuple[DeviceMesh, SpmdMesh]:
     """With ``dp_mesh_dims``, ``mesh`` is the full SPMD mesh: validated as FSDP2 does, and
     replaced by its data-parallel shard dim."""
     if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
         raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {dp_mesh_dims!r}")
-    full_mesh = _resolve_mesh(mesh, device) if mesh is None else mesh
+    full_mesh = _resolve_mesh(mesh) if mesh is None else mesh
     _check_mesh(full_mesh)
-    return resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
+    spmd = resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
+    return spmd.dp_mesh, spmd
 
 
 # -- the parameters ---------------------------------------------------------------------
@@ -304,6 +312,17 @@ def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
         if getattr(module, "_vescale_fsdp_unit", None) is not None:
             return True
     return False
+
+
+def _check_dtensors_on(device: torch.device, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
+    """fully_shard moves plain tensors to the mesh's device; a DTensor (TP/EP) must already be
+    there, as FSDP2 requires (``_move_states_to_device``)."""
+    for fqn, _, param in params:
+        if isinstance(param, DTensor) and param.device.type != "meta" and param.device != device:
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor on {param.device} but the unit's mesh is on {device}: "
+                "build (or move) the tensor-parallel model on the mesh's device before fully_shard"
+            )
 
 
 def _check_not_already_sharded(module: nn.Module, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
@@ -369,7 +388,7 @@ def _check_shard_placements(
     shard_placement_fn: Callable[[nn.Parameter], Any],
     mesh: DeviceMesh,
     device: torch.device,
-) -> dict[str, DeviceMesh]:
+) -> dict[str, tuple[DeviceMesh, SpmdMesh | None]]:
     """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it; returns the parameters it
     puts on another mesh than the unit's.
 
@@ -379,7 +398,9 @@ def _check_shard_placements(
     FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank (placement
     ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so. A
     ``ShardPlacementResult`` may also name another mesh for the parameter (torch >= 2.12;
-    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it.
+    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it,
+    and where that mesh info was built with ``dp_mesh_dims`` the parameter is a DTensor on its
+    full SPMD mesh (torchtitan's experts on the sparse mesh).
     """
     other_dims, own_mesh = [], {}
     for fqn, _, param in params:
@@ -387,7 +408,7 @@ def _check_shard_placements(
         if isinstance(placement, ShardPlacementResult):
             param_mesh = _parameter_mesh(fqn, placement.mesh_info, device)
             if param_mesh != mesh:
-                own_mesh[fqn] = param_mesh
+                own_mesh[fqn] = (param_mesh, spmd_mesh_of(placement.mesh_info))
             placement = placement.placement
         if placement is None:
             continue
@@ -434,9 +455,10 @@ def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMes
             f"replicate_mesh_dim={replicate_dim}): veScale-FSDP shards over a 1-D mesh, or replicates over dim 0 and "
             "shards over dim 1 of a 2-D one (HSDP)"
         )
-    if device.type != "meta" and param_mesh.device_type != device.type:
+    if param_mesh.device_type != device.type:
         raise ValueError(
-            f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; its parameters are on {device.type!r}"
+            f"shard_placement_fn put {fqn!r} on a {param_mesh.device_type!r} mesh; the unit's mesh keeps its "
+            f"parameters on {device.type!r}"
         )
     if param_mesh.get_coordinate() is None:
         raise ValueError(
@@ -445,16 +467,12 @@ def _parameter_mesh(fqn: str, mesh_info: Any, device: torch.device) -> DeviceMes
     return param_mesh
 
 
-def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any, spmd: Any) -> None:
+def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any) -> None:
     """What a unit with parameters on their own mesh (``shard_placement_fn``) cannot do."""
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward} with parameters on their own mesh ({first_fqn!r}, from "
             "shard_placement_fn): pass True or False, as FSDP2 needs for such units"
-        )
-    if spmd is not None:
-        raise NotImplementedError(
-            f"dp_mesh_dims with parameters on their own mesh ({first_fqn!r}, from shard_placement_fn)"
         )
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from vescale_plugins.dbuffer.handles import ReduceScatterHandle
+from vescale_plugins.runtime.dynamo import eager_hook
 
 if TYPE_CHECKING:
     from vescale_plugins.runtime.param import FSDPParam
@@ -53,7 +54,10 @@ class RootState:
         self.groups = groups  # every unit under the root, outermost first (the root first)
         self.forward_order: list[FSDPParamGroup] = []  # units in the order this forward ran them
         self.previous_forward_order: list[FSDPParamGroup] = []
-        self.reduces_in_flight: list[ReduceScatterHandle] = []
+        # Units in the order this forward finished them (a unit's forward ends after those of
+        # the units inside it): backward runs in its reverse, so it orders the prefetch.
+        self.post_forward_order: list[FSDPParamGroup] = []
+        self.reduces_in_flight: list[list[ReduceScatterHandle]] = []  # per unit, oldest first
         # Parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
@@ -84,6 +88,7 @@ class RootState:
         """(At the root's pre-forward) The last forward's order becomes the prefetch order."""
         if self.forward_order:
             self.previous_forward_order, self.forward_order = self.forward_order, []
+            self.post_forward_order = []
 
     def forward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
@@ -113,11 +118,12 @@ class RootState:
     # -- backward ---------------------------------------------------------------------
 
     def backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
-        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit before
-        ``group`` in this forward whose backward has not started."""
+        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit to
+        finish its forward before ``group`` did whose backward has not started (FSDP2's
+        post-forward order: the root gathers the last block during the head's backward)."""
         if group.backward_prefetch is not None:
             return group.backward_prefetch
-        order = self.forward_order
+        order = self.post_forward_order
         if group not in order:
             return []
         position = order.index(group)
@@ -129,24 +135,32 @@ class RootState:
                 return [earlier]
         return []
 
-    def wait_for_reduces(self) -> None:
-        """Complete every reduce-scatter in flight, freeing their gradient buffers."""
-        for handle in self.reduces_in_flight:
-            handle.wait()
-        self.reduces_in_flight = []
+    def wait_for_reduces(self, keep: int = 0) -> None:
+        """Complete the oldest units' reduce-scatters until ``keep`` units' remain in flight,
+        freeing their gradient buffers."""
+        while len(self.reduces_in_flight) > keep:
+            for handle in self.reduces_in_flight.pop(0):
+                handle.wait()
 
+    @eager_hook
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
-        every reduce-scatter (gradients are final when ``backward()`` returns), reset state."""
+        every reduce-scatter (gradients are final when ``backward()`` returns), reshard every
+        unit (those no backward reached too), reset state."""
         self.callback_queued = False
         for group in reversed(self.groups):
             group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if group.training_state is TrainingState.PRE_BACKWARD:
                 group.post_backward()
             group._pending_post_backward = 0
-            if group.training_state is TrainingState.POST_BACKWARD:
+            # FORWARD: no backward reached the unit (a frozen embedding), though it may have
+            # been prefetched for one; it reshards below, as FSDP2's final callback does.
+            if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
         self.wait_for_reduces()
+        for group in self.groups:  # CPU offload: the gradients' copies to host, as FSDP2
+            for dbuffer in group.dbuffers:
+                dbuffer.wait_for_offloaded_grads()
         if self.reduced_without_local_grad:
             self._attach_remote_gradients()
         if self.root.reshard_after_backward:
@@ -183,11 +197,13 @@ class RootState:
         """After an exception aborted a forward or backward: finish every collective in
         flight, reshard every unit and forget the iteration (its unreduced gradients and
         no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
-        for handle in self.reduces_in_flight:
-            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        for handles in self.reduces_in_flight:
+            for handle in handles:
+                handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
         self.wait_for_reduces()
         self.reduced_without_local_grad = []
         self.callback_queued = False
         self.forward_order = []
+        self.post_forward_order = []
         for group in self.groups:
             group.reset_iteration_state()

@@ -7,7 +7,9 @@ Two ways in, as FSDP2's:
   the same root mesh. The sharded parameter lives on the two concatenated, ``(dp, tp)``.
 - **SPMD mesh** (``dp_mesh_dims``): the parameter is a DTensor on the full mesh with
   ``Replicate()`` on the data-parallel dim(s), and ``fully_shard(mesh=full_mesh,
-  dp_mesh_dims=...)`` names them; the sharded parameter lives on that same mesh.
+  dp_mesh_dims=...)`` names them (shard dims, and replicate dims for HSDP); the sharded
+  parameter lives on that same mesh, or, where several shard dims are flattened into one
+  (``shard=("dp_shard", "cp")``), on FSDP2's mesh with the flattened dim in their place.
 
 Either way the unit's DBuffer holds this rank's tensor-parallel local tensor, cut by the
 planner over the data-parallel ranks; the sharded parameter is a DTensor with a RaggedShard
@@ -30,15 +32,19 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from vescale_plugins.ragged.dtensor import concatenate_meshes, make_dtensor, other_dims_slice
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 
-__all__ = ["ParallelSpec", "SpmdMesh", "resolve_dp_mesh_dims", "parallel_spec_for"]
+__all__ = ["ParallelSpec", "SpmdMesh", "parallel_spec_for", "resolve_dp_mesh_dims", "spmd_mesh_of"]
 
 
 @dataclass(frozen=True)
 class SpmdMesh:
-    """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the full mesh and its shard dim."""
+    """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the full mesh, its data-parallel
+    dims, and the data-parallel mesh FSDP2 derives from them: the shard dim(s) flattened into
+    one, after the replicate dim(s) flattened into one for HSDP."""
 
     mesh: DeviceMesh
-    shard_dim: int
+    dp_mesh: DeviceMesh
+    shard_dims: tuple[int, ...]
+    replicate_dims: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -101,12 +107,9 @@ class ParallelSpec:
         return other_dims_slice(full, self.unsharded_placements, self.unsharded_mesh)
 
 
-def resolve_dp_mesh_dims(
-    mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any
-) -> tuple[DeviceMesh, SpmdMesh]:
-    """FSDP2's validation of ``dp_mesh_dims``, with its errors; returns the data-parallel
-    (shard) mesh and the full mesh. Flattening several dims and replicate dims (HSDP/DDP on
-    an SPMD mesh) are refused."""
+def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> SpmdMesh:
+    """FSDP2's validation of ``dp_mesh_dims``, with its errors, and its data-parallel mesh.
+    Replicate dims without a shard dim (DDP on an SPMD mesh) are refused: nothing to shard."""
     if mesh.mesh_dim_names is None:
         raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
     shard_names, replicate_names = _names(dp_mesh_dims.shard), _names(dp_mesh_dims.replicate)
@@ -115,14 +118,39 @@ def resolve_dp_mesh_dims(
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
-    if replicate_names or len(shard_names) != 1:
+    if not shard_names:
         raise NotImplementedError(
-            f"dp_mesh_dims={dp_mesh_dims!r}: veScale-FSDP supports one shard dim and no replicate "
-            "dim on an SPMD mesh; for HSDP pass mesh=full_mesh[(replicate, shard)] with "
-            "parameters on the other dims' submesh (FSDP2's tensor-parallel form)"
+            f"dp_mesh_dims={dp_mesh_dims!r} names no shard dim (DDP on an SPMD mesh): veScale-FSDP shards "
+            "parameters; name the dim(s) to shard over in shard=, or use torch.distributed.fsdp.fully_shard"
         )
-    shard_dim = mesh.mesh_dim_names.index(shard_names[0])
-    return mesh[shard_names[0]], SpmdMesh(mesh, shard_dim)
+    dp_mesh = _flattened(mesh, shard_names)
+    if replicate_names:
+        dp_mesh = concatenate_meshes([_flattened(mesh, replicate_names), dp_mesh])
+    names = mesh.mesh_dim_names
+    return SpmdMesh(
+        mesh, dp_mesh, tuple(names.index(n) for n in shard_names), tuple(names.index(n) for n in replicate_names)
+    )
+
+
+def spmd_mesh_of(mesh_info: Any) -> SpmdMesh | None:
+    """The SpmdMesh of an FSDP2 mesh info built with ``dp_mesh_dims`` (a ``shard_placement_fn``
+    answer, as torchtitan gives its experts), or ``None`` for one without."""
+    dp_mesh_dims = getattr(mesh_info, "dp_mesh_dims", None)
+    if dp_mesh_dims is None:
+        return None
+    full_mesh = mesh_info.spmd_mesh
+    names = full_mesh.mesh_dim_names
+    return SpmdMesh(
+        full_mesh,
+        mesh_info.mesh,
+        tuple(names.index(n) for n in _names(dp_mesh_dims.shard)),
+        tuple(names.index(n) for n in _names(dp_mesh_dims.replicate)),
+    )
+
+
+def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The submesh of ``names``, several flattened into one dim as FSDP2 does (same name)."""
+    return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -165,20 +193,47 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
             "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got "
             f"different mesh objects (parameter '{fqn}')"
         )
-    placement = param.placements[spmd.shard_dim]
-    if not isinstance(placement, Replicate):
-        names = spmd.mesh.mesh_dim_names
-        assert names is not None  # an SPMD mesh is named (checked where SpmdMesh is made)
-        name = names[spmd.shard_dim]
-        raise ValueError(
-            f"Expected Replicate() on DP shard dim '{name}' (index {spmd.shard_dim}) but got {placement} "
-            f"(parameter '{fqn}')"
-        )
+    names = spmd.mesh.mesh_dim_names
+    assert names is not None  # an SPMD mesh is named (checked where SpmdMesh is made)
+    for kind, dims in (("shard", spmd.shard_dims), ("replicate", spmd.replicate_dims)):
+        for dim in dims:
+            if not isinstance(param.placements[dim], Replicate):
+                raise ValueError(
+                    f"Expected Replicate() on DP {kind} dim '{names[dim]}' (index {dim}) but got "
+                    f"{param.placements[dim]} (parameter '{fqn}')"
+                )
     _check_placements(fqn, param)
-    template = tuple(None if j == spmd.shard_dim else p for j, p in enumerate(param.placements))
+    sharded_mesh, template = _spmd_sharded_layout(param, spmd)
     return ParallelSpec(
-        spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd.mesh, template, (spmd.shard_dim,)
+        spmd.mesh,
+        tuple(param.placements),
+        param.shape,
+        param.stride(),
+        sharded_mesh,
+        template,
+        spmd.shard_dims + spmd.replicate_dims,
     )
+
+
+def _spmd_sharded_layout(param: DTensor, spmd: SpmdMesh) -> tuple[DeviceMesh, tuple[Placement | None, ...]]:
+    """Where the sharded parameter lives, as FSDP2: on the full mesh for one shard dim; for
+    several, on the full mesh with the data-parallel mesh (flattened shard dims, after the
+    replicate dim for HSDP) in the first shard dim's place and the replicate dims dropped."""
+    first = spmd.shard_dims[0]
+    if len(spmd.shard_dims) == 1:
+        return spmd.mesh, tuple(None if j == first else p for j, p in enumerate(param.placements))
+    names = spmd.mesh.mesh_dim_names
+    assert names is not None  # an SPMD mesh is named (checked where SpmdMesh is made)
+    submeshes: list[DeviceMesh] = []
+    template: list[Placement | None] = []
+    for j, p in enumerate(param.placements):
+        if j == first:
+            submeshes.append(spmd.dp_mesh)
+            template.extend([Replicate(), None] if spmd.replicate_dims else [None])
+        elif j not in spmd.shard_dims + spmd.replicate_dims:
+            submeshes.append(spmd.mesh[names[j]])
+            template.append(p)
+    return concatenate_meshes(submeshes), tuple(template)
 
 
 def _check_placements(fqn: str, param: DTensor) -> None:

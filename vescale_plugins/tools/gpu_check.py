@@ -17,6 +17,8 @@ With CUDA: every check on NCCL, one rank per GPU. Without: the same checks on CP
 * ``bench`` / ``bench_bf16``: ``python -m vescale_plugins.bench`` (default model on CUDA,
   tiny on the fallback): step time, peak memory (CUDA: ``max_memory_allocated`` and
   ``max_memory_reserved``), page faults, parity;
+* ``optimizer_host_syncs``: a second step of AdamW, AdamW8bit and Muon under
+  ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises);
 * ``triton_kernels``: ``pytest tests -k triton`` compiled for real on CUDA when Triton
   kernels exist in ``vescale_plugins/optim/kernels/`` and the checkout has its tests;
   skipped (with the reason) otherwise.
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import vescale_plugins
+from vescale_plugins.optim import AdamW, AdamW8bit, Muon
 from vescale_plugins.tools import parity_model
 from vescale_plugins.tools.launch import launch_ranks
 
@@ -301,6 +304,28 @@ def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
     return {"kernels": sources, "triton": triton.__version__, "pytest": tail[0]}
 
 
+def run_optimizer_syncs(kind: str, timeout_s: float) -> dict[str, Any]:
+    """A steady-state step of each optimizer with CUDA's sync debug mode at "error": any host
+    sync (a device scalar read, a pageable copy) raises. Off CUDA the steps run unchecked."""
+    device = torch.device(kind)
+    stepped = {}
+    for name, make in (("AdamW", AdamW), ("AdamW8bit", AdamW8bit), ("Muon", Muon)):
+        params = [torch.nn.Parameter(torch.randn(256, 128, device=device))]
+        optimizer = make(params, lr=1e-3)
+        params[0].grad = torch.randn_like(params[0])
+        optimizer.step()  # builds state (quantisation maps are copied to the device once)
+        if kind == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            optimizer.step()
+        finally:
+            if kind == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        stepped[name] = "no host sync" if kind == "cuda" else "stepped (sync debug mode is CUDA only)"
+    return {"optimizers": stepped}
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -337,21 +362,10 @@ def plan(kind: str, gpus: int, quick: bool) -> list[tuple[str, Callable[[float],
         checks.append(("bench_bf16", lambda t: run_bench(["--precision", "bf16-mixed"], t)))
         checks.append(("bench_medium", lambda t: run_bench(["--model", "medium", "--steps", "12"], t)))
     else:
-        tiny = [
-            "--model",
-            "tiny",
-            "--world-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--warmup",
-            "1",
-            "--steps",
-            "2" if quick else "4",
-            "--batch-size",
-            "2",
-        ]
+        steps = "2" if quick else "4"
+        tiny = f"--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps {steps} --batch-size 2".split()
         checks.append(("bench", lambda t: run_bench(tiny, t)))
+    checks.append(("optimizer_host_syncs", lambda t: run_optimizer_syncs(kind, t)))
     checks.append(("triton_kernels", lambda t: run_triton(kind, t)))
     return checks
 

@@ -23,7 +23,7 @@ import torch
 
 from vescale_plugins.optim.kernels.quant_map import SCALE_FLOOR, dynamic_map, quantize
 
-__all__ = ["AdamHyper", "adam8bit_step_", "tile_regions"]
+__all__ = ["AdamHyper", "adam8bit_step_", "step_tensor", "tile_regions"]
 
 # Elements per band of tile rows stepped at once: a few fp32 temporaries of this size live
 # during the step (1 MiB each), whatever the parameter's size.
@@ -156,7 +156,7 @@ def _step_band(p, g, m_codes, m_scales, v_codes, v_scales, tile_h: int, tile_w: 
         [m],
         [v],
         [],
-        [_step_tensor(hyper.step, p32.device)],
+        [step_tensor(hyper.step, p32.device)],
         lr=hyper.lr,
         beta1=hyper.beta1,
         beta2=hyper.beta2,
@@ -173,8 +173,10 @@ def _step_band(p, g, m_codes, m_scales, v_codes, v_scales, tile_h: int, tile_w: 
     _requantize_(v, v_codes, v_scales, regions, signed=False)
 
 
-def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(float(step), dtype=torch.float32, device=device)
+def step_tensor(step: int, device: torch.device) -> torch.Tensor:
+    """The fused Adam kernels' step count on ``device``: filled there (a kernel with the
+    value as its argument), not copied from the host, which would sync on CUDA."""
+    return torch.full((), float(step), dtype=torch.float32, device=device)
 
 
 def _region_views(values: torch.Tensor, scales: torch.Tensor, region) -> tuple[torch.Tensor, torch.Tensor]:

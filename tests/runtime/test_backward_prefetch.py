@@ -1,0 +1,84 @@
+"""Which unit each backward gathers ahead, compared with FSDP2 in the same test.
+
+FSDP2 orders its backward prefetch by the post-forward order, so the root (whose forward
+ends last) gathers the last block during the head's backward; a block gathered only at its
+own pre-backward is an exposed all-gather. Logged for both implementations: each real
+gather (not a no-op) and each unit's pre-backward, by module name.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import torch.nn as nn
+from torch.distributed import fsdp
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup as TorchParamGroup
+
+import vescale_plugins
+from vescale_plugins.runtime.param_group import FSDPParamGroup
+
+T = 120
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def _backward_log(unshard_embedding_in_backward: bool = True) -> dict[str, list]:
+    found = {}
+    for impl, shard, group_class, pre_backward in (
+        ("torch", fsdp.fully_shard, TorchParamGroup, "pre_backward"),
+        ("vescale", vescale_plugins.fully_shard, FSDPParamGroup, "_pre_backward_hook"),
+    ):
+        torch.manual_seed(0)
+        model = _Model()
+        shard(model.embed)
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+        model.embed.set_unshard_in_backward(unshard_embedding_in_backward)
+        names = {id(m): n or "<root>" for n, m in model.named_modules()}
+        log: list[tuple[str, str]] = []
+        in_backward = [False]
+        original_unshard, original_pre_backward = group_class.unshard, getattr(group_class, pre_backward)
+
+        def unshard(group, *args, log=log, original=original_unshard, **kwargs):
+            gathers = not group.is_unsharded and getattr(group, "_all_gather_result", None) is None
+            gathers = gathers and not getattr(group, "_pending_unshard", None)
+            if in_backward[0] and gathers:
+                log.append(("gather", names[id(group.modules[0])]))
+            return original(group, *args, **kwargs)
+
+        def logged_pre_backward(group, *args, log=log, original=original_pre_backward, **kwargs):
+            log.append(("pre_backward", names[id(group.modules[0])]))
+            return original(group, *args, **kwargs)
+
+        with (
+            mock.patch.object(group_class, "unshard", unshard),
+            mock.patch.object(group_class, pre_backward, logged_pre_backward),
+        ):
+            loss = model(torch.randint(0, 32, (2, 8))).sum()
+            in_backward[0] = True
+            loss.backward()
+        found[impl] = [entry for entry in log if entry[1] != "<root>"]
+        found[f"{impl} embedding gradient"] = model.embed.weight.grad.full_tensor()
+    return found
+
+
+def test_backward_gathers_the_last_block_during_the_roots_backward_as_fsdp2(dist_run):
+    found = dist_run(_backward_log, 2, timeout=T)[0]
+    last_block = ("gather", "blocks.2")
+    assert found["torch"].index(last_block) < found["torch"].index(("pre_backward", "blocks.2"))
+    assert found["vescale"] == found["torch"]
+    torch.testing.assert_close(found["vescale embedding gradient"], found["torch embedding gradient"])
