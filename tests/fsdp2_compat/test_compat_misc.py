@@ -1,6 +1,6 @@
 """test_fully_shard_clip_grad_norm_.py, _grad_scaler.py, _ignore_params.py, _init.py
 (public-behaviour cases) and the custom-forward-method and unshard cases of
-_training.py/_comm.py (FSDP2), on CPU/gloo. 2-D (TP/HSDP) variants are issue 15.
+_training.py/_comm.py (FSDP2), on CPU/gloo. The 2-D (TP/HSDP) variants are in test_compat_tensor_parallel.py.
 """
 
 from __future__ import annotations

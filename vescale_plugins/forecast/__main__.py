@@ -30,7 +30,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="Llama-3-70B",
-        help="a catalogue name (vescale_plugins/model_catalog.py) or a Hugging Face config.json",
+        help="a catalogue name (vescale_plugins/tools/model_catalog.py) or a Hugging Face config.json",
     )
     parser.add_argument(
         "--gpus", type=_world_sizes, default=[8, 64, 256, 1024, 8192], help="world sizes, comma-separated"
