@@ -53,12 +53,16 @@ def _backward_log(unshard_embedding_in_backward: bool = True) -> dict[str, list]
         in_backward = [False]
         original_unshard, original_pre_backward = group_class.unshard, getattr(group_class, pre_backward)
 
+        def gathered(group) -> bool:
+            pending = getattr(group, "_all_gather_result", None) or getattr(group, "_pending_unshard", None)
+            return bool(group.is_unsharded or pending)
+
         def unshard(group, *args, log=log, original=original_unshard, **kwargs):
-            gathers = not group.is_unsharded and getattr(group, "_all_gather_result", None) is None
-            gathers = gathers and not getattr(group, "_pending_unshard", None)
-            if in_backward[0] and gathers:
+            before = gathered(group)
+            result = original(group, *args, **kwargs)
+            if in_backward[0] and not before and gathered(group):
                 log.append(("gather", names[id(group.modules[0])]))
-            return original(group, *args, **kwargs)
+            return result
 
         def logged_pre_backward(group, *args, log=log, original=original_pre_backward, **kwargs):
             log.append(("pre_backward", names[id(group.modules[0])]))
@@ -80,5 +84,13 @@ def test_backward_gathers_the_last_block_during_the_roots_backward_as_fsdp2(dist
     found = dist_run(_backward_log, 2, timeout=T)[0]
     last_block = ("gather", "blocks.2")
     assert found["torch"].index(last_block) < found["torch"].index(("pre_backward", "blocks.2"))
+    assert found["vescale"] == found["torch"]
+    torch.testing.assert_close(found["vescale embedding gradient"], found["torch embedding gradient"])
+
+
+def test_set_unshard_in_backward_false_skips_the_gather_as_fsdp2(dist_run):
+    """An embedding's backward reads no weight: FSDP2 then neither prefetches nor gathers it."""
+    found = dist_run(_backward_log, 2, False, timeout=T)[0]
+    assert ("gather", "embed") not in found["torch"] and ("pre_backward", "embed") in found["torch"]
     assert found["vescale"] == found["torch"]
     torch.testing.assert_close(found["vescale embedding gradient"], found["torch embedding gradient"])

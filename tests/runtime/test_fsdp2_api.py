@@ -105,8 +105,11 @@ def _surface():
     for bad, exc in ((True, TypeError), (0, ValueError)):
         with pytest.raises(exc):
             model.set_reduce_scatter_max_input_buffers(bad)
-    # The model still trains after every setter ran (divide factor back to the default).
+    # The model still trains after every setter ran (divide factor back to the default; the
+    # root gathered again in backward: it reshards after forward now, and its backward reads
+    # its weights, which FSDP2 does not gather either under set_unshard_in_backward(False)).
     model.set_gradient_divide_factor(float(dist.get_world_size()))
+    model.set_unshard_in_backward(True)
     model(torch.randn(2, 8)).sum().backward()
     assert all(isinstance(p.grad, DTensor) for p in model.parameters())
     # nn.Module methods reach ours, never FSDPModule's (which reads FSDP2's private state).

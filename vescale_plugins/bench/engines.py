@@ -231,6 +231,11 @@ def full_parameters(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p.full_tensor()
 
 
+def _accelerator() -> str:
+    """Where the front ends train: the launcher's GPUs under NCCL (as the plain engines), else the CPU."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     from lightning.fabric import Fabric
 
@@ -239,7 +244,7 @@ def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     strategy = VeScaleFSDPFabricStrategy(reshard_after_forward=settings.reshard_after_forward)
     fabric = Fabric(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=_accelerator(),
         devices=dist.get_world_size(),
         precision="bf16-mixed" if settings.mixed_precision else "32-true",
     )
@@ -262,7 +267,7 @@ def _accelerate_engine(model: nn.Module, settings: BenchSettings) -> Engine:
         transformer_cls_names_to_wrap=["DecoderLayer"],
     )
     accelerator = Accelerator(
-        fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=True
+        fsdp_plugin=plugin, mixed_precision="bf16" if settings.mixed_precision else "no", cpu=_accelerator() == "cpu"
     )
     model, optimizer = accelerator.prepare(model, _optimizer(model))
     return Engine("vescale", model, optimizer, _training_step(model, optimizer, settings, accelerator.backward))

@@ -147,6 +147,7 @@ def render_table(summary: dict[str, Any]) -> Any:
     row("peak tensor memory (MiB)", lambda x: x["peak_bytes"], _mib, lambda r: r["peak_memory"])
     if "cuda_max_reserved_bytes" in e["vescale"]:
         row("CUDA max reserved (MiB)", lambda x: x["cuda_max_reserved_bytes"], _mib)
+        row("CUDA allocator retries", lambda x: x["cuda_alloc_retries"], lambda v: f"{v:,}")
     row("sharded state per rank (MiB)", lambda x: x["sharded_state_bytes"], _mib, lambda r: r["sharded_state"])
     row("padding per rank (MiB)", lambda x: x["padding_bytes"], _mib, lambda r: r["padding"])
     row("all-gather per step (MiB)", lambda x: x["all_gather_bytes_per_step"], _mib)

@@ -62,7 +62,8 @@ def _measure_memory(
 
     CUDA: the allocator's own statistics, above what was allocated before the build
     (``peak_bytes`` = ``cuda_max_allocated_bytes``; ``cuda_max_reserved_bytes``: the caching
-    allocator's peak reservation, fragmentation included). CPU: the smallest of
+    allocator's peak reservation, fragmentation included; ``cuda_alloc_retries``: the times
+    it freed its cache to satisfy an allocation, each a device sync). CPU: the smallest of
     ``CPU_MEMORY_REPEATS`` allocation-tracker measurements.
     """
     if device.type == "cuda":
@@ -70,14 +71,21 @@ def _measure_memory(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base, base_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        base_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         engine = build_engine(name, settings, mesh, device, units)
         for tokens, targets in data[:2]:
             engine.step(tokens.to(device), targets.to(device))
         torch.cuda.synchronize(device)
         allocated = torch.cuda.max_memory_allocated(device) - base
         reserved = torch.cuda.max_memory_reserved(device) - base_reserved
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - base_retries
         del engine
-        return {"peak_bytes": allocated, "cuda_max_allocated_bytes": allocated, "cuda_max_reserved_bytes": reserved}
+        return {
+            "peak_bytes": allocated,
+            "cuda_max_allocated_bytes": allocated,
+            "cuda_max_reserved_bytes": reserved,
+            "cuda_alloc_retries": retries,
+        }
     peaks = []
     for _ in range(CPU_MEMORY_REPEATS):
         with AllocationTracker() as tracker:

@@ -153,9 +153,8 @@ class VeScaleFSDPModule(FSDPModule):
             )
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """A memory hint in FSDP2 (skip the backward all-gather of a unit whose parameters
-        backward does not read, e.g. an embedding). veScale-FSDP gathers anyway, which gives
-        the same gradients; the value is validated and kept."""
+        """As FSDP2: with ``False`` backward neither prefetches nor gathers this unit, for a
+        unit whose backward reads no parameter (an embedding); its gradients are the same."""
         if not isinstance(unshard_in_backward, bool):
             raise TypeError(f"unshard_in_backward must be a bool, got {unshard_in_backward!r}")
         self._vescale_fsdp_unit.unshard_in_backward = unshard_in_backward

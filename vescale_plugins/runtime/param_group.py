@@ -373,7 +373,11 @@ class FSDPParamGroup:
         if not root_state.callback_queued:
             root_state.callback_queued = True
             Variable._execution_engine.queue_callback(root_state.final_callback)
-        self.use_unsharded_params()
+        if self.unshard_in_backward:
+            # Else (FSDP2's set_unshard_in_backward(False)) the unit's backward reads no
+            # parameter (an embedding's): its gradients reach the unsharded parameters the
+            # forward used, whose storage is not needed.
+            self.use_unsharded_params()
         self._backward_prefetched = False
         if not any(p.sharded.requires_grad for p in self.fsdp_params):
             self._prefetch_for_backward()
@@ -399,7 +403,8 @@ class FSDPParamGroup:
         self._backward_prefetched = True
         assert self.root_state is not None  # set at the first forward (RootState.init_under)
         for group in self.root_state.backward_prefetch_targets(self):
-            group.unshard(async_op=True)
+            if group.unshard_in_backward:
+                group.unshard(async_op=True)
 
     def _post_backward_from_inputs(self) -> None:
         self._pending_post_backward -= 1

@@ -254,6 +254,7 @@ def run_bench(args: list[str], timeout_s: float) -> dict[str, Any]:
         "peak_bytes",
         "cuda_max_allocated_bytes",
         "cuda_max_reserved_bytes",
+        "cuda_alloc_retries",
         "page_faults_per_step",
         "sharded_state_bytes",
         "padding_bytes",
