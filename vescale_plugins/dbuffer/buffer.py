@@ -15,6 +15,7 @@ storage (:class:`.storage.ResizableStorage`), so the views cut from them once st
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from vescale_plugins.dbuffer.observer import (
     GRADIENT_RELEASE_REGION,
     REDUCE_SCATTER_REGION,
 )
-from vescale_plugins.dbuffer.planning import row_numel
+from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, row_numel
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout
@@ -116,7 +117,10 @@ class DBuffer:
         # that already runs tells every rank which parameters got a gradient on some rank
         # (data-dependent routing: experts some ranks' tokens never reached) with no extra
         # collective. ``W * P`` more elements per reduce-scatter.
-        self.grad_shard_size = self.shard_size + len(self.slots)
+        # Rounded up so that every rank's chunk starts 16-byte aligned in the reduce dtype.
+        self.grad_shard_size = _round_up(
+            self.shard_size + len(self.slots), max(1, ALIGNMENT_BYTES // self.reduce_dtype.itemsize)
+        )
         # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
         self._unsharded_grad = ResizableStorage(
@@ -198,29 +202,38 @@ class DBuffer:
         slot = self.slots[index]
         return self._unsharded.tensor[slot.global_offset : slot.global_offset + slot.numel].view(slot.shape)
 
-    def _grad_pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """The global interval ``[start, end)`` in the unsharded gradient buffer, cut where
-        each rank's chunk ends (its presence flags follow): ``(buffer position, offset in the
-        interval, length)`` per piece."""
-        pieces, S, flags = [], self.shard_size, len(self.slots)
-        position = start
-        while position < end:
-            rank = position // S if S else 0
-            piece_end = min(end, (rank + 1) * S)
-            pieces.append((position + rank * flags, position - start, piece_end - position))
-            position = piece_end
+    def _grad_pieces(self, start: int, end: int) -> list[tuple[torch.Tensor, int]]:
+        """The global interval ``[start, end)`` in the unsharded gradient buffer, whose rank
+        chunks are ``S`` elements each followed by the presence flags: at most three views of
+        it whatever the ranks it spans (the partial chunk it starts in, the whole chunks as
+        one strided view, the partial chunk it ends in), each with its offset in the interval."""
+        S = self.shard_size
+        if start >= end:
+            return []
+        chunks = self._unsharded_grad.tensor.view(self.world_size, self.grad_shard_size)[:, :S]
+        (first, head), (last, tail) = divmod(start, S), divmod(end, S)
+        if first == last:
+            return [(chunks[first, head:tail], 0)]
+        pieces, whole_from = [], first
+        if head:
+            pieces.append((chunks[first, head:], 0))
+            whole_from += 1
+        if whole_from < last:
+            pieces.append((chunks[whole_from:last], whole_from * S - start))
+        if tail:
+            pieces.append((chunks[last, :tail], last * S - start))
         return pieces
 
     def _write_unsharded_grad(self, index: int, grad: torch.Tensor | None) -> None:
         """Copy parameter ``index``'s full gradient into the unsharded gradient buffer
-        (``None``: zeros), one piece per rank chunk it spans."""
-        slot, buffer = self.slots[index], self._unsharded_grad.tensor
+        (``None``: zeros), in at most three copies at any world size."""
+        slot = self.slots[index]
         flat = grad.reshape(-1) if grad is not None else None
-        for position, offset, length in self._grad_pieces(slot.global_offset, slot.global_offset + slot.numel):
+        for piece, offset in self._grad_pieces(slot.global_offset, slot.global_offset + slot.numel):
             if flat is None:
-                buffer[position : position + length].zero_()
+                piece.zero_()
             else:
-                buffer[position : position + length].copy_(flat[offset : offset + length])
+                piece.copy_(flat[offset : offset + piece.numel()].view(piece.shape))
 
     def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> list[bool]:
         """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient
@@ -316,8 +329,8 @@ class DBuffer:
         with observer.scope(GRADIENT_BUFFER_REGION):
             buffer = self._unsharded_grad.allocate()
         for start, end in self._padding:
-            for position, _, length in self._grad_pieces(start, end):
-                buffer[position : position + length].zero_()
+            for piece, _ in self._grad_pieces(start, end):
+                piece.zero_()
         return buffer
 
     def fill_unsharded_grad(self, grads: dict[int, torch.Tensor | None]) -> None:
@@ -328,17 +341,25 @@ class DBuffer:
         reference.
         """
         buffer = self._allocate_unsharded_grad()
-        present = [0.0] * len(self.slots)
+        present = [False] * len(self.slots)
         for index, grad in grads.items():
-            present[index] = float(grad is not None)
+            present[index] = grad is not None
         # Always marked (once per buffer per step): profiles count this copy by its scope.
         with torch.profiler.record_function(GRADIENT_RELEASE_REGION):
             while grads:
                 index, grad = grads.popitem()
                 self._write_unsharded_grad(index, grad)
                 del grad
+            # Filled on the device, one fill per run of equal flags (one in all when every
+            # gradient came): no host-to-device copy.
             flags = buffer.view(self.world_size, self.grad_shard_size)[:, self.shard_size :]
-            flags.copy_(torch.tensor(present, dtype=buffer.dtype).to(buffer.device, non_blocking=True))
+            if flags.shape[1] > len(present):
+                flags[:, len(present) :].zero_()  # the alignment's tail: reduced, never read
+            start = 0
+            for value, run in itertools.groupby(present):
+                length = len(list(run))
+                flags[:, start : start + length].fill_(float(value))
+                start += length
 
     def reduce_scatter(
         self,
@@ -449,6 +470,10 @@ def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
     if len(shape) == 0:
         return tuple(shape) if length else (0,)
     return (length // row_numel(shape), *shape[1:])
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _gaps(intervals: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:

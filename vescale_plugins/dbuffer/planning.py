@@ -76,6 +76,9 @@ def plan_buffers(
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
     collectives move (the cost model counts its bytes)."""
     numels, blocks, alignment = planner_inputs(shapes, block_rows, dtype)
+    # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
+    # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
+    alignment = max(alignment, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size())
     plan = choose_split(
         numels,
         blocks,

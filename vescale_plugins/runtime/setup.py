@@ -479,43 +479,62 @@ def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any) -> 
 # -- agreement across ranks -----------------------------------------------------------------
 
 
-def _fingerprint(entries: Sequence[PlanEntry]) -> str:
-    return hashlib.sha256(repr(list(entries)).encode()).hexdigest()
+def _fingerprint(entries: Sequence[PlanEntry]) -> bytes:
+    return hashlib.sha256(repr(list(entries)).encode()).digest()
+
+
+_DIGEST_WORDS = 4  # 56-bit words of the fingerprint (exact in int64, signs never overflow)
+
+
+def _exchange_outcome(group: dist.ProcessGroup, failed: bool, fingerprint: bytes) -> tuple[int, bool]:
+    """One all-reduce of a fixed-size vector (whatever the world size): the first rank of
+    ``group`` that failed (or the group's size) and whether every rank's fingerprint is the
+    same. MAX over ``(-first failed, words, -words)`` gives the least failing rank, and each
+    word's maximum and minimum."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    words = [int.from_bytes(fingerprint[7 * i : 7 * i + 7], "big") for i in range(_DIGEST_WORDS)]
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+    vector = torch.tensor([-(rank if failed else size), *words, *(-w for w in words)], dtype=torch.int64, device=device)
+    dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
+    values = vector.tolist()
+    highest, lowest = values[1 : 1 + _DIGEST_WORDS], [-v for v in values[1 + _DIGEST_WORDS :]]
+    return -values[0], highest == lowest
 
 
 def agree_on_plan(
     plan: Callable[[], T], describe: Callable[[T], Sequence[PlanEntry]], group: dist.ProcessGroup | None
 ) -> T:
-    """``plan()`` on every rank of ``group``, then one exchange: every rank raises the same
-    error if any rank failed or planned differently; else the plan is returned.
+    """``plan()`` on every rank of ``group``, then one fixed-size exchange: every rank raises
+    the same error if any rank failed or planned differently; else the plan is returned.
 
-    ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter.
+    ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter. Only on a
+    failure or a mismatch do ranks exchange more (the error, or every rank's plan to name
+    the first difference).
     """
     error: Exception | None = None
-    mine: tuple[str, Any]
+    fingerprint = b""
     try:
         result = plan()
         entries = list(describe(result))
-        mine = ("ok", _fingerprint(entries))
+        fingerprint = _fingerprint(entries)
     except _CHECKED_ERRORS as raised:
         error = raised
-        # Errors travel as (class name, message): the exception object itself may not pickle.
-        mine = ("error", (type(raised).__name__, str(raised)))
     # From here on, result is set unless error is (which is raised first).
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return result
-    outcomes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, mine, group=group)
-    failed = [(rank, value) for rank, (kind, value) in enumerate(outcomes) if kind == "error"]
-    if failed:
+    first_failed, agreed = _exchange_outcome(group, error is not None, fingerprint)
+    if first_failed < dist.get_world_size(group):
+        # Errors travel as (class name, message): the exception object itself may not pickle.
+        message: list[Any] = [(type(error).__name__, str(error)) if error is not None else None]
+        dist.broadcast_object_list(message, group=group, group_src=first_failed)
         if error is not None:
             raise error
-        rank, (class_name, message) = failed[0]
+        class_name, text = message[0]
         error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
-        raise error_class(f"fully_shard failed on rank {rank} of the mesh: {message}")
-    if len({value for _, value in outcomes}) == 1:
+        raise error_class(f"fully_shard failed on rank {first_failed} of the mesh: {text}")
+    if agreed:
         return result
     # Fingerprints differ: one more exchange names the first parameter that differs.
     everyone: list[Any] = [None] * dist.get_world_size(group)
