@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)",
     )
     parser.add_argument("--seq-len", type=count(1), default=128)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each decoder layer (fullgraph) before sharding it, as torchtitan; both engines, plain front end",
+    )
     add_run_arguments(parser)
 
 
@@ -137,6 +142,8 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         raise SystemExit(f"--hsdp {args.hsdp} must divide the world size ({world})")
     if args.hsdp > 1 and args.frontend != "plain":
         raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
+    if args.compile and args.frontend != "plain":
+        raise SystemExit("--compile runs with --frontend plain (the front ends leave compiling to the user)")
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -150,6 +157,7 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         args.frontend,
         args.seed,
         args.hsdp,
+        args.compile,
     )
     return settings, world
 

@@ -46,6 +46,7 @@ class BenchSettings:
     frontend: str
     seed: int
     replicate: int = 1  # HSDP: replicas (mesh dim 0); the ranks of each shard the rest
+    compile: bool = False  # each decoder layer compiled before it is sharded (see compile_layers)
 
     def mesh(self, device_type: str, world: int) -> DeviceMesh:
         """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
@@ -75,6 +76,12 @@ class Engine:
 def build_model(settings: BenchSettings, device: torch.device) -> nn.Module:
     torch.manual_seed(settings.seed)
     return settings.config.build().to(device)
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torchtitan's order: each decoder layer ``compile(fullgraph=True)``, then sharded."""
+    for layer in model.layers:
+        layer.compile(fullgraph=True)
 
 
 def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]:
@@ -161,6 +168,8 @@ def build_engine(
     (see :func:`vescale_units`): Accelerate, for one, reshards the root after forward too.
     """
     model = build_model(settings, device)
+    if settings.compile:
+        compile_layers(model)
     if name == "fsdp2":
         _shard_plain(model, settings, mesh, torch_fully_shard, units)
         optimizer = _optimizer(model)
