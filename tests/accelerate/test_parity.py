@@ -164,7 +164,7 @@ def _activation_checkpointing_changes_nothing_but_memory() -> None:
         optimizer = adamw(model)
         model, optimizer = accelerator.prepare(model, optimizer)
         # Accelerate wrapped each block for recomputation; the wrapper is the sharding unit.
-        assert all(type(layer).__name__ == "VeScaleFSDPCheckpointWrapper" for layer in model.layers)
+        assert all(type(layer).__name__ == "FSDPCheckpointWrapper" for layer in model.layers)
         for step in range(2):
             tokens, targets = local_batch(step, PER_RANK)
             loss = loss_fn(model(tokens), targets)

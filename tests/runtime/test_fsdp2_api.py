@@ -369,3 +369,20 @@ def test_redirected_functions_keep_their_signatures():
         "src_data_rank",
     ]
     assert "shape" in inspect.signature(DTensor.from_local).parameters
+
+
+def _managed_class_names() -> None:
+    names = {}
+    for impl, fully_shard in IMPLS.items():
+        model = _MLP()
+        fully_shard(model.in_proj)
+        fully_shard(model)
+        names[impl] = (type(model).__name__, type(model.in_proj).__name__)
+        assert isinstance(model, FSDPModule)
+    assert names["vescale"] == names["torch"] == ("FSDP_MLP", "FSDPLinear")
+    assert isinstance(model, VeScaleFSDPModule)
+
+
+def test_managed_class_is_named_as_fsdp2s(dist_run):
+    """``FSDP<Name>``, as FSDP2 names it (code matches on the name)."""
+    dist_run(_managed_class_names, 1, timeout=T)

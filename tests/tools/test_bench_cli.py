@@ -113,6 +113,7 @@ def test_reshard_after_forward_takes_a_bool_or_a_number_of_ranks(text, expected)
             ["--world-size", "4", "--hsdp", "2", "--reshard-after-forward", "4"],
             "--reshard-after-forward 4 must divide the shard group's size (2)",
         ),
+        (["--compile", "--frontend", "accelerate"], "--compile runs with --frontend plain"),
     ],
 )
 def test_bench_refuses_meshes_it_cannot_build(argv, message):

@@ -115,6 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what drives veScale-FSDP (FSDP2 is always driven by plain fully_shard)",
     )
     parser.add_argument("--seq-len", type=count(1), default=128)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each decoder layer (fullgraph) before sharding it, as torchtitan; both engines, plain front end",
+    )
     add_run_arguments(parser)
 
 
@@ -163,6 +168,10 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
     if args.hsdp > 1 and "deepspeed" in args.engines:
         raise SystemExit("--engines deepspeed runs with --hsdp 1 (ZeRO-3 shards over every rank)")
+    if args.compile and args.frontend != "plain":
+        raise SystemExit("--compile runs with --frontend plain (the front ends leave compiling to the user)")
+    if args.compile and "deepspeed" in args.engines:
+        raise SystemExit("--compile runs with --engines fsdp2,vescale (DeepSpeed compiles through its own engine)")
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -177,6 +186,7 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         args.seed,
         args.hsdp,
         args.engines,
+        args.compile,
     )
     return settings, world
 

@@ -48,6 +48,7 @@ class BenchSettings:
     seed: int
     replicate: int = 1  # HSDP: replicas (mesh dim 0); the ranks of each shard the rest
     engines: tuple[str, ...] = ENGINES  # which engines run, FSDP2 first (the reference)
+    compile: bool = False  # each decoder layer compiled before it is sharded (see compile_layers)
 
     def mesh(self, device_type: str, world: int) -> DeviceMesh:
         """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
@@ -77,6 +78,12 @@ class Engine:
 def build_model(settings: BenchSettings, device: torch.device) -> nn.Module:
     torch.manual_seed(settings.seed)
     return settings.config.build().to(device)
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torchtitan's order: each decoder layer ``compile(fullgraph=True)``, then sharded."""
+    for layer in model.layers:
+        layer.compile(fullgraph=True)
 
 
 def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]:
@@ -165,6 +172,8 @@ def build_engine(
     model = build_model(settings, device)
     if name == "deepspeed":
         return _deepspeed_engine(model, settings)
+    if settings.compile:
+        compile_layers(model)
     if name == "fsdp2":
         _shard_plain(model, settings, mesh, torch_fully_shard, units)
         optimizer = _optimizer(model)

@@ -22,7 +22,7 @@ def sharding_summary(model: nn.Module) -> str:
     """``veScale-FSDP: <Model> sharded as N units [names] over a 1-D mesh of W ranks (backend)``."""
     units = groups_under([model])
     model_class = type(model).__name__
-    if isinstance(model, VeScaleFSDPModule):  # the class fully_shard made: VeScaleFSDP<original>
+    if isinstance(model, VeScaleFSDPModule):  # the class fully_shard made: FSDP<original>
         model_class = type(model).__bases__[1].__name__
     if not units:
         return f"veScale-FSDP: {model_class} is not sharded"

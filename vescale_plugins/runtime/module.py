@@ -76,7 +76,7 @@ class VeScaleFSDPModule(FSDPModule):
     """
 
     # FSDPModule.__new__ builds the original class, found at this index of the MRO:
-    # [VeScaleFSDP<Orig>, VeScaleFSDPModule, FSDPModule, Orig, ...].
+    # [FSDP<Orig>, VeScaleFSDPModule, FSDPModule, Orig, ...].
     _orig_cls_mro_index: int = 3
     _vescale_fsdp_unit: FSDPParamGroup
 
@@ -266,10 +266,10 @@ _CLASS_CACHE: dict[type, type] = {}
 
 
 def fsdp_class(cls: type) -> type:
+    """The class a managed ``cls`` module becomes: ``FSDP<cls>``, FSDP2's name (code matches on
+    it), with :class:`VeScaleFSDPModule` in place of FSDP2's ``FSDPModule``."""
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(
-            f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy}
-        )
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (VeScaleFSDPModule, cls), {"__deepcopy__": _refuse_deepcopy})
     return _CLASS_CACHE[cls]
 
 

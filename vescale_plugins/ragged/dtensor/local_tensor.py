@@ -35,9 +35,15 @@ def make_dtensor(
     stride: tuple[int, ...],
     requires_grad: bool = False,
 ) -> DTensor:
-    """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path)."""
+    """A DTensor over ``local`` with no autograd edge and no validation (the runtime's hot path).
+
+    Its wrapper has ``local``'s storage offset, as every DTensor's: Dynamo rebuilds a DTensor
+    from its local tensor and refuses one whose wrapper disagrees (``torch.compile(opt.step)``
+    over gradients at an offset). Copying and pickling it go through an offset-0 twin
+    (:func:`dtensor_deepcopy`, :func:`dtensor_reduce_ex`).
+    """
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return dtensor_at_offset_zero(local, spec, requires_grad)
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
 def dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
