@@ -118,9 +118,7 @@ class DBuffer:
         # (data-dependent routing: experts some ranks' tokens never reached) with no extra
         # collective. ``W * P`` more elements per reduce-scatter.
         # Rounded up so that every rank's chunk starts 16-byte aligned in the reduce dtype.
-        self.grad_shard_size = _round_up(
-            self.shard_size + len(self.slots), max(1, ALIGNMENT_BYTES // self.reduce_dtype.itemsize)
-        )
+        self.grad_shard_size = grad_shard_elements(self.shard_size, len(self.slots), self.reduce_dtype.itemsize)
         # In the reduce dtype: copying the gradients in is the mixed-precision cast (FSDP2's
         # chunk-cat casts the same way), so no cast of the whole buffer follows.
         self._unsharded_grad = ResizableStorage(
@@ -470,6 +468,12 @@ def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
     if len(shape) == 0:
         return tuple(shape) if length else (0,)
     return (length // row_numel(shape), *shape[1:])
+
+
+def grad_shard_elements(shard_size: int, num_params: int, itemsize: int) -> int:
+    """One rank's chunk of the unsharded gradient buffer, in elements of ``itemsize`` bytes: its
+    shard, one presence flag per parameter, rounded up so that every chunk starts aligned."""
+    return _round_up(shard_size + num_params, max(1, ALIGNMENT_BYTES // itemsize))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vescale_plugins.dbuffer.buffer import grad_shard_elements
 from vescale_plugins.forecast.layouts import UnitLayouts, plan_unit_layouts, rank_payloads
 from vescale_plugins.forecast.model import ModelSpec
 from vescale_plugins.observe.record import unit_sharding_figures
@@ -200,9 +201,11 @@ def forecast_memory(
     # veScale-FSDP
     shard = sum(u.count * layouts[id(u)].vescale.shard_size for u in spec.units.units)
     gathered = [n * layouts[id(u)].vescale.shard_size for u in order]
-    # The unsharded gradient buffer carries one presence flag per parameter after each rank's
-    # chunk (DBuffer's grad_shard_size): W x P more elements.
-    gathered_grads = [n * (layouts[id(u)].vescale.shard_size + len(u.params)) for u in order]
+    # Each rank's chunk of the unsharded gradient buffer carries one presence flag per parameter
+    # and is rounded up to an aligned start (DBuffer's grad_shard_size).
+    gathered_grads = [
+        n * grad_shard_elements(layouts[id(u)].vescale.shard_size, len(u.params), reduce_b) for u in order
+    ]
     vescale = MemoryBreakdown(
         sharded_params=shard * sharded_b,
         sharded_grads=shard * sharded_b,
