@@ -58,6 +58,19 @@ class FakeStreamAPI:
             self.active = previous
 
 
+@contextlib.contextmanager
+def stand_in_streams():
+    """Every DBuffer's side streams are stand-ins logging to the yielded ``FakeStreamAPI``."""
+    api = FakeStreamAPI()
+    streams = CommStreams(torch.device("cpu"), api)
+    original = dbuffer_module.comm_streams_for
+    dbuffer_module.comm_streams_for = lambda device: streams
+    try:
+        yield api
+    finally:
+        dbuffer_module.comm_streams_for = original
+
+
 def _logging_allocations(api):
     """Log which stream is current when a DBuffer grows a buffer's storage."""
     original = storage_module.ResizableStorage.allocate
@@ -123,11 +136,7 @@ def test_stream_protocol_of_one_gather_and_one_reduce(dist_run):
 
 
 def _trains_like_the_unsharded_model_on_side_streams():
-    api = FakeStreamAPI()
-    streams = CommStreams(torch.device("cpu"), api)
-    original = dbuffer_module.comm_streams_for
-    dbuffer_module.comm_streams_for = lambda device: streams
-    try:
+    with stand_in_streams() as api:
         reference, model = reference_and_ours()
 
         def check_step(loss, reference_loss):
@@ -135,8 +144,6 @@ def _trains_like_the_unsharded_model_on_side_streams():
             assert_matches(model, reference, "grad")
 
         train_like_reference(model, reference, 3, check_step)
-    finally:
-        dbuffer_module.comm_streams_for = original
     # Every collective's event was waited on by the compute stream, exactly once.
     recorded = [entry[2] for entry in api.log if entry[0] == "record"]
     waited = [entry[2] for entry in api.log if entry[0] == "wait_event"]
@@ -157,19 +164,13 @@ class _PostOptimEvent:
 
 
 def _post_optim_event_is_waited_on_the_all_gather_stream():
-    api = FakeStreamAPI()
-    streams = CommStreams(torch.device("cpu"), api)
-    original = dbuffer_module.comm_streams_for
-    dbuffer_module.comm_streams_for = lambda device: streams
-    try:
+    with stand_in_streams() as api:
         _, model = reference_and_ours()
         sharded_step(model, 0)
         event = _PostOptimEvent()
         model.set_post_optim_event(event)
         api.log.clear()
         sharded_step(model, 1)
-    finally:
-        dbuffer_module.comm_streams_for = original
     gather_waits = [entry for entry in api.log if entry[1] == "all_gather" and entry[0].startswith("wait")]
     return event.synchronized, gather_waits[0] == ("wait_event", "all_gather", event), gather_waits[1:]
 
@@ -185,16 +186,10 @@ def test_post_optim_event_is_a_stream_wait_as_fsdp2(dist_run):
 def _reduce_scatter_schedule(max_input_buffers):
     """One backward's collectives as ("issue", n) / ("wait", n) per reduce-scatter event n,
     and "gather" per all-gather issued, in order."""
-    api = FakeStreamAPI()
-    streams = CommStreams(torch.device("cpu"), api)
-    original = dbuffer_module.comm_streams_for
-    dbuffer_module.comm_streams_for = lambda device: streams
-    try:
+    with stand_in_streams() as api:
         _, model = reference_and_ours()
         model.set_reduce_scatter_max_input_buffers(max_input_buffers)
         sharded_step(model, 0)
-    finally:
-        dbuffer_module.comm_streams_for = original
     reduce_events = {entry[2] for entry in api.log if entry[:2] == ("record", "reduce_scatter")}
     first = next(i for i, entry in enumerate(api.log) if entry[:2] == ("record", "reduce_scatter"))
     schedule = []
