@@ -12,25 +12,40 @@ __all__ = ["ResizableStorage", "set_version_counter"]
 
 class ResizableStorage:
     """A flat tensor whose storage is released and re-grown in place, so views survive (FSDP2
-    does the same for its unsharded parameters). ``kind`` is what the observer is told."""
+    does the same for its unsharded parameters). ``kind`` is what the observer is told.
+
+    The tensor is made at its first allocation (or first use): making a tensor allocates its
+    storage, so a buffer made at construction or by ``to_empty`` allocates nothing until it
+    is first gathered into. A meta buffer is made at once (it has no memory to allocate).
+    """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, kind: str) -> None:
-        self.tensor = torch.empty(numel, dtype=dtype, device=device)
-        self.nbytes = numel * self.tensor.element_size()
+        self.numel, self.dtype, self.device = numel, dtype, torch.device(device)
+        self.nbytes = numel * dtype.itemsize
         self.kind = kind
-        self._release_storage()
+        self._tensor = torch.empty(numel, dtype=dtype, device=self.device) if self.device.type == "meta" else None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The flat tensor, with an empty storage unless allocated."""
+        if self._tensor is None:
+            self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._release_storage()
+        return self._tensor
 
     @property
     def allocated(self) -> bool:
-        return self.tensor.untyped_storage().size() > 0
+        return self._tensor is not None and self._tensor.untyped_storage().size() > 0
 
     def allocate(self) -> torch.Tensor:
-        storage = self.tensor.untyped_storage()
-        if storage.size() == 0:
+        if not self.allocated:
             watcher = observer.current()
             if watcher is not None:
                 watcher.buffer_allocated(self.kind, self.nbytes)
-            storage.resize_(self.nbytes)
+            if self._tensor is None:
+                self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            else:
+                self._tensor.untyped_storage().resize_(self.nbytes)
         return self.tensor
 
     def release(self) -> None:
@@ -38,10 +53,10 @@ class ResizableStorage:
             watcher = observer.current()
             if watcher is not None:
                 watcher.buffer_freed(self.kind, self.nbytes)
-        self._release_storage()
+            self._release_storage()
 
     def _release_storage(self) -> None:
-        if self.tensor.device.type != "meta":
+        if self.device.type != "meta":
             self.tensor.untyped_storage().resize_(0)
 
 

@@ -1,0 +1,57 @@
+"""Meta-device init of a sharded model: what ``to_empty()`` and ``reset_parameters()`` hold, and
+whose generator the values come from.
+
+Neither step may hold a full parameter or a whole unit: live bytes during ``to_empty()`` stay
+within this rank's shards (every unit's new sharded buffer, plus the unit being moved held
+twice while its shards move in) and during ``reset_parameters()`` within the random draw's
+piece, counted by the allocator's own events (``observe.allocations``).
+"""
+
+import pytest
+import torch
+
+import vescale_plugins.ragged.dtensor.random_init as random_init
+from tests.support.models import make_decoder
+from tests.support.parity import shard_decoder
+from vescale_plugins.observe.allocations import AllocationTracker
+
+# Bytes of small tensors the steps make besides shards (layout and presence bookkeeping): far
+# below one unit of the test decoder (about 50 KB in fp32).
+SMALL = 4096
+PIECE = 64  # elements per random piece, so every weight spans many pieces
+
+
+def _units(model):
+    return {id(m._vescale_fsdp_unit): m._vescale_fsdp_unit for m in model.modules() if hasattr(m, "_vescale_fsdp_unit")}
+
+
+def _sharded_bytes(unit):
+    return sum(d.sharded.numel() * d.sharded.element_size() for d in unit.dbuffers)
+
+
+def _meta_init_holds_only_shards():
+    default_piece, random_init._RANDOM_PIECE = random_init._RANDOM_PIECE, PIECE
+    try:
+        with torch.device("meta"):
+            model = make_decoder()
+        shard_decoder(model)
+        with AllocationTracker() as tracker:
+            with tracker.region("to_empty"):
+                model.to_empty(device="cpu")
+            with tracker.region("reset_parameters"):
+                torch.manual_seed(7)
+                model.reset_parameters()
+    finally:
+        random_init._RANDOM_PIECE = default_piece
+    units = [_sharded_bytes(u) for u in _units(model).values()]
+    largest_param = max(p.numel() * p.element_size() for p in model.parameters())
+    to_empty = tracker.region_memory("to_empty")
+    assert to_empty.peak_bytes <= sum(units) + max(units) + SMALL, (to_empty, units)
+    reset = tracker.region_memory("reset_parameters")
+    drawn = reset.peak_bytes - reset.start_bytes
+    assert drawn <= 2 * PIECE * 4 + SMALL < largest_param, (reset, largest_param)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_to_empty_and_reset_parameters_hold_only_shards(dist_run, world):
+    dist_run(_meta_init_holds_only_shards, world, timeout=300)
