@@ -5,19 +5,27 @@ Neither step may hold a full parameter or a whole unit: live bytes during ``to_e
 within this rank's shards (every unit's new sharded buffer, plus the unit being moved held
 twice while its shards move in) and during ``reset_parameters()`` within the random draw's
 piece, counted by the allocator's own events (``observe.allocations``).
+
+The values are the unsharded model's under rank 0's generator state whatever the other ranks
+seeded, and every rank's generator ends where the unsharded draw leaves it (what DTensor's RNG
+tracker gives FSDP2 on GPU; FSDP2 on CPU draws each shard from the rank's own generator, so
+the reference is the unsharded model, not FSDP2).
 """
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_plugins.ragged.dtensor.random_init as random_init
 from tests.support.models import make_decoder
-from tests.support.parity import shard_decoder
+from tests.support.parity import EXACT, assert_matches, meta_init_sharded_decoder, shard_decoder
 from vescale_plugins.observe.allocations import AllocationTracker
 
-# Bytes of small tensors the steps make besides shards (layout and presence bookkeeping): far
-# below one unit of the test decoder (about 50 KB in fp32).
-SMALL = 4096
+# Bytes of small tensors the steps make besides shards (the generator state the first draw
+# exchanges, 5056 B on CPU, and layout bookkeeping): below one unit of the test decoder (about
+# 50 KB in fp32) and its largest parameter (15552 B).
+SMALL = 8192
 PIECE = 64  # elements per random piece, so every weight spans many pieces
 
 
@@ -55,3 +63,26 @@ def _meta_init_holds_only_shards():
 @pytest.mark.parametrize("world", [2, 3])
 def test_to_empty_and_reset_parameters_hold_only_shards(dist_run, world):
     dist_run(_meta_init_holds_only_shards, world, timeout=300)
+
+
+def _seed_of_rank_zero(mesh_shape):
+    unsharded = make_decoder()
+    torch.manual_seed(7)
+    unsharded.reset_parameters()
+    next_draw = torch.rand(5)
+    if mesh_shape is None:
+        model = meta_init_sharded_decoder()
+    else:
+        with torch.device("meta"):
+            model = make_decoder()
+        shard_decoder(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")))
+        model.to_empty(device="cpu")
+    torch.manual_seed(7 if dist.get_rank() == 0 else 100 + dist.get_rank())
+    model.reset_parameters()
+    assert_matches(model, unsharded, "param", tol=EXACT)
+    assert torch.equal(torch.rand(5), next_draw), "every generator must end where the unsharded draw leaves it"
+
+
+@pytest.mark.parametrize("world, mesh_shape", [(2, None), (3, None), (4, (2, 2))], ids=["W2", "W3", "HSDP2x2"])
+def test_meta_init_takes_rank_zeros_seed_whatever_the_others_set(dist_run, world, mesh_shape):
+    dist_run(_seed_of_rank_zero, world, mesh_shape, timeout=300)

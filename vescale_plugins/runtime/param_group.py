@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
+from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
@@ -84,6 +85,8 @@ class FSDPParamGroup:
         self.buffers: list[ShardedBuffer] = []
         self.fsdp_params = self._build(params, buffer_split_cost)
         self._register_state_dict_hooks()
+        # Its parameters may be initialised next (meta init): the first draw syncs the seed.
+        sync_generator_at_next_draw()
 
     # -- construction -----------------------------------------------------------------
 

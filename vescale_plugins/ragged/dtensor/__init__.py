@@ -11,7 +11,8 @@ involved (everything else goes to torch unchanged). One module per torch subsyst
 - :mod:`.norms`: p-norms (``OpDispatcher._custom_op_handlers``), because a rank that holds no
   element must contribute the identity instead of failing (inf-norm).
 - :mod:`.random_init`: random in-place initialisers (custom handlers too), so sharded init
-  draws exactly what the full tensor would.
+  draws exactly what the full tensor would; :mod:`.generator_sync` gives every rank the same
+  generator state first.
 - :mod:`.redistribute`: ``_redistribute.redistribute_local_tensor`` (also bound by name in
   ``_api`` and ``_dispatch``): ragged collectives for ``redistribute``, ``full_tensor`` and
   their backward.
@@ -59,6 +60,7 @@ from vescale_plugins.ragged.dtensor.construction import (
     distribute_tensor,
     from_local,
 )
+from vescale_plugins.ragged.dtensor.generator_sync import sync_generator_at_next_draw
 from vescale_plugins.ragged.dtensor.local_tensor import (
     dtensor_deepcopy,
     dtensor_reduce_ex,
@@ -87,6 +89,7 @@ __all__ = [
     "concatenate_meshes",
     "every_copy_of_mesh",
     "other_dims_slice",
+    "sync_generator_at_next_draw",
 ]
 
 

@@ -1,5 +1,6 @@
 """Random in-place initialisers on ragged shards: each rank draws its slice of what a draw of
-the full tensor would give, so sharded ``reset_parameters()`` matches the unsharded model."""
+the full tensor would give, so sharded ``reset_parameters()`` matches the unsharded model
+(under the generator state of the mesh's first rank, :mod:`.generator_sync`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from vescale_plugins.ragged.dtensor.generator_sync import sync_generator_once
 from vescale_plugins.ragged.dtensor.specs import (
     aten,
     call_torch_default,
@@ -43,7 +45,9 @@ def random_inplace_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
 
     Every rank draws as if it drew the whole tensor with the same generator state, so sharded
     ``reset_parameters()`` after meta-device init gives exactly the eager model's values at
-    every world size. On CPU, ``uniform_`` and ``normal_`` (what ``reset_parameters`` and
+    every world size; the first such op after ``fully_shard`` gives every rank of the mesh its
+    first rank's generator state (:mod:`.generator_sync`), so other ranks' seeds do not
+    matter. On CPU, ``uniform_`` and ``normal_`` (what ``reset_parameters`` and
     ``nn.init`` use) draw in pieces of at most ``2 * _RANDOM_PIECE`` elements and keep only
     this rank's slice, so no full-size tensor is ever allocated; other ops, and other devices
     (whose generators draw in a layout that pieces would change), draw the full tensor once.
@@ -54,6 +58,8 @@ def random_inplace_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     i, ragged = ragged_placement(target.placements)
     rank = target.device_mesh.get_local_rank(i)
     local = target._local_tensor
+    if local.device.type != "meta" and kwargs.get("generator") is None:
+        sync_generator_once(target.device_mesh, local.device)
     if op_call in _PIECEWISE_ON_CPU and local.device.type == "cpu" and target.ndim and len(target.placements) == 1:
         part = ragged.layout(target.shape).slices[rank]
         _draw_local_part_of_full(op_call, local.view(-1), part.offset, target.numel(), args[1:], kwargs)
