@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_plugins.ragged.dtensor.random_init as random_init
 from tests.support.models import make_decoder
-from tests.support.parity import EXACT, assert_matches, meta_init_sharded_decoder, shard_decoder
+from tests.support.parity import EXACT, assert_matches, shard_decoder
 from vescale_plugins.observe.allocations import AllocationTracker
 
 # Bytes of small tensors the steps make besides shards (the generator state the first draw
@@ -37,20 +37,32 @@ def _sharded_bytes(unit):
     return sum(d.sharded.numel() * d.sharded.element_size() for d in unit.dbuffers)
 
 
-def _meta_init_holds_only_shards():
+def _meta_decoder(mesh_shape):
+    """The test decoder built on meta and sharded (over a (replicate, shard) mesh if given)."""
+    with torch.device("meta"):
+        model = make_decoder()
+    if mesh_shape is None:
+        return shard_decoder(model)
+    return shard_decoder(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")))
+
+
+def _meta_init(mesh_shape):
+    unsharded = make_decoder()
+    torch.manual_seed(7)
+    unsharded.reset_parameters()
+    next_draw = torch.rand(5)
     default_piece, random_init._RANDOM_PIECE = random_init._RANDOM_PIECE, PIECE
     try:
-        with torch.device("meta"):
-            model = make_decoder()
-        shard_decoder(model)
+        model = _meta_decoder(mesh_shape)
         with AllocationTracker() as tracker:
             with tracker.region("to_empty"):
                 model.to_empty(device="cpu")
             with tracker.region("reset_parameters"):
-                torch.manual_seed(7)
+                torch.manual_seed(7 if dist.get_rank() == 0 else 100 + dist.get_rank())
                 model.reset_parameters()
     finally:
         random_init._RANDOM_PIECE = default_piece
+    # what it holds
     units = [_sharded_bytes(u) for u in _units(model).values()]
     largest_param = max(p.numel() * p.element_size() for p in model.parameters())
     to_empty = tracker.region_memory("to_empty")
@@ -58,31 +70,11 @@ def _meta_init_holds_only_shards():
     reset = tracker.region_memory("reset_parameters")
     drawn = reset.peak_bytes - reset.start_bytes
     assert drawn <= 2 * PIECE * 4 + SMALL < largest_param, (reset, largest_param)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_to_empty_and_reset_parameters_hold_only_shards(dist_run, world):
-    dist_run(_meta_init_holds_only_shards, world, timeout=300)
-
-
-def _seed_of_rank_zero(mesh_shape):
-    unsharded = make_decoder()
-    torch.manual_seed(7)
-    unsharded.reset_parameters()
-    next_draw = torch.rand(5)
-    if mesh_shape is None:
-        model = meta_init_sharded_decoder()
-    else:
-        with torch.device("meta"):
-            model = make_decoder()
-        shard_decoder(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")))
-        model.to_empty(device="cpu")
-    torch.manual_seed(7 if dist.get_rank() == 0 else 100 + dist.get_rank())
-    model.reset_parameters()
+    # whose seed
     assert_matches(model, unsharded, "param", tol=EXACT)
     assert torch.equal(torch.rand(5), next_draw), "every generator must end where the unsharded draw leaves it"
 
 
 @pytest.mark.parametrize("world, mesh_shape", [(2, None), (3, None), (4, (2, 2))], ids=["W2", "W3", "HSDP2x2"])
-def test_meta_init_takes_rank_zeros_seed_whatever_the_others_set(dist_run, world, mesh_shape):
-    dist_run(_seed_of_rank_zero, world, mesh_shape, timeout=300)
+def test_meta_init_holds_only_shards_and_takes_rank_zeros_seed(dist_run, world, mesh_shape):
+    dist_run(_meta_init, world, mesh_shape, timeout=300)

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from vescale_plugins.ragged.dtensor.generator_sync import sync_generator_once
+from vescale_plugins.ragged.dtensor import philox_slice
+from vescale_plugins.ragged.dtensor.generator_sync import default_generator, sync_generator_once
 from vescale_plugins.ragged.dtensor.specs import (
     aten,
     call_torch_default,
@@ -32,10 +33,12 @@ RANDOM_INPLACE = (
 )
 
 
-# Ops whose CPU draw, made in consecutive pieces, equals one draw of the whole tensor (see
-# _draw_local_part_of_full): uniform_ takes one draw per element; normal_ fills 16 elements
-# from 16 uniforms, and recomputes the last 16 of a tensor whose size is not a multiple of 16.
-_PIECEWISE_ON_CPU = (aten.uniform_.default, aten.normal_.default)
+# Ops drawn slice by slice: on CPU in consecutive pieces, whose draws equal one draw of the
+# whole tensor (see _draw_local_part_of_full): uniform_ takes one draw per element; normal_
+# fills 16 elements from 16 uniforms, and recomputes the last 16 of a tensor whose size is not a
+# multiple of 16. On CUDA in windows of the full draw's Philox counters (.philox_slice).
+_SLICED = (aten.uniform_.default, aten.normal_.default)
+_CUDA_SLICED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Elements per piece (a multiple of 16); the temporary is at most twice this (512 KiB in fp32).
 _RANDOM_PIECE = 1 << 16
 
@@ -47,10 +50,12 @@ def random_inplace_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     ``reset_parameters()`` after meta-device init gives exactly the eager model's values at
     every world size; the first such op after ``fully_shard`` gives every rank of the mesh its
     first rank's generator state (:mod:`.generator_sync`), so other ranks' seeds do not
-    matter. On CPU, ``uniform_`` and ``normal_`` (what ``reset_parameters`` and
-    ``nn.init`` use) draw in pieces of at most ``2 * _RANDOM_PIECE`` elements and keep only
-    this rank's slice, so no full-size tensor is ever allocated; other ops, and other devices
-    (whose generators draw in a layout that pieces would change), draw the full tensor once.
+    matter. ``uniform_`` and ``normal_`` (what ``reset_parameters`` and ``nn.init`` use) on a
+    tensor cut only by the RaggedShard (replicated on other mesh dims) draw no full-size
+    tensor: on CPU in pieces of at most ``2 * _RANDOM_PIECE`` elements, on CUDA in windows of
+    about one grid stride (:mod:`.philox_slice`), keeping only this rank's slice. Other ops,
+    devices and placements draw the full tensor once. Every way leaves the generator where
+    the full draw leaves it.
     """
     target = args[0]
     if not (isinstance(target, DTensor) and has_ragged(target.placements)):
@@ -60,10 +65,18 @@ def random_inplace_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     local = target._local_tensor
     if local.device.type != "meta" and kwargs.get("generator") is None:
         sync_generator_once(target.device_mesh, local.device)
-    if op_call in _PIECEWISE_ON_CPU and local.device.type == "cpu" and target.ndim and len(target.placements) == 1:
-        part = ragged.layout(target.shape).slices[rank]
-        _draw_local_part_of_full(op_call, local.view(-1), part.offset, target.numel(), args[1:], kwargs)
-        return target
+    if op_call in _SLICED and target.ndim and all(j == i or p.is_replicate() for j, p in enumerate(target.placements)):
+        start, numel = ragged.layout(target.shape).slices[rank].offset, target.numel()
+        if local.device.type == "cpu":
+            _draw_local_part_of_full(op_call, local.view(-1), start, numel, args[1:], kwargs)
+            return target
+        if local.device.type == "cuda" and torch.version.hip is None and local.dtype in _CUDA_SLICED_DTYPES:
+            generator = kwargs.get("generator") or default_generator(local.device)
+            most = philox_slice.max_threads(local.device)
+            philox_slice.draw_slice(
+                op_call, local.view(-1), start, numel, args[1:], kwargs, generator, most, _RANDOM_PIECE
+            )
+            return target
     full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
     op_call(full, *args[1:], **kwargs)
     local.copy_(ragged.split_full(other_dims_slice(full, target.placements, target.device_mesh).contiguous(), rank))
