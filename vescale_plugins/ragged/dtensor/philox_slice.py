@@ -26,8 +26,10 @@ else: shard ``i`` draws its own local shape from offset ``i * numel(first shard)
 to 4) and every rank ends at ``offset + numel`` (rounded up). Shards get disjoint counter
 ranges and every rank of one shard the same values, but the values are no slice of one
 full-tensor draw (a launch's element-to-counter map depends on its own size), so they change
-with the world size and, for uneven shards, with where the cuts fall. Here a shard is the slice
-of the unsharded draw at every world size, as on CPU.
+with the world size and, for uneven shards, with where the cuts fall. A RaggedShard it would
+not see as a cut at all (it counts only ``Shard`` and ``_StridedShard``): every rank would draw
+its local shape from the same offset. Here a shard is the slice of the unsharded draw at every
+world size, as on CPU.
 """
 
 from __future__ import annotations
