@@ -124,7 +124,10 @@ class TileTable:
 
 
 def tile_table(
-    members: list[tuple[int, tuple[int, int], int]], tile_h_w: list[tuple[int, int]], tile: int, device: torch.device
+    members: list[tuple[int, tuple[int, int], int]],
+    tile_h_w: list[tuple[int, int]],
+    tile: int,
+    device: torch.device | str,
 ) -> TileTable:
     """The tile table of a run. ``members``: ``(element offset, (rows, cols), first scale
     index)`` per parameter; ``tile_h_w``: each one's full tile height and width
