@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from vescale_plugins.tools.gpu_parts.context import PartContext
+from vescale_plugins.tools.launch import exit_when_orphaned
 
 __all__ = ["PLAN", "Part", "main"]
 
@@ -105,7 +106,7 @@ def _run_part(part: Part, ctx: PartContext) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "vescale_plugins.tools.gpu_check", "--run-part", part.target]
-        command += ["--context", ctx.to_json(), "--result", str(result)]
+        command += ["--context", ctx.to_json(), "--result", str(result), "--driver-pid", str(os.getpid())]
         child = subprocess.Popen(command, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         try:
             output, _ = child.communicate(timeout=ctx.timeout_s)
@@ -121,7 +122,10 @@ def _run_part(part: Part, ctx: PartContext) -> dict[str, Any]:
         return json.loads(result.read_text())
 
 
-def _child(target: str, context: str, result: str) -> int:
+def _child(target: str, context: str, result: str, driver_pid: int) -> int:
+    # Its own session (so a budget kill takes its ranks too), hence no hangup from the driver's
+    # end: it ends itself, and its ranks with it, when the driver is gone (the hard stop).
+    exit_when_orphaned(driver_pid)
     try:
         figures = run_part_here(target, PartContext.from_json(context))
     except BaseException as error:  # recorded as the part's failure
@@ -216,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-part", help=argparse.SUPPRESS)  # a part's own process
     parser.add_argument("--context", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--driver-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:
-        return _child(args.run_part, args.context, args.result)
+        return _child(args.run_part, args.context, args.result, args.driver_pid)
     out = Path(args.out) if args.out else Path(args.json).parent if args.json else Path("gpu_check_out")
     out.mkdir(parents=True, exist_ok=True)
     report_path = Path(args.json) if args.json else out / "gpu_check.json"

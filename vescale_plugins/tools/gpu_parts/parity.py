@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -311,6 +312,8 @@ def _race_rank(kind: str, cycles: int) -> dict[str, Any]:
 def run_race_provocation(ctx: PartContext) -> dict[str, Any]:
     if ctx.kind != "cuda":
         return {"status": "skipped", "reason": "CUDA only: off CUDA there is one stream and nothing to race"}
+    # cuBLAS's deterministic workspace (this part's process is its own; its ranks inherit it).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     figures = launch(ctx, _race_rank, ctx.kind, PROVOKING_CYCLES)[0]
     summary = (
         f"W={ctx.world}: provoked bit-equal to unprovoked: {figures['bitwise_equal_to_unprovoked']}, "
