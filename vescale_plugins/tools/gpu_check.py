@@ -74,11 +74,11 @@ PLAN = [
         "no CUDA: the test suite runs the kernel under TRITON_INTERPRET=1 (tests/optim/kernels)",
     ),
     Part("rs_wait", ".rs_wait:run", 60, _NO_STREAMS),
+    Part("bench", ".bench:run_default", 100),
     # Items built on other branches: each is skipped, with the reason, until its module exists.
     Part("hsdp_allreduce_stream", ".hsdp_allreduce_stream:run", 45, _NO_STREAMS),
     Part("cuda_event_timing", ".cuda_event_timing:run", 45, "CUDA only: events time the GPU's streams"),
     Part("meta_init", ".meta_init:run", 45),
-    Part("bench", ".bench:run_default", 100),
     Part("bench_bf16", ".bench:run_bf16", 70, "CUDA only (the fallback's bench is the tiny fp32 one)"),
     Part("bench_medium", ".bench:run_medium", 90, "CUDA only (the fallback's bench is the tiny fp32 one)"),
 ]
