@@ -233,6 +233,58 @@ def test_one_step_is_two_all_to_alls_per_bucket_and_nothing_else(dist_run, world
     assert counts == {"alltoall_base_": 2 * buckets}, counts  # all_to_all_single
 
 
+def _first_collective_after_the_warm_up():
+    """A stand-in for the compiled Newton–Schulz (any function but the eager one is warmed)
+    and a log of its calls and of the all-to-alls, over two steps; then the parameters."""
+    import vescale_plugins.optim.muon as muon_module
+    from vescale_plugins.optim.newton_schulz import zeropower_via_newtonschulz
+
+    log = []
+
+    def compiled_stand_in(matrix, *args):
+        log.append(("newton_schulz", tuple(matrix.shape)))
+        return zeropower_via_newtonschulz(matrix, *args)
+
+    real_all_to_all = dist.all_to_all_single
+
+    def logged_all_to_all(*args, **kwargs):
+        log.append(("all_to_all", None))
+        return real_all_to_all(*args, **kwargs)
+
+    world = dist.get_world_size()
+    params = _sharded_params(world)
+    opt = Muon(params, **HYPER)
+    own = sorted({m.shape for m in opt.exchange_plan.matrices if m.root == dist.get_rank()})
+    original = muon_module.newton_schulz_for
+    muon_module.newton_schulz_for = lambda device: compiled_stand_in
+    dist.all_to_all_single = logged_all_to_all
+    logs = []
+    try:
+        for step in range(2):
+            _set_grads(params, step)
+            log.clear()
+            opt.step()
+            logs.append(list(log))
+    finally:
+        muon_module.newton_schulz_for = original
+        dist.all_to_all_single = real_all_to_all
+    return own, logs, [p.full_tensor().detach() for p in params]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_newton_schulz_is_warmed_for_every_shape_before_the_first_all_to_all(dist_run, world):
+    results = dist_run(_first_collective_after_the_warm_up, world)
+    want = [q.detach() for q in _reference_params(2, **HYPER)]
+    for own, (first, second), params in results:
+        before = first[: first.index(("all_to_all", None))]
+        # Every shape this rank is the root of ran before any collective (a compile there
+        # keeps no other rank waiting), and only once: the second step warms nothing.
+        assert sorted({shape for _, shape in before}) == own, (own, first)
+        assert second.index(("all_to_all", None)) == 0, second
+        for p, q in zip(params, want):
+            assert torch.equal(p, q)  # the warm-up ran on scratch: the same numbers
+
+
 # ----------------------------------------------------------------------------------
 # errors before any collective
 # ----------------------------------------------------------------------------------

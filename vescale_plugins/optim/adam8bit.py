@@ -137,6 +137,7 @@ class _Adam8bitBase(FlatStateOptimizer):
                     for i, (m, g) in enumerate(zip(run.members, grids))
                 ],
                 [(g.tile_h, g.tile_w) for g in grids],
+                self.tile,
                 run.param_flat.device,
             )
         adam8bit_tiles_(
@@ -147,7 +148,6 @@ class _Adam8bitBase(FlatStateOptimizer):
             flats["exp_avg_sq_codes"],
             flats["exp_avg_sq_scales"],
             table,
-            max(g.tile_h * g.tile_w for g in grids),
             hyper,
         )
 

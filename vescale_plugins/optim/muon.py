@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as functional_adam
 
 from vescale_plugins.optim.muon_exchange import EXCHANGE_DTYPE, BucketExchange, ExchangePlan, build_exchange_plan
-from vescale_plugins.optim.newton_schulz import newton_schulz_for
+from vescale_plugins.optim.newton_schulz import newton_schulz_for, zeropower_via_newtonschulz
 from vescale_plugins.ragged.placement import RaggedShard
 
 __all__ = ["Muon", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "EPS"]
@@ -118,6 +118,8 @@ class Muon(torch.optim.Optimizer):
         )
         self._plan: ExchangePlan | None = None
         self._plan_key: tuple[int, ...] | None = None
+        # (shape, coefficients, steps, eps) the compiled Newton–Schulz has already run on.
+        self._warmed: set[tuple[Any, ...]] = set()
         super().__init__(params, defaults)
         self._build_plan()
 
@@ -289,6 +291,8 @@ class Muon(torch.optim.Optimizer):
             for bucket in plan.buckets
         ]
         exchanges = [e for e in exchanges if e.bucket]
+        if newton_schulz is not zeropower_via_newtonschulz:
+            self._warm_up(newton_schulz, [i for i in pending if plan.matrices[i].root == self._rank], groups, device)
         pieces = {i: piece for i, (piece, _, _) in pending.items()}
         scattered: deque = deque()
         returned: deque = deque()
@@ -327,6 +331,24 @@ class Muon(torch.optim.Optimizer):
             done, work = returned.popleft()
             work.wait()
             apply(done)
+
+    def _warm_up(
+        self, newton_schulz: Callable[..., Tensor], own: list[int], groups: dict[int, dict], device: torch.device
+    ) -> None:
+        """Run the compiled Newton–Schulz once on every shape this rank orthogonalises, before
+        the first all-to-all: compiling inside the pipeline would keep the other ranks waiting
+        in a collective for as long as the compiler takes, past a short process-group timeout."""
+        plan = self._plan
+        assert plan is not None  # own matrices are sharded ones
+        for index in own:
+            g = groups[index]
+            key = (plan.matrices[index].shape, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
+            if key not in self._warmed:
+                # The real input's dtype, shape and layout (a contiguous bfloat16 matrix), so the
+                # same guards hold; a scratch tensor, since Newton–Schulz normalises it in place.
+                scratch = torch.zeros(key[0], dtype=EXCHANGE_DTYPE, device=device)
+                newton_schulz(scratch, g["ns_coefficients"], g["ns_steps"], g["eps"])
+                self._warmed.add(key)
 
     def _adamw_step(self, group: dict) -> None:
         """torch.optim.AdamW's single-tensor step for this group (its state names)."""

@@ -1,333 +1,170 @@
-"""The CUDA/NCCL path end to end, in one run that fits a short device loan; writes one JSON.
+"""The CUDA/NCCL path end to end, in one run that fits a short device loan.
 
-    python -m vescale_plugins.tools.gpu_check [--json gpu_check.json] [--budget 450]
-    (or ``vescale-gpu-check``, or scripts/gpu_check.sh [OUT.json] with a hard stop)
+    python -m vescale_plugins.tools.gpu_check [--out DIR] [--budget 450]
+    (or ``vescale-gpu-check``, or scripts/gpu_check.sh [DIR] with a hard stop)
 
-With CUDA: every check on NCCL, one rank per GPU. Without: the same checks on CPU/gloo, small
-(the "cpu-fallback" mode, which the test suite runs), and the JSON says so. Checks:
+The check is a list of parts (:data:`PLAN`; what each measures is in its module under
+:mod:`vescale_plugins.tools.gpu_parts` and in docs/gpu_check.md). Each part runs in a process
+of its own (a CUDA error is sticky for a process) under its own time budget, cut to what is
+left of the whole budget; a part that fails, raises or overruns is recorded and the next one
+runs. Each writes its JSON (a line of ``DIR/parts.jsonl``) and one line of
+``DIR/summary.txt``; ``DIR/gpu_check.json`` holds them all, rewritten after each part, so a
+killed run keeps what it finished (three files: the device tool returns at most eight).
 
-* ``parity_w1`` / ``parity_multi_rank``: the test suite's decoder (uneven shapes, tied
-  weights; ``vescale_plugins.tools.parity_model``) trained a few AdamW steps with veScale-FSDP against the unsharded
-  model (losses and parameters) and against torch's FSDP2 (parameters), at W=1 and at W=all
-  GPUs when there are several (W=2 on the fallback);
-* ``bf16_mixed``: bf16 parameters and all-gather, fp32 reduce, against FSDP2 with the same
-  policy (in the same parity processes);
-* ``comm_streams``: the collectives ran on the dedicated all-gather/reduce-scatter streams
-  with event waits (events recorded and waited on, counted) and no ``record_stream`` call;
-* ``bench`` / ``bench_bf16``: ``python -m vescale_plugins.bench`` (default model on CUDA,
-  tiny on the fallback): step time, peak memory (CUDA: ``max_memory_allocated`` and
-  ``max_memory_reserved``), page faults, parity;
-* ``optimizer_host_syncs``: a second step of AdamW, AdamW8bit and Muon under
-  ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises);
-* ``triton_kernels``: ``pytest tests -k triton`` compiled for real on CUDA when Triton
-  kernels exist in ``vescale_plugins/optim/kernels/`` and the checkout has its tests;
-  skipped (with the reason) otherwise.
-
-Exit status 0 when no check failed (skipped checks do not fail the run).
+Without CUDA the same driver runs its CPU fallback (gloo ranks, small; the suite runs it):
+the parts that need CUDA are skipped with the reason, as are the parts whose module does not
+exist yet (features still being built). Exit status 0 when no part failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import importlib
+import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-import vescale_plugins
-from vescale_plugins.optim import AdamW, AdamW8bit, Muon
-from vescale_plugins.tools import parity_model
-from vescale_plugins.tools.launch import launch_ranks
+from vescale_plugins.tools.gpu_parts.context import PartContext
+from vescale_plugins.tools.launch import exit_when_orphaned
 
-# The checkout this package is in (its tests/ are there when it is one).
-ROOT = Path(vescale_plugins.__file__).resolve().parents[1]
-PARITY_STEPS = 3
-# Adam turns a gradient's rounding difference into an update difference where the gradient
-# is near zero (see tests/support/parity.py); CUDA's atomics (embedding backward) add their
-# own order-dependence, so the GPU bound is looser. The JSON keeps the measured differences.
-PARAM_TOL = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}
-LOSS_TOL = {"cpu": dict(rtol=2e-5, atol=2e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
-BF16_TOL = dict(rtol=2e-2, atol=2e-3)
+__all__ = ["PLAN", "Part", "main"]
+
+_PARTS = "vescale_plugins.tools.gpu_parts"
 
 
-# -- the per-rank body (runs on the launcher's ranks) ------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: ``target`` (``"module:function"`` under gpu_parts) is called
+    with a :class:`PartContext` and returns the part's figures; ``budget_s`` bounds it;
+    ``cuda_only``: why it is skipped without CUDA (None: the fallback runs it too)."""
+
+    name: str
+    target: str
+    budget_s: float
+    cuda_only: str | None = None
 
 
-def _max_abs_diff(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
-    worst = 0.0
-    for (name, p), (ref_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert name == ref_name, (name, ref_name)
-        a = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        b = q.full_tensor() if hasattr(q, "full_tensor") else q.detach()
-        worst = max(worst, (a.float() - b.float()).abs().max().item())
-    return worst
+_NO_STREAMS = "CUDA only: off CUDA there is one stream, collectives are waited on the host"
+PLAN = [
+    # Its verdict sets how the multi-rank parts below get their ranks (gpu_parts/context.py).
+    Part("multi_rank_nccl", ".probe:run", 45, "NCCL only: the CPU fallback's ranks are gloo processes"),
+    Part("parity_w1", ".parity:run_w1", 45),
+    Part("parity_multi_rank", ".parity:run_multi_rank", 60),
+    Part("fake_pg_w2", ".parity:run_fake_pg_w2", 40, "CUDA only: the CPU fallback has real gloo ranks"),
+    Part("race_provocation", ".parity:run_race_provocation", 60, _NO_STREAMS),
+    Part("optimizer_host_syncs", ".optimizers:run", 60),
+    Part(
+        "triton_kernels",
+        ".triton_adam:run",
+        60,
+        "no CUDA: the test suite runs the kernel under TRITON_INTERPRET=1 (tests/optim/kernels)",
+    ),
+    Part("rs_wait", ".rs_wait:run", 60, _NO_STREAMS),
+    Part("bench", ".bench:run_default", 100),
+    # Items built on other branches: each is skipped, with the reason, until its module exists.
+    Part("hsdp_allreduce_stream", ".hsdp_allreduce_stream:run", 45, _NO_STREAMS),
+    Part("cuda_event_timing", ".cuda_event_timing:run", 45, "CUDA only: events time the GPU's streams"),
+    Part("meta_init", ".meta_init:run", 45),
+    Part("bench_bf16", ".bench:run_bf16", 70, "CUDA only (the fallback's bench is the tiny fp32 one)"),
+    Part("bench_medium", ".bench:run_medium", 90, "CUDA only (the fallback's bench is the tiny fp32 one)"),
+]
+# The budgets are an H200's; the CPU fallback runs on a CI machine's few shared cores.
+_CPU_BUDGET_FACTOR = 5
+# The suite's quick fallback: W=1 is the multi-rank code on one rank, so only W=2 runs.
+_NOT_IN_QUICK = {"parity_w1": "--quick: W=1 is the multi-rank code on one rank; parity_multi_rank runs W=2"}
 
 
-def _assert_params_close(ours: torch.nn.Module, theirs: torch.nn.Module, tol: dict[str, float]) -> None:
-    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        a = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        b = q.full_tensor() if hasattr(q, "full_tensor") else q.detach()
-        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+def _split(target: str) -> tuple[str, str]:
+    """``(module, function)``; a module starting with "." is one of gpu_parts."""
+    module, function = target.split(":")
+    return (_PARTS + module if module.startswith(".") else module), function
 
 
-class _StreamCounter:
-    """Counts what the collectives' stream protocol does, and any ``record_stream`` call."""
-
-    def __init__(self) -> None:
-        self.events_recorded = self.event_waits = self.record_stream_calls = 0
-
-    def __enter__(self) -> _StreamCounter:
-        from vescale_plugins.dbuffer.streams import CommStreams
-
-        self._patched = [
-            (CommStreams, "record", CommStreams.record),
-            (CommStreams, "wait", CommStreams.wait),
-            (torch.Tensor, "record_stream", torch.Tensor.record_stream),
-        ]
-        counter = self
-        record, wait, record_stream = (p[2] for p in self._patched)
-
-        def counted_record(streams: Any, stream: Any) -> Any:
-            event = record(streams, stream)
-            counter.events_recorded += event is not None
-            return event
-
-        def counted_wait(streams: Any, event: Any) -> None:
-            counter.event_waits += event is not None
-            wait(streams, event)
-
-        def counted_record_stream(tensor: torch.Tensor, stream: Any) -> None:
-            counter.record_stream_calls += 1
-            record_stream(tensor, stream)
-
-        CommStreams.record, CommStreams.wait, torch.Tensor.record_stream = (
-            counted_record,
-            counted_wait,
-            counted_record_stream,
-        )
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for owner, name, original in self._patched:
-            setattr(owner, name, original)
+def run_part_here(target: str, ctx: PartContext) -> dict[str, Any]:
+    """Call the part in this process (what the part's own process does)."""
+    module, function = _split(target)
+    return getattr(importlib.import_module(module), function)(ctx)
 
 
-def _parity_rank(kind: str) -> dict[str, Any]:
-    """veScale-FSDP vs the unsharded model and vs FSDP2 (fp32), then bf16-mixed vs FSDP2."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from vescale_plugins import fully_shard
-
-    if kind == "cuda":  # the launcher gave this rank its GPU
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    mesh = init_device_mesh(kind, (dist.get_world_size(),))
-    world = dist.get_world_size()
-
-    def shard(model: torch.nn.Module, fn: Callable[..., Any], **kwargs: Any) -> torch.nn.Module:
-        for layer in model.layers:
-            fn(layer, mesh=mesh, **kwargs)
-        return fn(model, mesh=mesh, **kwargs)
-
-    def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-
-    def sharded_step(model: torch.nn.Module, step: int) -> torch.Tensor:
-        tokens, targets = parity_model.local_batch(step)
-        loss = parity_model.loss_fn(model(tokens.to(device)), targets.to(device))
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total / world
-
-    out: dict[str, Any] = {"world_size": world}
-    started = time.perf_counter()
-    reference = parity_model.make_decoder().to(device)
-    ours = shard(parity_model.clone(reference), fully_shard)
-    theirs = shard(parity_model.clone(reference), torch_fully_shard)
-    optimizers = [adamw(m) for m in (reference, ours, theirs)]
-    loss_diffs = []
-    with _StreamCounter() as streams:
-        for step in range(PARITY_STEPS):
-            ref_loss = parity_model.reference_step(reference, step, world)
-            loss = sharded_step(ours, step)
-            sharded_step(theirs, step)
-            torch.testing.assert_close(loss, ref_loss, **LOSS_TOL[kind])
-            loss_diffs.append(abs(loss.item() - ref_loss.item()))
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad()
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    out["fp32"] = {
-        "steps": PARITY_STEPS,
-        "max_loss_diff_vs_unsharded": max(loss_diffs),
-        "max_param_diff_vs_unsharded": _max_abs_diff(ours, reference),
-        "max_param_diff_vs_fsdp2": _max_abs_diff(ours, theirs),
-        "seconds": time.perf_counter() - started,
-    }
-    _assert_params_close(ours, reference, PARAM_TOL[kind])
-    _assert_params_close(ours, theirs, PARAM_TOL[kind])
-    dbuffer = ours._vescale_fsdp_unit.dbuffers[0]
-    out["comm_streams"] = {
-        "enabled": dbuffer.streams.enabled,
-        "events_recorded": streams.events_recorded,
-        "event_waits": streams.event_waits,
-        "record_stream_calls": streams.record_stream_calls,
-    }
-    if kind == "cuda":
-        assert dbuffer.streams.enabled, "CUDA buffers must use the dedicated collective streams"
-        assert streams.events_recorded > 0 and streams.event_waits > 0, out["comm_streams"]
-    assert streams.record_stream_calls == 0, out["comm_streams"]
-
-    started = time.perf_counter()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    base = parity_model.make_decoder().to(device)
-    ours = shard(parity_model.clone(base), fully_shard, mp_policy=policy)
-    theirs = shard(parity_model.clone(base), torch_fully_shard, mp_policy=policy)
-    optimizers = [adamw(m) for m in (ours, theirs)]
-    loss_diffs = []
-    for step in range(PARITY_STEPS):
-        a, b = sharded_step(ours, step), sharded_step(theirs, step)
-        torch.testing.assert_close(a, b, **BF16_TOL)
-        loss_diffs.append(abs(a.item() - b.item()))
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-    _assert_params_close(ours, theirs, BF16_TOL)
-    out["bf16_mixed"] = {
-        "steps": PARITY_STEPS,
-        "max_loss_diff_vs_fsdp2": max(loss_diffs),
-        "max_param_diff_vs_fsdp2": _max_abs_diff(ours, theirs),
-        "grad_dtype": str(next(ours.parameters()).dtype),
-        "seconds": time.perf_counter() - started,
-    }
-    if kind == "cuda":
-        out["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        out["cuda_max_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    return out
+def _run_part(part: Part, ctx: PartContext) -> dict[str, Any]:
+    """The part in a process of its own, killed with its ranks at ``ctx.timeout_s``: a
+    failure when that is the part's own budget, a skip when what was left of the whole was less."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "vescale_plugins.tools.gpu_check", "--run-part", part.target]
+        command += ["--context", ctx.to_json(), "--result", str(result), "--driver-pid", str(os.getpid())]
+        child = subprocess.Popen(command, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            output, _ = child.communicate(timeout=ctx.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the part and every rank it started
+            output, _ = child.communicate()
+            if ctx.timeout_s < part.budget_s:
+                reason = f"the whole budget ran out {ctx.timeout_s:.0f} s into it (its own: {part.budget_s:.0f} s)"
+                return {"status": "skipped", "reason": reason, "log": output[-3000:]}
+            return {"status": "failed", "error": f"overran its budget of {part.budget_s:.0f} s", "log": output[-3000:]}
+        if not result.exists():
+            return {"status": "failed", "error": f"its process exited {child.returncode}", "log": output[-3000:]}
+        return json.loads(result.read_text())
 
 
-def run_parity(world: int, kind: str, timeout_s: float) -> dict[str, Any]:
-    """The parity body on ``world`` ranks; rank 0's figures, or raise with a failure."""
-    backend = "nccl" if kind == "cuda" else "gloo"
-    return launch_ranks(_parity_rank, world, kind, timeout_s=timeout_s, backend=backend, threads=1)[0]
-
-
-# -- subprocess checks -----------------------------------------------------------------------
+def _child(target: str, context: str, result: str, driver_pid: int) -> int:
+    # Its own session (so a budget kill takes its ranks too), hence no hangup from the driver's
+    # end: it ends itself, and its ranks with it, when the driver is gone (the hard stop).
+    exit_when_orphaned(driver_pid)
+    try:
+        figures = run_part_here(target, PartContext.from_json(context))
+    except BaseException as error:  # recorded as the part's failure
+        text = "".join(traceback.format_exception(error))
+        figures = {"status": "failed", "error": f"{type(error).__name__}: {error}"[-2000:], "traceback": text[-4000:]}
+    Path(result).write_text(json.dumps(figures, default=str))
+    return 0
 
 
 def _env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def run_bench(args: list[str], timeout_s: float) -> dict[str, Any]:
-    """``python -m vescale_plugins.bench ARGS``; its summary (ratios, memory, page faults)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "bench.json"
-        command = [sys.executable, "-m", "vescale_plugins.bench", *args, "--json", str(path), "--plot", ""]
-        done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(command[1:])} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}"
-            )
-        data = json.loads(path.read_text())
-    summary = data["summary"]
-    keep = (
-        "step_ms",
-        "tokens_per_s",
-        "peak_bytes",
-        "cuda_max_allocated_bytes",
-        "cuda_max_reserved_bytes",
-        "cuda_alloc_retries",
-        "page_faults_per_step",
-        "sharded_state_bytes",
-        "padding_bytes",
-    )
-    engines = {name: {k: v for k, v in figures.items() if k in keep} for name, figures in summary["engines"].items()}
-    for figures in engines.values():
-        figures["step_ms"] = {k: v for k, v in figures["step_ms"].items() if k != "samples"}
-    parity = summary["parity"]
-    if abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) > 1e-3 * max(1.0, abs(parity["loss"]["fsdp2"])):
-        raise AssertionError(f"bench losses differ: {parity}")
-    return {
-        "command": "python -m vescale_plugins.bench " + " ".join(args),
-        "environment": data["environment"],
-        "ratios": summary["ratios"],
-        "engines": engines,
-        "parity": parity,
-    }
+def _skip_reason(part: Part, kind: str, quick: bool) -> str | None:
+    module, _ = _split(part.target)
+    if importlib.util.find_spec(module) is None:
+        return f"not built yet: {module.replace('.', '/')}.py (run(ctx) -> dict) does not exist in this checkout"
+    if kind != "cuda" and part.cuda_only:
+        return part.cuda_only
+    if quick and part.name in _NOT_IN_QUICK:
+        return _NOT_IN_QUICK[part.name]
+    return None
 
 
-def run_triton(kind: str, timeout_s: float) -> dict[str, Any]:
-    """``pytest tests -k triton``, compiled for real on CUDA; a skip when there is nothing to run."""
-    kernels = ROOT / "vescale_plugins" / "optim" / "kernels"
-    sources = sorted(p.name for p in kernels.glob("*triton*.py"))
-    if not sources:
-        return {"status": "skipped", "reason": "no Triton kernels in vescale_plugins/optim/kernels/"}
-    if not (ROOT / "tests").is_dir():
-        return {"status": "skipped", "reason": f"no tests/ beside the package in {ROOT}", "kernels": sources}
-    try:
-        import triton
-    except ImportError:
-        return {"status": "skipped", "reason": "triton is not installed", "kernels": sources}
-    if kind != "cuda":
-        return {
-            "status": "skipped",
-            "reason": "no CUDA: the test suite runs the kernels under TRITON_INTERPRET=1",
-            "kernels": sources,
-            "triton": triton.__version__,
-        }
-    env = _env()
-    env.pop("TRITON_INTERPRET", None)
-    command = [sys.executable, "-m", "pytest", "-q", "tests", "-k", "triton", "-p", "no:cacheprovider"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-    if done.returncode == 5:
-        return {"status": "skipped", "reason": "no test matches -k triton", "kernels": sources}
-    if done.returncode != 0:
-        raise RuntimeError(f"pytest -k triton exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
-    return {"kernels": sources, "triton": triton.__version__, "pytest": tail[0]}
-
-
-def run_optimizer_syncs(kind: str, timeout_s: float) -> dict[str, Any]:
-    """A steady-state step of each optimizer with CUDA's sync debug mode at "error": any host
-    sync (a device scalar read, a pageable copy) raises. Off CUDA the steps run unchecked."""
-    device = torch.device(kind)
-    stepped = {}
-    for name, make in (("AdamW", AdamW), ("AdamW8bit", AdamW8bit), ("Muon", Muon)):
-        params = [torch.nn.Parameter(torch.randn(256, 128, device=device))]
-        optimizer = make(params, lr=1e-3)
-        params[0].grad = torch.randn_like(params[0])
-        optimizer.step()  # builds state (quantisation maps are copied to the device once)
-        if kind == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            optimizer.step()
-        finally:
-            if kind == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
-        stepped[name] = "no host sync" if kind == "cuda" else "stepped (sync debug mode is CUDA only)"
-    return {"optimizers": stepped}
-
-
-# -- the run ---------------------------------------------------------------------------------
+def _ranks_after_probe(ctx: PartContext, probe: dict[str, Any]) -> PartContext:
+    """How the multi-rank parts run, from the GPU count and the probe's verdict."""
+    if ctx.kind != "cuda":
+        return dataclasses.replace(ctx, world=2, world_note="two gloo ranks on CPU")
+    if ctx.gpus > 1:
+        return dataclasses.replace(ctx, world=ctx.gpus, world_note="one rank per GPU")
+    if probe.get("status") == "passed":
+        note = "2 ranks on one GPU (a distinct NCCL_HOSTID each, sockets over loopback): no speed claim"
+        return dataclasses.replace(ctx, world=2, ranks_on_one_gpu=True, world_note=note)
+    why = (probe.get("error") or probe.get("reason") or "").splitlines()[:1]
+    note = f"NCCL refused 2 ranks on one GPU ({why[0] if why else 'see multi_rank_nccl'}): W=1, fake_pg_w2 runs W=2"
+    return dataclasses.replace(ctx, world=1, world_note=note)
 
 
 def device_info() -> dict[str, Any]:
@@ -350,29 +187,15 @@ def device_info() -> dict[str, Any]:
     return info
 
 
-def plan(kind: str, gpus: int, quick: bool) -> list[tuple[str, Callable[[float], dict[str, Any]]]]:
-    """The checks to run, in order, each taking its time limit in seconds."""
-    checks: list[tuple[str, Callable[[float], dict[str, Any]]]] = []
-    if not quick:  # W=1 is the multi-rank code on one rank; the quick run keeps W=2 only
-        checks.append(("parity_w1", lambda t: run_parity(1, kind, t)))
-    multi = gpus if kind == "cuda" else 2
-    if multi > 1:
-        checks.append(("parity_multi_rank", lambda t: run_parity(multi, kind, t)))
-    if kind == "cuda":
-        checks.append(("bench", lambda t: run_bench([], t)))
-        checks.append(("bench_bf16", lambda t: run_bench(["--precision", "bf16-mixed"], t)))
-        checks.append(("bench_medium", lambda t: run_bench(["--model", "medium", "--steps", "12"], t)))
-    else:
-        steps = "2" if quick else "4"
-        tiny = f"--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps {steps} --batch-size 2".split()
-        checks.append(("bench", lambda t: run_bench(tiny, t)))
-    checks.append(("optimizer_host_syncs", lambda t: run_optimizer_syncs(kind, t)))
-    checks.append(("triton_kernels", lambda t: run_triton(kind, t)))
-    return checks
+def summary_line(name: str, figures: dict[str, Any]) -> str:
+    """``name: status (seconds s)``, then the part's own summary, reason or error."""
+    detail = figures.get("summary") or figures.get("reason") or figures.get("error") or ""
+    detail = str(detail).splitlines()[0] if detail else ""
+    return f"{name}: {figures['status']} ({figures.get('seconds', 0)} s){' - ' + detail if detail else ''}"
 
 
 def derived(results: dict[str, Any]) -> None:
-    """Lift the per-parity sub-results into their own named checks (bf16, streams)."""
+    """Lift the parity parts' sub-results into their own named checks (bf16, streams)."""
     for source in ("parity_multi_rank", "parity_w1"):
         figures = results.get(source, {})
         if figures.get("status") == "passed":
@@ -387,15 +210,26 @@ def derived(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default="gpu_check.json", help="where to write every figure")
     parser.add_argument(
-        "--budget", type=float, default=450.0, help="seconds for all checks together (each check gets what is left)"
+        "--out", help="folder for gpu_check.json, parts.jsonl, summary.txt (default: --json's folder, or gpu_check_out)"
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="fallback only: W=2 parity only, fewer bench steps (the test suite's run)"
-    )
+    parser.add_argument("--json", help="where to write the whole report (default OUT/gpu_check.json)")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for all parts together")
+    parser.add_argument("--quick", action="store_true", help="fallback only: W=2 parity only, fewer bench steps")
     parser.add_argument("--cpu", action="store_true", help="run the CPU fallback even where CUDA is available")
+    parser.add_argument("--run-part", help=argparse.SUPPRESS)  # a part's own process
+    parser.add_argument("--context", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--driver-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_part:
+        return _child(args.run_part, args.context, args.result, args.driver_pid)
+    out = Path(args.out) if args.out else Path(args.json).parent if args.json else Path("gpu_check_out")
+    out.mkdir(parents=True, exist_ok=True)
+    report_path = Path(args.json) if args.json else out / "gpu_check.json"
+    parts_path, summary_path = out / "parts.jsonl", out / "summary.txt"
+    for path in (parts_path, summary_path):
+        path.write_text("")
     kind = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     info = device_info()
     report: dict[str, Any] = {
@@ -407,26 +241,42 @@ def main(argv: list[str] | None = None) -> int:
         "device": info,
         "checks": {},
     }
+    gpus = info["gpus"] if kind == "cuda" else 0
+    ctx = PartContext(kind, gpus, world=1, ranks_on_one_gpu=False, world_note="not decided yet", timeout_s=0, quick=args.quick)  # fmt: skip
     deadline = time.monotonic() + args.budget
-    for name, check in plan(kind, info.get("gpus", 0), args.quick):
-        left = deadline - time.monotonic()
-        if left < 10:
-            report["checks"][name] = {"status": "skipped", "reason": "the time budget was spent"}
-            continue
+    for part in PLAN:
         started = time.perf_counter()
-        try:
-            result = check(left)
-            status = result.pop("status", "passed")
-            report["checks"][name] = {"status": status, **result}
-        except BaseException as error:  # recorded, and the run goes on to the next check
-            report["checks"][name] = {"status": "failed", "error": f"{type(error).__name__}: {error}"[-4000:]}
-        report["checks"][name]["seconds"] = round(time.perf_counter() - started, 2)
-        print(f"{name}: {report['checks'][name]['status']} ({report['checks'][name]['seconds']} s)", flush=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))  # partial results survive a kill
+        reason = _skip_reason(part, kind, args.quick)
+        left = deadline - time.monotonic()
+        if reason is None and left < 10:
+            reason = "the time budget was spent"
+        if reason is not None:
+            figures: dict[str, Any] = {"status": "skipped", "reason": reason}
+        else:
+            if kind != "cuda":
+                part = dataclasses.replace(part, budget_s=part.budget_s * _CPU_BUDGET_FACTOR)
+            figures = _run_part(part, dataclasses.replace(ctx, timeout_s=min(part.budget_s, left)))
+            figures["status"] = figures.get("status", "passed")
+            figures = {"status": figures.pop("status"), "budget_s": part.budget_s, **figures}
+        figures["seconds"] = round(time.perf_counter() - started, 2)
+        if part.name == "multi_rank_nccl":
+            ctx = _ranks_after_probe(ctx, figures)
+            report["ranks"] = ctx.figures()
+        report["checks"][part.name] = figures
+        line = summary_line(part.name, figures)
+        print(line, flush=True)
+        with parts_path.open("a") as f:
+            f.write(json.dumps({"part": part.name, **figures}, default=str) + "\n")
+        with summary_path.open("a") as f:
+            f.write(line + "\n")
+        report_path.write_text(json.dumps(report, indent=2, default=str))  # partial results survive a kill
     derived(report["checks"])
     report["ok"] = all(c["status"] != "failed" for c in report["checks"].values())
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"{'all checks passed' if report['ok'] else 'SOME CHECKS FAILED'} ({report['mode']}); wrote {args.json}")
+    report_path.write_text(json.dumps(report, indent=2, default=str))
+    last = f"{'all parts passed or skipped' if report['ok'] else 'SOME PARTS FAILED'} ({report['mode']}); wrote {report_path}"
+    with summary_path.open("a") as f:
+        f.write(last + "\n")
+    print(last)
     return 0 if report["ok"] else 1
 
 

@@ -192,6 +192,7 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
+    env: dict[str, str],
 ) -> None:
     global _progress
     exit_when_orphaned(parent_pid)
@@ -199,6 +200,7 @@ def _rank_main(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
+    os.environ.update(env)  # before the process group: NCCL reads its variables when it starts
     torch.set_num_threads(threads)
     if rank == 0:
         _progress = lambda what: results.put((0, rank, PROGRESS, what))
@@ -221,13 +223,15 @@ def launch_ranks(
     on_progress: Callable[[str], None] | None = None,
     backend: str | None = None,
     threads: int | None = None,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
     """``fn(*args)`` on ``world`` spawned ranks of one process group; each rank's value, in
     rank order. ``fn`` and ``args`` must pickle (``fn`` a module-level function).
 
     ``backend``: default NCCL when CUDA is available (one GPU per rank), else gloo.
     ``threads``: torch threads per rank (default: this machine's cores shared among the
-    ranks). ``timeout_s`` bounds the whole run and each collective; at the deadline, or when
+    ranks). ``rank_env``: environment variables for each rank (by rank), set before it joins
+    the process group. ``timeout_s`` bounds the whole run and each collective; at the deadline, or when
     a rank fails or dies, every rank is killed and :class:`RankFailure` says why.
     """
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -238,7 +242,19 @@ def launch_ranks(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world, store.port, os.getpid(), backend, threads, timeout_s, fn, args, results),
+            args=(
+                rank,
+                world,
+                store.port,
+                os.getpid(),
+                backend,
+                threads,
+                timeout_s,
+                fn,
+                args,
+                results,
+                rank_env(rank) if rank_env else {},
+            ),
             daemon=True,
             name=f"rank{rank}-of-{world}",
         )

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-__all__ = ["dynamic_map", "quantize", "dequantize", "SCALE_FLOOR"]
+__all__ = ["dynamic_map", "quantize", "dequantize", "bucket_table", "SCALE_FLOOR", "BUCKET_SHIFT", "BUCKETS"]
 
 # A block of zeros gets this scale (torchao's clip), so dividing by it is safe.
 SCALE_FLOOR = 1e-12
@@ -58,9 +58,9 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
 # A float32's top bits (sign, exponent, 10 mantissa bits) name a bucket of relative width
 # 2**-10, narrower than the closest pair of thresholds, so a bucket holds at most one; its
 # low 13 bits (mirrored for negative floats, so they grow with the value) place x against it.
-_BUCKET_SHIFT = 13
-_BUCKETS = 1 << (32 - _BUCKET_SHIFT)
-_LOW = (1 << _BUCKET_SHIFT) - 1
+BUCKET_SHIFT = 13
+BUCKETS = 1 << (32 - BUCKET_SHIFT)
+_LOW = (1 << BUCKET_SHIFT) - 1
 
 
 @functools.lru_cache(maxsize=2)
@@ -85,24 +85,24 @@ def _position(bits: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def _bucket_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+def bucket_table(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     """Per bucket (int32): ``(base << 13) + 8192 - position of its threshold``, ``base`` the
     thresholds below the bucket; no threshold inside: position 8192. Then a float's code is
     ``(entry + its position) >> 13``: ``base``, plus one if it reached the threshold."""
     t = _round_up_thresholds(signed)
-    buckets = torch.arange(_BUCKETS, dtype=torch.int64)
-    negative = buckets >= _BUCKETS // 2
+    buckets = torch.arange(BUCKETS, dtype=torch.int64)
+    negative = buckets >= BUCKETS // 2
     # Smallest and largest float of a bucket (bit patterns grow away from zero on both sides).
     to_int32 = lambda bits: (bits - (1 << 32) * (bits >= 1 << 31)).to(torch.int32)
     as_float = lambda bits: torch.nan_to_num(to_int32(bits).view(torch.float32), nan=0.0, posinf=3e38, neginf=-3e38)
-    smallest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, _LOW, 0))
-    largest = as_float((buckets << _BUCKET_SHIFT) | torch.where(negative, 0, _LOW))
+    smallest = as_float((buckets << BUCKET_SHIFT) | torch.where(negative, _LOW, 0))
+    largest = as_float((buckets << BUCKET_SHIFT) | torch.where(negative, 0, _LOW))
     base = torch.searchsorted(t, smallest, right=False)
     inside = torch.searchsorted(t, largest, right=True) - base
-    assert int(inside.max()) <= 1, "a bucket holds two thresholds: lower _BUCKET_SHIFT"
+    assert int(inside.max()) <= 1, "a bucket holds two thresholds: lower BUCKET_SHIFT"
     threshold = t[base.clamp(max=t.numel() - 1)].view(torch.int32)
-    position = torch.where(inside == 1, _position(threshold).to(torch.int64), 1 << _BUCKET_SHIFT)
-    return ((base << _BUCKET_SHIFT) + (1 << _BUCKET_SHIFT) - position).to(torch.int32).to(device)
+    position = torch.where(inside == 1, _position(threshold).to(torch.int64), 1 << BUCKET_SHIFT)
+    return ((base << BUCKET_SHIFT) + (1 << BUCKET_SHIFT) - position).to(torch.int32).to(device)
 
 
 def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,13 +114,11 @@ def quantize(normalized: torch.Tensor, signed: bool, out: torch.Tensor | None = 
     int32 data and one table lookup.
     """
     bits = normalized.contiguous().view(-1).view(torch.int32)
-    bucket = (bits >> _BUCKET_SHIFT).bitwise_and_(_BUCKETS - 1)
+    bucket = (bits >> BUCKET_SHIFT).bitwise_and_(BUCKETS - 1)
     # The unsigned map's thresholds are all positive: negative floats' buckets hold none, so
     # their position never matters and the plain low bits do.
     position = _position(bits) if signed else bits & _LOW
-    codes = (
-        _bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(_BUCKET_SHIFT)
-    )
+    codes = bucket_table(signed, bits.device).index_select(0, bucket).add_(position).bitwise_right_shift_(BUCKET_SHIFT)
     if out is None:
         return codes.to(torch.uint8).view(normalized.shape)
     out.copy_(codes.view(out.shape))
