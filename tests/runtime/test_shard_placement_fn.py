@@ -106,7 +106,7 @@ def _bad_answers() -> None:
     model = Experts()
     with pytest.raises(
         ValueError,
-        match=r"shard_placement_fn returned Shard\(dim=3\) for 'experts': Shard dim 3 is invalid for 3D tensor: \(2, 12, 5\)",
+        match=r"Shard dim 3 is invalid for 3D tensor: torch.Size\(\[2, 12, 5\]\) \(shard_placement_fn returned Shard\(dim=3\) for 'experts'\)",
     ):
         fully_shard(model, shard_placement_fn=lambda p: Shard(3) if p.ndim == 3 else None)
     with pytest.raises(ValueError, match=r"Invalid shard_placement_fn result for 'out.weight': Replicate\(\)"):
