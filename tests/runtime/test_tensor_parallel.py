@@ -413,6 +413,14 @@ def _dp_mesh_dims_forms_parity():
             rank,
             0,
         ),
+        # torchtitan's data parallelism without sharding: HSDP with one rank per shard group
+        (
+            (4, 1),
+            ("dp_replicate", "dp_shard"),
+            DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
+            rank,
+            0,
+        ),
         ((2, 2), ("dp_shard", "cp"), DataParallelMeshDims(shard=("dp_shard", "cp")), rank, 0),
         ((2, 1, 2), ("dp_shard", "cp", "tp"), DataParallelMeshDims(shard=("dp_shard", "cp")), rank // 2, 1),
     ]
@@ -568,8 +576,12 @@ def _dp_mesh_dims_errors():
         match=r"Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\) \(parameter 'weight'\)",
     ):
         fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    # replicate dims only (DDP on an SPMD mesh), which FSDP2 trains unsharded: refused
-    with pytest.raises(NotImplementedError, match=r"names no shard dim \(DDP on an SPMD mesh\)"):
+    # replicate dims only (DDP on an SPMD mesh), which FSDP2 trains unsharded: refused, naming
+    # what trains the same (a size-1 shard dim: the (4, 1) form of the HSDP parity test)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"names no shard dim \(DDP on an SPMD mesh\).*shard dim of size 1.*replicate_with_fsdp",
+    ):
         fully_shard(_spmd_model(mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     other_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="Expected param's DTensor mesh to be the same mesh passed to fully_shard"):

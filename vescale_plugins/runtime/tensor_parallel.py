@@ -109,7 +109,12 @@ class ParallelSpec:
 
 def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> SpmdMesh:
     """FSDP2's validation of ``dp_mesh_dims``, with its errors, and its data-parallel mesh.
-    Replicate dims without a shard dim (DDP on an SPMD mesh) are refused: nothing to shard."""
+
+    Replicate dims without a shard dim (DDP on an SPMD mesh) are refused: a unit is built on
+    a DBuffer sharded over a shard group and its parameters carry a RaggedShard there, while
+    FSDP2's DDP parameters keep their placements and have no shard group. A shard dim of size
+    1 (torchtitan's layout) trains the same way, as does torch's ``replicate_with_fsdp``.
+    """
     if mesh.mesh_dim_names is None:
         raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
     shard_names, replicate_names = _names(dp_mesh_dims.shard), _names(dp_mesh_dims.replicate)
@@ -120,8 +125,11 @@ def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forw
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
     if not shard_names:
         raise NotImplementedError(
-            f"dp_mesh_dims={dp_mesh_dims!r} names no shard dim (DDP on an SPMD mesh): veScale-FSDP shards "
-            "parameters; name the dim(s) to shard over in shard=, or use torch.distributed.fsdp.fully_shard"
+            f"dp_mesh_dims={dp_mesh_dims!r} names no shard dim (DDP on an SPMD mesh): vescale_plugins.fully_shard "
+            "shards every unit over a shard dim. For the same training, give the mesh a shard dim of size 1 and "
+            "name it (torchtitan's layout: DataParallelMeshDims(shard='dp_shard', replicate=...)), or replicate "
+            "with torch.distributed._composable.replicate_with_fsdp.replicate(module, mesh=mesh, "
+            "dp_mesh_dims=...), FSDP2's DDP"
         )
     dp_mesh = _flattened(mesh, shard_names)
     if replicate_names:
