@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.runtime.param import fsdp_param_of
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
 from vescale_plugins.runtime.tensor_parallel import (
     ParallelSpec,
@@ -345,10 +345,11 @@ def _check_dtensors_on(device: torch.device, params: Sequence[tuple[str, Any, nn
 
 
 def _check_not_already_sharded(module: nn.Module, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
-    """Refuse parameters that a unit built earlier already shards: ``fully_shard`` on a child
-    after its parent (parameters of units *inside* ``module`` are not collected)."""
+    """Refuse parameters that a unit built earlier already manages: ``fully_shard`` on a child
+    after its parent (parameters of units *inside* ``module`` are not collected). A DDP unit's
+    (``dp_mesh_dims`` with replicate dims only) keep their placements, so the unit is asked."""
     for fqn, _, param in params:
-        if isinstance(param, DTensor) and any(isinstance(p, RaggedShard) for p in param.placements):
+        if fsdp_param_of(param) is not None:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its parameter {fqn!r} is already sharded by fully_shard "
                 "on a module that contains it; apply fully_shard bottom-up: each block (child) first, then "
