@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import fsdp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import vescale_plugins
 
@@ -49,6 +49,11 @@ def _invalid_shard_dim(shard):
     return lambda: shard(model, shard_placement_fn=lambda p: Shard(2) if p is model[0].weight else None)
 
 
+def _not_a_shard_placement(shard):
+    model = _model()
+    return lambda: shard(model, shard_placement_fn=lambda p: Replicate() if p is model[2].weight else None)
+
+
 def _meta_parameter_before_to_empty(shard):
     with torch.device("meta"):
         model = _model()
@@ -80,6 +85,7 @@ CASES = {
     "3-D mesh": _three_d_mesh,
     "2-D mesh without dim names": _unnamed_two_d_mesh,
     "invalid Shard dim from shard_placement_fn": _invalid_shard_dim,
+    "not a Shard from shard_placement_fn": _not_a_shard_placement,
     "meta-device parameter used before to_empty": _meta_parameter_before_to_empty,
     "fully_shard applied twice": _applied_twice,
     "fully_shard applied twice to the root": _root_applied_twice,

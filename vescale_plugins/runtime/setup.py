@@ -434,7 +434,8 @@ def _check_shard_placements(
             continue
         if not isinstance(placement, Shard):
             raise ValueError(
-                f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)"
+                f"Invalid shard_placement_fn result: {placement} ({placement!r} for {fqn!r}); return a Shard, a "
+                "ShardPlacementResult or None"
             )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < max(param.dim(), 1):
