@@ -373,6 +373,40 @@ def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_parity, 4)
 
 
+def _dp_mesh_dims_replicate_only_parity():
+    """DDP on an SPMD mesh (replicate dims only): parameters stay the module's DTensors, on
+    the full mesh with their placements (FSDP2's), and train as FSDP2's and the unsharded
+    model's, gradients averaged over the replicas."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
+    dims = DataParallelMeshDims(replicate="dp_replicate")
+    reference = SpmdMLP()
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        model = _on_spmd_mesh(copy.deepcopy(reference), mesh)
+        shard(model.w1, mesh=mesh, dp_mesh_dims=dims)
+        shard(model, mesh=mesh, dp_mesh_dims=dims)
+        models.append(model)
+    ours, theirs = models
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert p.device_mesh is mesh and p.placements == q.placements, (name, p.placements, q.placements)
+    with pytest.raises(ValueError, match=r"its parameter 'weight' is already sharded by fully_shard .* bottom-up"):
+        fully_shard(ours.w2, mesh=mesh, dp_mesh_dims=dims)  # the root's unit already has it
+
+    def backward(step):
+        batches = [_moe_batch(step, d) for d in range(dp_size)]
+        x, y = batches[dp_rank]
+        x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
+        _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
+        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
+
+    _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
+
+
+def test_dp_mesh_dims_with_replicate_dims_only_matches_fsdp2_and_unsharded(dist_run):
+    dist_run(_dp_mesh_dims_replicate_only_parity, 4)
+
+
 class BatchSpmdMLP(SpmdMLP):
     """SpmdMLP on the full mesh ``mesh``: the batch split over ``batch_placements`` (Shard(0)
     on the data-parallel dims), its output back to this rank's batch."""
@@ -408,6 +442,14 @@ def _dp_mesh_dims_forms_parity():
     forms = [  # (mesh shape, names, dp_mesh_dims, data-parallel index of this rank, dims with TP)
         (
             (2, 2),
+            ("dp_replicate", "dp_shard"),
+            DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
+            rank,
+            0,
+        ),
+        # torchtitan's data parallelism without sharding: HSDP with one rank per shard group
+        (
+            (4, 1),
             ("dp_replicate", "dp_shard"),
             DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate"),
             rank,
@@ -568,9 +610,6 @@ def _dp_mesh_dims_errors():
         match=r"Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\) \(parameter 'weight'\)",
     ):
         fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    # replicate dims only (DDP on an SPMD mesh), which FSDP2 trains unsharded: refused
-    with pytest.raises(NotImplementedError, match=r"names no shard dim \(DDP on an SPMD mesh\)"):
-        fully_shard(_spmd_model(mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     other_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with pytest.raises(ValueError, match="Expected param's DTensor mesh to be the same mesh passed to fully_shard"):
         fully_shard(_spmd_model(mesh), mesh=other_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))

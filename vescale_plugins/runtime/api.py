@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost
+from vescale_plugins.runtime.composable import register_as_fully_shard
 from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
@@ -98,6 +99,7 @@ def fully_shard(
         modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
     )
     record_sharded(modules, unit.params)
+    register_as_fully_shard(modules)
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
         m.__class__ = fsdp_class(type(m))

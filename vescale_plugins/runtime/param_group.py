@@ -227,13 +227,17 @@ class FSDPParamGroup:
     def is_unsharded(self) -> bool:
         return all(b.is_unsharded for b in self.dbuffers)
 
-    def check_materialized(self) -> None:
-        for fsdp_param in self.fsdp_params:
-            if fsdp_param.sharded.device.type == "meta":
-                raise RuntimeError(
-                    f"parameter {fsdp_param.fqn!r} is still on the meta device: call module.to_empty(device=...) "
-                    "and initialise it (e.g. reset_parameters()) before running forward"
-                )
+    def check_materialized(self, names: dict[int, str] | None = None) -> None:
+        """Refuse to gather parameters still on the meta device, with FSDP2's error; ``names``
+        maps a sharded parameter's id to its name from the root (FSDP2's), else the unit's."""
+        on_meta = [(names or {}).get(id(p.sharded), p.fqn) for p in self.fsdp_params if p.sharded.device.type == "meta"]
+        if on_meta:
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {on_meta}\n"
+                "For example, call module.to_empty(device) to materialize to device and "
+                "call module.reset_parameters() on each module to initialize values."
+            )
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.runtime.param import fsdp_param_of
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
 from vescale_plugins.runtime.tensor_parallel import (
     ParallelSpec,
@@ -47,6 +47,7 @@ __all__ = [
     "BlockSizeFn",
     "ParamSpec",
     "PlanMismatchError",
+    "SetupAssertionError",
     "UnitSetup",
     "agree_on_plan",
     "check_reshard_after_forward",
@@ -60,11 +61,19 @@ T = TypeVar("T")
 BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
 PlanEntry = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, block rows)
 
-_CHECKED_ERRORS = (ValueError, TypeError, NotImplementedError)
-
 
 class PlanMismatchError(ValueError):
     """Ranks planned different units (a rank-dependent ``block_size_fn`` or model)."""
+
+
+class SetupAssertionError(AssertionError, ValueError):
+    """A set-up mistake FSDP2 reports with an ``AssertionError`` (and its text): raised as one,
+    so code written for FSDP2 catches it, and as a ``ValueError``, as every other bad
+    argument to ``fully_shard``."""
+
+
+# The errors agree_on_plan carries from the ranks that raise them to the others (by name).
+_CHECKED_ERRORS = (SetupAssertionError, ValueError, TypeError, NotImplementedError)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,7 +126,8 @@ def plan_unit_setup(
     spmd: SpmdMesh | None = None
     if dp_mesh_dims is not None:
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
-    mesh = _resolve_mesh(mesh)
+    else:
+        mesh = _resolve_data_parallel_mesh(mesh)
     device = mesh_device(mesh)  # where fully_shard moves the unit's states (FSDP2's choice)
     ignored = set(ignored_params or ())
 
@@ -177,7 +187,12 @@ def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward:
         )
     for m in modules:
         if getattr(m, "_vescale_fsdp_unit", None) is not None:
-            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; apply it once per module")
+            # FSDP2's error (from torch's composable-API ``contract``), for every module already
+            # in a unit, also where FSDP2 itself fails later (a child listed with its parent).
+            raise SetupAssertionError(
+                "Each distinct composable distributed API can only be applied to a module once. fully_shard has "
+                f"already been applied to the following module:\n{m}"
+            )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward (got a "
@@ -241,17 +256,21 @@ def _check_mesh(mesh: Any) -> None:
         )
 
 
-def _resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+def _resolve_data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """The unit's mesh without ``dp_mesh_dims``: 1-D (shard) or 2-D with named dims
+    (replicate, shard), checked with FSDP2's errors."""
     if mesh is None:
         mesh = default_mesh()
     _check_mesh(mesh)
-    if mesh.ndim > 2:
-        raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh: pass a 1-D mesh (shard) or a 2-D one "
-            "(replicate, shard) for hybrid sharding; with tensor or expert parallelism pass the "
-            "data-parallel submesh (parameters are DTensors on the other dims), or the full mesh "
+    if mesh.ndim not in (1, 2):
+        # FSDP2's text names neither fix for the meshes of tensor-parallel models; ours does.
+        raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}; with tensor or expert parallelism "
+            "pass the data-parallel submesh (parameters are DTensors on the other dims), or the full mesh "
             "with dp_mesh_dims"
         )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise SetupAssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
     return mesh
 
 
@@ -262,7 +281,7 @@ def _resolve_spmd_mesh(
     replaced by its data-parallel shard dim."""
     if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
         raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {dp_mesh_dims!r}")
-    full_mesh = _resolve_mesh(mesh) if mesh is None else mesh
+    full_mesh = default_mesh() if mesh is None else mesh
     _check_mesh(full_mesh)
     spmd = resolve_dp_mesh_dims(full_mesh, dp_mesh_dims, reshard_after_forward)
     return spmd.dp_mesh, spmd
@@ -326,10 +345,11 @@ def _check_dtensors_on(device: torch.device, params: Sequence[tuple[str, Any, nn
 
 
 def _check_not_already_sharded(module: nn.Module, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
-    """Refuse parameters that a unit built earlier already shards: ``fully_shard`` on a child
-    after its parent (parameters of units *inside* ``module`` are not collected)."""
+    """Refuse parameters that a unit built earlier already manages: ``fully_shard`` on a child
+    after its parent (parameters of units *inside* ``module`` are not collected). A DDP unit's
+    (``dp_mesh_dims`` with replicate dims only) keep their placements, so the unit is asked."""
     for fqn, _, param in params:
-        if isinstance(param, DTensor) and any(isinstance(p, RaggedShard) for p in param.placements):
+        if fsdp_param_of(param) is not None:
             raise ValueError(
                 f"fully_shard({type(module).__name__}): its parameter {fqn!r} is already sharded by fully_shard "
                 "on a module that contains it; apply fully_shard bottom-up: each block (child) first, then "
@@ -414,12 +434,15 @@ def _check_shard_placements(
             continue
         if not isinstance(placement, Shard):
             raise ValueError(
-                f"Invalid shard_placement_fn result for {fqn!r}: {placement!r}; return a Shard or None (as FSDP2 requires)"
+                f"Invalid shard_placement_fn result: {placement} ({placement!r} for {fqn!r}); return a Shard, a "
+                "ShardPlacementResult or None"
             )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < max(param.dim(), 1):
-            raise ValueError(
-                f"shard_placement_fn returned {placement!r} for {fqn!r}: Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}"
+            # FSDP2's text, which names no parameter, then which one and where the dim came from.
+            raise SetupAssertionError(
+                f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape} (shard_placement_fn returned "
+                f"{placement!r} for {fqn!r})"
             )
         if dim != 0:
             other_dims.append(f"{fqn!r} ({placement!r})")

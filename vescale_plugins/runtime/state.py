@@ -68,9 +68,10 @@ class RootState:
         """Make ``root`` (the first unit to run forward) the root of every unit below its
         modules that has none yet; label their buffers with their module names."""
         found = groups_under(root.modules)
+        names = {id(p): name for module in root.modules for name, p in module.named_parameters()}
         for group in found:
             if group.root_state is None or group.root_state.root is root:
-                group.check_materialized()
+                group.check_materialized(names)
         groups = [g for g in found if g.root_state is None or g.root_state.root is root]
         state = RootState(root, groups)
         for group in groups:

@@ -20,6 +20,7 @@ the tensor-parallel forward runs unchanged, and its gradient arrives as a DTenso
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,8 @@ __all__ = ["ParallelSpec", "SpmdMesh", "parallel_spec_for", "resolve_dp_mesh_dim
 class SpmdMesh:
     """``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``: the full mesh, its data-parallel
     dims, and the data-parallel mesh FSDP2 derives from them: the shard dim(s) flattened into
-    one, after the replicate dim(s) flattened into one for HSDP."""
+    one, after the replicate dim(s) flattened into one for HSDP. Replicate dims alone (DDP)
+    are HSDP over shard groups of one rank each."""
 
     mesh: DeviceMesh
     dp_mesh: DeviceMesh
@@ -53,7 +55,8 @@ class ParallelSpec:
 
     ``unsharded_*`` is the DTensor the module saw before ``fully_shard`` (what the forward
     sees again once gathered); ``sharded_mesh`` is where the sharded parameter lives, and
-    ``sharded_template`` its placements with ``None`` on the dim the RaggedShard goes on.
+    ``sharded_template`` its placements with ``None`` on the dim the RaggedShard goes on
+    (none for DDP on an SPMD mesh: the parameter stays replicated, as the module gave it).
     """
 
     unsharded_mesh: DeviceMesh
@@ -68,8 +71,11 @@ class ParallelSpec:
 
     def sharded_placements(self, ragged: RaggedShard) -> tuple[Placement, ...]:
         """The sharded parameter's placements with ``ragged`` on the data-parallel dim; a
-        StridedRaggedShard when later mesh dims shard the rows it cuts."""
+        StridedRaggedShard when later mesh dims shard the rows it cuts; the template itself
+        where it has no data-parallel dim to shard (DDP: the ragged is this rank's whole tensor)."""
         placements = list(self.sharded_template)
+        if None not in placements:
+            return tuple(p for p in placements if p is not None)
         dp_dim = placements.index(None)
         split_factor = math.prod(
             self.sharded_mesh.size(j)
@@ -108,8 +114,7 @@ class ParallelSpec:
 
 
 def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forward: Any) -> SpmdMesh:
-    """FSDP2's validation of ``dp_mesh_dims``, with its errors, and its data-parallel mesh.
-    Replicate dims without a shard dim (DDP on an SPMD mesh) are refused: nothing to shard."""
+    """FSDP2's validation of ``dp_mesh_dims``, with its errors, and its data-parallel mesh."""
     if mesh.mesh_dim_names is None:
         raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
     shard_names, replicate_names = _names(dp_mesh_dims.shard), _names(dp_mesh_dims.replicate)
@@ -118,14 +123,12 @@ def resolve_dp_mesh_dims(mesh: DeviceMesh, dp_mesh_dims: Any, reshard_after_forw
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)")
-    if not shard_names:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dp_mesh_dims!r} names no shard dim (DDP on an SPMD mesh): veScale-FSDP shards "
-            "parameters; name the dim(s) to shard over in shard=, or use torch.distributed.fsdp.fully_shard"
-        )
-    dp_mesh = _flattened(mesh, shard_names)
-    if replicate_names:
-        dp_mesh = concatenate_meshes([_flattened(mesh, replicate_names), dp_mesh])
+    if not shard_names:  # DDP: parameters replicated, gradients all-reduced over the replicas
+        dp_mesh = _with_single_rank_shard_dim(_flattened(mesh, replicate_names))
+    elif replicate_names:
+        dp_mesh = concatenate_meshes([_flattened(mesh, replicate_names), _flattened(mesh, shard_names)])
+    else:
+        dp_mesh = _flattened(mesh, shard_names)
     names = mesh.mesh_dim_names
     return SpmdMesh(
         mesh, dp_mesh, tuple(names.index(n) for n in shard_names), tuple(names.index(n) for n in replicate_names)
@@ -151,6 +154,15 @@ def spmd_mesh_of(mesh_info: Any) -> SpmdMesh | None:
 def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """The submesh of ``names``, several flattened into one dim as FSDP2 does (same name)."""
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+
+@functools.cache
+def _with_single_rank_shard_dim(replicate_mesh: DeviceMesh) -> DeviceMesh:
+    """``replicate_mesh`` (1-D) as HSDP's 2-D mesh with a shard dim of one rank: a DDP unit's
+    DBuffers hold whole tensors and its gradients are all-reduced over the replicas. Cached,
+    as FSDP2's flattened meshes are: its process groups are made once per mesh, not per unit."""
+    name = replicate_mesh.mesh_dim_names[0] if replicate_mesh.mesh_dim_names else "replicate"
+    return replicate_mesh._unflatten(0, (replicate_mesh.size(), 1), (name, f"{name}_single_rank_shard"))
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -218,7 +230,10 @@ def _spmd_spec(fqn: str, param: torch.Tensor, spmd: SpmdMesh) -> ParallelSpec:
 def _spmd_sharded_layout(param: DTensor, spmd: SpmdMesh) -> tuple[DeviceMesh, tuple[Placement | None, ...]]:
     """Where the sharded parameter lives, as FSDP2: on the full mesh for one shard dim; for
     several, on the full mesh with the data-parallel mesh (flattened shard dims, after the
-    replicate dim for HSDP) in the first shard dim's place and the replicate dims dropped."""
+    replicate dim for HSDP) in the first shard dim's place and the replicate dims dropped;
+    for DDP, where the module put it (FSDP2's DDP parameters keep their placements)."""
+    if not spmd.shard_dims:
+        return spmd.mesh, tuple(param.placements)
     first = spmd.shard_dims[0]
     if len(spmd.shard_dims) == 1:
         return spmd.mesh, tuple(None if j == first else p for j, p in enumerate(param.placements))
