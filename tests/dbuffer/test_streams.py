@@ -41,7 +41,7 @@ class FakeStreamAPI:
         self.log, self.events = [], 0
         self.compute = self._Stream(self, "compute")
         self.active = self.compute
-        self._names = iter(["all_gather", "reduce_scatter"])
+        self._names = iter(["all_gather", "reduce_scatter", "all_reduce"])
 
     def Stream(self, device=None, priority=0):
         return self._Stream(self, next(self._names))
@@ -230,3 +230,58 @@ def test_reduce_scatter_max_input_buffers_bounds_the_units_in_flight_as_fsdp2(di
     # The oldest is waited for only when a third would be issued.
     (_, first), (_, second) = [s for s in schedule if s != "gather" and s[0] == "issue"][:2]
     assert schedule.index(("issue", second)) < schedule.index(("wait", first)), schedule
+
+
+def _after_reduce_scatter_log(hsdp, hook_stream_name):
+    """One backward's stream log, and the stream current at each all-reduce hook call."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,))
+    hooked_on = []
+    with stand_in_streams() as api:
+        _, model = reference_and_ours(mesh=mesh)
+        if hook_stream_name is not None:
+            stream = None if hook_stream_name == "all_reduce" else api._Stream(api, hook_stream_name)
+            for module in [*model.layers, model]:
+                module.set_all_reduce_hook(lambda out: hooked_on.append(api.active.name), stream=stream)
+        sharded_step(model, 0)
+    return api.log, hooked_on, len(model.layers) + 1
+
+
+def _after_reduce_scatter_schedule(log, stream):
+    """Per reduce-scatter event: the event ``stream`` records after waiting on it, and the log
+    positions of the compute stream's waits on each."""
+    followed = {}
+    for i, entry in enumerate(log):
+        if entry[:2] == ("wait_event", stream) and i + 1 < len(log) and log[i + 1][:2] == ("record", stream):
+            followed[entry[2]] = log[i + 1][2]
+    compute_waits = {entry[2]: i for i, entry in enumerate(log) if entry[:2] == ("wait_event", "compute")}
+    return followed, compute_waits
+
+
+def test_hsdp_all_reduce_on_its_stream_waited_at_the_end_of_backward_as_fsdp2(dist_run):
+    """FSDP2's foreach_reduce: the all-reduce stream waits for the reduce-scatter (not for
+    compute) and all-reduces at once; the compute stream waits for it only at the end of
+    backward (finalize_backward), while each reduce-scatter is still waited for at the next
+    unit's post-backward."""
+    log, _, _ = dist_run(_after_reduce_scatter_log, 4, True, None)[0]
+    reduce_events = [entry[2] for entry in log if entry[:2] == ("record", "reduce_scatter")]
+    followed, compute_waits = _after_reduce_scatter_schedule(log, "all_reduce")
+    assert reduce_events and sorted(followed) == reduce_events, log
+    last_issue = max(i for i, entry in enumerate(log) if entry[:2] == ("record", "reduce_scatter"))
+    # each reduce-scatter waited for before the last is issued; each all-reduce only after it
+    assert all(compute_waits[event] < last_issue for event in reduce_events[:-1]), log
+    assert all(compute_waits[done] > last_issue for done in followed.values()), log
+    assert not any(entry[:2] == ("wait_stream", "all_reduce") for entry in log), log
+
+
+def test_all_reduce_hook_runs_on_the_all_reduce_stream_as_fsdp2(dist_run):
+    """The hook runs once per unit on the all-reduce stream after the reduce-scatter (and
+    after HSDP's all-reduce, on the same stream), or on the stream given without HSDP; the
+    compute stream waits for it at the end of backward."""
+    for hsdp, stream in ((False, "all_reduce"), (True, "all_reduce"), (False, "user")):
+        log, hooked_on, units = dist_run(_after_reduce_scatter_log, 4 if hsdp else 2, hsdp, stream)[0]
+        assert hooked_on == [stream] * units, (hsdp, stream, hooked_on)
+        followed, compute_waits = _after_reduce_scatter_schedule(log, stream)
+        assert len(followed) == units and all(done in compute_waits for done in followed.values()), log

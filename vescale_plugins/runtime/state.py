@@ -58,6 +58,9 @@ class RootState:
         # the units inside it): backward runs in its reverse, so it orders the prefetch.
         self.post_forward_order: list[FSDPParamGroup] = []
         self.reduces_in_flight: list[list[ReduceScatterHandle]] = []  # per unit, oldest first
+        # Reduce-scatters done whose all-reduce (HSDP) or hook is still in flight: waited for
+        # at the end of backward, where FSDP2 waits for its post-reduce events.
+        self.reduces_landing: list[ReduceScatterHandle] = []
         # Parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
@@ -137,10 +140,19 @@ class RootState:
 
     def wait_for_reduces(self, keep: int = 0) -> None:
         """Complete the oldest units' reduce-scatters until ``keep`` units' remain in flight,
-        freeing their gradient buffers."""
+        freeing their gradient buffers (what follows a reduce-scatter stays in flight)."""
         while len(self.reduces_in_flight) > keep:
             for handle in self.reduces_in_flight.pop(0):
-                handle.wait()
+                handle.wait_reduce_scatter()
+                if not handle.done:
+                    self.reduces_landing.append(handle)
+
+    def wait_for_gradients(self) -> None:
+        """Complete every reduction in flight: the sharded gradients are final."""
+        self.wait_for_reduces()
+        landing, self.reduces_landing = self.reduces_landing, []
+        for handle in landing:
+            handle.wait()
 
     @eager_hook
     def final_callback(self) -> None:
@@ -157,7 +169,7 @@ class RootState:
             # been prefetched for one; it reshards below, as FSDP2's final callback does.
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
-        self.wait_for_reduces()
+        self.wait_for_gradients()
         for group in self.groups:  # CPU offload: the gradients' copies to host, as FSDP2
             for dbuffer in group.dbuffers:
                 dbuffer.wait_for_offloaded_grads()
@@ -197,10 +209,9 @@ class RootState:
         """After an exception aborted a forward or backward: finish every collective in
         flight, reshard every unit and forget the iteration (its unreduced gradients and
         no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
-        for handles in self.reduces_in_flight:
-            for handle in handles:
-                handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
-        self.wait_for_reduces()
+        for handle in [h for handles in self.reduces_in_flight for h in handles] + self.reduces_landing:
+            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        self.wait_for_gradients()
         self.reduced_without_local_grad = []
         self.callback_queued = False
         self.forward_order = []
