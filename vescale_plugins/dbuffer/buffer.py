@@ -233,11 +233,11 @@ class DBuffer:
             else:
                 piece.copy_(flat[offset : offset + piece.numel()].view(piece.shape))
 
-    def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> list[bool]:
-        """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient
-        for each parameter in ``indices`` (one host read of their flags)."""
+    def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient for
+        each parameter in ``indices``, as booleans where the flags are (no host read)."""
         flags = sharded_grad[self.shard_size :]
-        return (flags[list(indices)] > 0).tolist()
+        return flags[list(indices)] > 0
 
     # -- parameters -------------------------------------------------------------------
 

@@ -189,16 +189,20 @@ class RootState:
         other ranks' contributions and a presence flag per parameter (see DBuffer): a
         parameter some rank had a gradient for gets the reduced gradient on every rank (so
         every shard steps), one no rank's data reached keeps ``grad=None`` on every rank (so
-        optimizers skip it everywhere), as under DDP. Ranks that had every gradient read
-        nothing back; the others read one small flag vector per buffer.
+        optimizers skip it everywhere), as under DDP. Whether a gradient is None is decided
+        on the host (optimizers skip on it), so ranks that lacked some gradient read the
+        flags back: in one read per backward for every unit (:func:`_read_flags`), after
+        the compute stream has waited for every reduction anyway. Ranks that had every
+        gradient read nothing (FSDP2 reads nothing either, and has no such flags).
         """
         pending, self.reduced_without_local_grad = self.reduced_without_local_grad, []
         by_buffer: dict[int, tuple[list[FSDPParam], torch.Tensor]] = {}
         for fsdp_param, sharded_grad in pending:
             members, _ = by_buffer.setdefault(id(fsdp_param.buffer), ([], sharded_grad))
             members.append(fsdp_param)
-        for members, sharded_grad in by_buffer.values():
-            received = members[0].dbuffer.received_gradient(sharded_grad, [p.slot for p in members])
+        groups = list(by_buffer.values())
+        flags = [members[0].dbuffer.received_gradient(grad, [p.slot for p in members]) for members, grad in groups]
+        for (members, _), received in zip(groups, _read_flags(flags)):
             attached = [p for p, got in zip(members, received) if got and p.sharded.grad is None]
             for fsdp_param in attached:
                 fsdp_param.attach_sharded_grad()
@@ -218,3 +222,19 @@ class RootState:
         self.post_forward_order = []
         for group in self.groups:
             group.reset_iteration_state()
+
+
+def _read_flags(flags: list[torch.Tensor]) -> list[list[bool]]:
+    """Each boolean vector as a list, in one host read per device holding any of them (one
+    on a GPU run; host-offloaded gradients' flags are read where they are)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, vector in enumerate(flags):
+        by_device.setdefault(vector.device, []).append(position)
+    read: list[list[bool]] = [[] for _ in flags]
+    for positions in by_device.values():
+        values = torch.cat([flags[p] for p in positions]).tolist()
+        start = 0
+        for p in positions:
+            read[p] = values[start : start + flags[p].numel()]
+            start += flags[p].numel()
+    return read
