@@ -6,69 +6,15 @@ the host). The same DBuffer and FSDPUnit code runs as on CUDA; what cannot be ch
 the GPU's own scheduling.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
 from tests.support.parity import TOL, assert_matches, reference_and_ours, sharded_step, train_like_reference
+from tests.support.streams import FakeStreamAPI, stand_in_streams
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.planning import plan_buffers
 from vescale_plugins.dbuffer.streams import CommStreams
-
-
-class FakeStreamAPI:
-    """``torch.cuda``'s stream calls as a log: streams are names, events are numbers."""
-
-    class _Stream:
-        def __init__(self, api, name):
-            self.api, self.name = api, name
-
-        def wait_stream(self, other):
-            self.api.log.append(("wait_stream", self.name, other.name))
-
-        def record_event(self):
-            self.api.events += 1
-            self.api.log.append(("record", self.name, self.api.events))
-            return self.api.events
-
-        def wait_event(self, event):
-            self.api.log.append(("wait_event", self.name, event))
-
-    def __init__(self):
-        self.log, self.events = [], 0
-        self.compute = self._Stream(self, "compute")
-        self.active = self.compute
-        self._names = iter(["all_gather", "reduce_scatter", "all_reduce"])
-
-    def Stream(self, device=None, priority=0):
-        return self._Stream(self, next(self._names))
-
-    def current_stream(self, device=None):
-        return self.active
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        previous, self.active = self.active, stream
-        try:
-            yield
-        finally:
-            self.active = previous
-
-
-@contextlib.contextmanager
-def stand_in_streams():
-    """Every DBuffer's side streams are stand-ins logging to the yielded ``FakeStreamAPI``."""
-    api = FakeStreamAPI()
-    streams = CommStreams(torch.device("cpu"), api)
-    original = dbuffer_module.comm_streams_for
-    dbuffer_module.comm_streams_for = lambda device: streams
-    try:
-        yield api
-    finally:
-        dbuffer_module.comm_streams_for = original
 
 
 def _logging_allocations(api):

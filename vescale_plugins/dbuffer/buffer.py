@@ -272,6 +272,8 @@ class DBuffer:
             )
             # On a side stream the call returns once enqueued; the handle waits on an event.
             work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+            if watcher is not None:
+                watcher.collective_enqueued(token)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather))
             if self._post_forward_group is not None:
                 self._post_forward_group = None
@@ -410,6 +412,8 @@ class DBuffer:
                 full.div_(pre_factor)
                 divide_factor /= pre_factor
             work = reduce_scatter_into(out, full, self.group, async_op=async_op and not streams.enabled)
+            if watcher is not None:
+                watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(
             self,

@@ -31,16 +31,17 @@ def wait_collective(work: Any) -> None:
     work.wait()
 
 
-def _wait_started(token: Any, work: Any) -> float:
-    """When the caller started waiting: now, or (a synchronous collective, no work to wait
-    on) when it was issued, since the caller waited throughout."""
+def _wait_started(token: Any, work: Any, streams: CommStreams) -> Any:
+    """A mark of when the caller started waiting: now (on CUDA, where the compute stream is),
+    or None for a synchronous host collective (no work to wait on): the caller waited from
+    its issue on."""
     watcher = observer.current()
     if token is None or watcher is None:
-        return 0.0
-    return watcher.now() if work is not None else token.start_s
+        return None
+    return watcher.now() if work is not None or streams.enabled else None
 
 
-def _report_done(token: Any, wait_started: float) -> None:
+def _report_done(token: Any, wait_started: Any) -> None:
     watcher = observer.current()
     if token is not None and watcher is not None:
         watcher.collective_done(token, wait_started)
@@ -57,7 +58,7 @@ class GatherHandle:
         self.after_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
-        wait_started = _wait_started(self._token, self._work)
+        wait_started = _wait_started(self._token, self._work, self._streams)
         if self._work is not None:
             wait_collective(self._work)
             self._work = None
@@ -140,7 +141,7 @@ class ReduceScatterHandle:
     def _complete_reduce_scatter(self) -> None:
         if not self.reduce_scatter_done:
             assert self._out is not None
-            wait_started = _wait_started(self._token, self._work)
+            wait_started = _wait_started(self._token, self._work, self._dbuffer.streams)
             with torch.profiler.record_function(REDUCE_SCATTER_REGION):
                 if self._work is not None:
                     wait_collective(self._work)
