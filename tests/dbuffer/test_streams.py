@@ -6,69 +6,15 @@ the host). The same DBuffer and FSDPUnit code runs as on CUDA; what cannot be ch
 the GPU's own scheduling.
 """
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-import vescale_plugins.dbuffer.buffer as dbuffer_module
 import vescale_plugins.dbuffer.storage as storage_module
 from tests.support.parity import TOL, assert_matches, reference_and_ours, sharded_step, train_like_reference
+from tests.support.streams import FakeStreamAPI, stand_in_streams
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.planning import plan_buffers
 from vescale_plugins.dbuffer.streams import CommStreams
-
-
-class FakeStreamAPI:
-    """``torch.cuda``'s stream calls as a log: streams are names, events are numbers."""
-
-    class _Stream:
-        def __init__(self, api, name):
-            self.api, self.name = api, name
-
-        def wait_stream(self, other):
-            self.api.log.append(("wait_stream", self.name, other.name))
-
-        def record_event(self):
-            self.api.events += 1
-            self.api.log.append(("record", self.name, self.api.events))
-            return self.api.events
-
-        def wait_event(self, event):
-            self.api.log.append(("wait_event", self.name, event))
-
-    def __init__(self):
-        self.log, self.events = [], 0
-        self.compute = self._Stream(self, "compute")
-        self.active = self.compute
-        self._names = iter(["all_gather", "reduce_scatter"])
-
-    def Stream(self, device=None, priority=0):
-        return self._Stream(self, next(self._names))
-
-    def current_stream(self, device=None):
-        return self.active
-
-    @contextlib.contextmanager
-    def stream(self, stream):
-        previous, self.active = self.active, stream
-        try:
-            yield
-        finally:
-            self.active = previous
-
-
-@contextlib.contextmanager
-def stand_in_streams():
-    """Every DBuffer's side streams are stand-ins logging to the yielded ``FakeStreamAPI``."""
-    api = FakeStreamAPI()
-    streams = CommStreams(torch.device("cpu"), api)
-    original = dbuffer_module.comm_streams_for
-    dbuffer_module.comm_streams_for = lambda device: streams
-    try:
-        yield api
-    finally:
-        dbuffer_module.comm_streams_for = original
 
 
 def _logging_allocations(api):
@@ -230,3 +176,62 @@ def test_reduce_scatter_max_input_buffers_bounds_the_units_in_flight_as_fsdp2(di
     # The oldest is waited for only when a third would be issued.
     (_, first), (_, second) = [s for s in schedule if s != "gather" and s[0] == "issue"][:2]
     assert schedule.index(("issue", second)) < schedule.index(("wait", first)), schedule
+
+
+def _after_reduce_scatter_log(hsdp, hook_stream_name):
+    """One backward's stream log, and the stream current at each all-reduce hook call."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
+    hooked_on = []
+    with stand_in_streams() as api:
+        _, model = reference_and_ours(mesh=mesh)
+        if hook_stream_name is not None:
+            stream = None if hook_stream_name == "all_reduce" else api._Stream(api, hook_stream_name)
+            for module in [*model.layers, model]:
+                module.set_all_reduce_hook(lambda out: hooked_on.append(api.active.name), stream=stream)
+        sharded_step(model, 0)
+    return api.log, hooked_on, len(model.layers) + 1
+
+
+def _after_reduce_scatter_schedule(log, stream):
+    """Per reduce-scatter event: the event ``stream`` records after waiting on it, and the log
+    positions of the compute stream's waits on each."""
+    followed = {}
+    for i, entry in enumerate(log):
+        if entry[:2] == ("wait_event", stream) and i + 1 < len(log) and log[i + 1][:2] == ("record", stream):
+            followed[entry[2]] = log[i + 1][2]
+    compute_waits = {entry[2]: i for i, entry in enumerate(log) if entry[:2] == ("wait_event", "compute")}
+    return followed, compute_waits
+
+
+def test_hsdp_all_reduce_on_its_stream_waited_at_the_end_of_backward_as_fsdp2(dist_run):
+    """FSDP2's foreach_reduce: the all-reduce stream waits for the reduce-scatter (not for
+    compute) and all-reduces at once; the compute stream waits for it only at the end of
+    backward (finalize_backward), while each reduce-scatter is still waited for at the next
+    unit's post-backward."""
+    log, _, _ = dist_run(_after_reduce_scatter_log, 4, True, None)[0]
+    reduce_events = [entry[2] for entry in log if entry[:2] == ("record", "reduce_scatter")]
+    followed, compute_waits = _after_reduce_scatter_schedule(log, "all_reduce")
+    assert reduce_events and sorted(followed) == reduce_events, log
+    last_issue = max(i for i, entry in enumerate(log) if entry[:2] == ("record", "reduce_scatter"))
+    # each reduce-scatter waited for before the last is issued; each all-reduce only after it
+    assert all(compute_waits[event] < last_issue for event in reduce_events[:-1]), log
+    assert all(compute_waits[done] > last_issue for done in followed.values()), log
+    assert not any(entry[:2] == ("wait_stream", "all_reduce") for entry in log), log
+
+
+def test_all_reduce_hook_runs_on_the_all_reduce_stream_as_fsdp2(dist_run):
+    """The hook runs once per unit on the all-reduce stream after the reduce-scatter (and
+    after HSDP's all-reduce, on the same stream), or on the stream given without HSDP; the
+    compute stream waits for it at the end of backward."""
+    for hsdp, stream in ((False, "all_reduce"), (True, "all_reduce"), (False, "user")):
+        log, hooked_on, units = dist_run(_after_reduce_scatter_log, 4 if hsdp else 2, hsdp, stream)[0]
+        assert hooked_on == [stream] * units, (hsdp, stream, hooked_on)
+        followed, compute_waits = _after_reduce_scatter_schedule(log, stream)
+        assert len(followed) == units and all(done in compute_waits for done in followed.values()), log

@@ -80,7 +80,7 @@ _CALLS = {
     "set_post_optim_event": ((torch.Event("cpu"),), "works"),
     "set_custom_all_gather": ((object(),), "refuses"),
     "set_custom_reduce_scatter": ((object(),), "refuses"),
-    "set_all_reduce_hook": ((lambda t: None,), "refuses"),
+    "set_all_reduce_hook": ((lambda t: None,), "works"),
     "set_symm_mem_for_comm": ((), "refuses"),
     "reset_iter_state": ((), "works"),
 }

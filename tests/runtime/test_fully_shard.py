@@ -27,6 +27,7 @@ from tests.support.parity import (
     train_like_reference,
     train_together,
 )
+from tests.support.routed import RoutedExperts, assert_ddp_gradients, ddp_backward
 from vescale_plugins import fully_shard
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -375,22 +376,11 @@ def test_synchronous_reduce_scatter_gives_the_same_gradients(dist_run):
     dist_run(_synchronous_reduce_scatter_gives_the_same_gradients, 3)
 
 
-class _Routed(torch.nn.Module):
-    """A mixture-of-experts-like layer: the data picks one expert per batch (its first token)."""
-
-    def __init__(self, dim, experts):
-        super().__init__()
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
-
-    def forward(self, h, route):
-        return h + self.experts[route](h)
-
-
 class _RoutedModel(torch.nn.Module):
     def __init__(self, vocab=101, dim=12, experts=3):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
-        self.moe = _Routed(dim, experts)
+        self.moe = RoutedExperts(dim, experts)
         self.out = torch.nn.Linear(dim, vocab)
 
     def forward(self, tokens):
@@ -420,19 +410,11 @@ def _gradients_from_other_ranks_only():
 
     def backward(step):
         tokens, targets = _routed_batch(step, world, per_rank)
-        for r in range(world):  # DDP's gradient on one process
-            rows = slice(r * per_rank, (r + 1) * per_rank)
-            (loss_fn(reference(tokens[rows]), targets[rows]) / world).backward()
+        ddp_backward(reference, tokens, targets, per_rank)
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         _, counts = comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
         assert "all_reduce" not in counts and counts.get("reduce_scatter") == 2, counts
-        for name, ref_param in reference.named_parameters():
-            param = model.get_parameter(name)
-            if ref_param.grad is None:
-                assert param.grad is None, name
-            else:
-                assert param.grad is not None, (name, "no gradient on rank", rank)
-                torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6)
+        assert_ddp_gradients(model, reference)
 
     train_together(model, reference, 3, backward)
 

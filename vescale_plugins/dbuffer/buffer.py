@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
-from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
+from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.observer import (
     ALL_GATHER_REGION,
     COMM_BUFFER_REGION,
@@ -233,11 +233,11 @@ class DBuffer:
             else:
                 piece.copy_(flat[offset : offset + piece.numel()].view(piece.shape))
 
-    def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> list[bool]:
-        """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient
-        for each parameter in ``indices`` (one host read of their flags)."""
+    def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient for
+        each parameter in ``indices``, as booleans where the flags are (no host read)."""
         flags = sharded_grad[self.shard_size :]
-        return (flags[list(indices)] > 0).tolist()
+        return flags[list(indices)] > 0
 
     # -- parameters -------------------------------------------------------------------
 
@@ -272,6 +272,8 @@ class DBuffer:
             )
             # On a side stream the call returns once enqueued; the handle waits on an event.
             work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+            if watcher is not None:
+                watcher.collective_enqueued(token)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather))
             if self._post_forward_group is not None:
                 self._post_forward_group = None
@@ -364,7 +366,7 @@ class DBuffer:
         divide_factor: float,
         accumulate: bool,
         async_op: bool = False,
-        replicate_group: dist.ProcessGroup | None = None,
+        after: AfterReduceScatter | None = None,
         partial: bool = False,
     ) -> ReduceScatterHandle:
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
@@ -375,9 +377,10 @@ class DBuffer:
         lands straight in the sharded gradient buffer. With ``async_op`` the caller must
         ``wait()`` on the handle before reading the gradients.
 
-        HSDP: with ``replicate_group`` the reduced shard is then all-reduced in place across
-        the replicas (adding what ``partial`` reduce-scatters kept back) before the division;
-        with ``partial`` the shard group's sum is only added to the partial buffer.
+        ``after``: what follows the reduce-scatter on the all-reduce stream before the
+        division (HSDP's all-reduce across replicas, adding what ``partial`` reduce-scatters
+        kept back; the all-reduce hook). With ``partial`` the shard group's sum is only added
+        to the partial buffer.
         """
         streams = self.streams
         with torch.profiler.record_function(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
@@ -409,6 +412,8 @@ class DBuffer:
                 full.div_(pre_factor)
                 divide_factor /= pre_factor
             work = reduce_scatter_into(out, full, self.group, async_op=async_op and not streams.enabled)
+            if watcher is not None:
+                watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(
             self,
@@ -421,7 +426,7 @@ class DBuffer:
             token,
             temp_bytes,
             done_event,
-            replicate_group,
+            after,
             partial,
         )
         if not async_op:
@@ -454,11 +459,11 @@ class DBuffer:
         else:
             self._partial_grad.add_(reduced)
 
-    def add_partial(self, reduced: torch.Tensor) -> None:
-        """(HSDP, all-reducing backward) Add the sums kept back since the last all-reduce."""
-        if self._partial_grad is not None:
-            reduced.add_(self._partial_grad)
-            self._partial_grad = None
+    def take_partial(self) -> torch.Tensor | None:
+        """(HSDP, all-reducing backward) The sums kept back since the last all-reduce, if any
+        (the caller adds them to the reduce output and keeps them until that is done)."""
+        partial, self._partial_grad = self._partial_grad, None
+        return partial
 
     def release_unsharded_grad(self) -> None:
         self._unsharded_grad.release()

@@ -8,6 +8,7 @@ run record) learns how long the caller waited.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ from vescale_plugins.dbuffer.streams import CommStreams
 if TYPE_CHECKING:
     from vescale_plugins.dbuffer.buffer import DBuffer
 
-__all__ = ["GatherHandle", "ReduceScatterHandle", "wait_collective"]
+__all__ = ["AfterReduceScatter", "GatherHandle", "ReduceScatterHandle", "wait_collective"]
 
 
 def wait_collective(work: Any) -> None:
@@ -30,16 +31,17 @@ def wait_collective(work: Any) -> None:
     work.wait()
 
 
-def _wait_started(token: Any, work: Any) -> float:
-    """When the caller started waiting: now, or (a synchronous collective, no work to wait
-    on) when it was issued, since the caller waited throughout."""
+def _wait_started(token: Any, work: Any, streams: CommStreams) -> Any:
+    """A mark of when the caller started waiting: now (on CUDA, where the compute stream is),
+    or None for a synchronous host collective (no work to wait on): the caller waited from
+    its issue on."""
     watcher = observer.current()
     if token is None or watcher is None:
-        return 0.0
-    return watcher.now() if work is not None else token.start_s
+        return None
+    return watcher.now() if work is not None or streams.enabled else None
 
 
-def _report_done(token: Any, wait_started: float) -> None:
+def _report_done(token: Any, wait_started: Any) -> None:
     watcher = observer.current()
     if token is not None and watcher is not None:
         watcher.collective_done(token, wait_started)
@@ -56,7 +58,7 @@ class GatherHandle:
         self.after_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
-        wait_started = _wait_started(self._token, self._work)
+        wait_started = _wait_started(self._token, self._work, self._streams)
         if self._work is not None:
             wait_collective(self._work)
             self._work = None
@@ -71,12 +73,32 @@ class GatherHandle:
             after_wait()
 
 
-class ReduceScatterHandle:
-    """An issued reduce-scatter: ``wait()`` completes it, all-reduces across replicas (HSDP),
-    divides once, lands the result in the sharded gradients and frees the full gradients.
+@dataclass(frozen=True)
+class AfterReduceScatter:
+    """What follows a reduce-scatter before its result lands, as in FSDP2's ``foreach_reduce``:
+    HSDP's all-reduce across ``replicate_group``, then the user's ``hook``
+    (``set_all_reduce_hook``) on the reduce output, both on ``stream`` (None: the all-reduce
+    stream). ``divide_before_hook``: the hook sees the mean (FSDP2 divides inside the
+    collectives for fp32 and bf16), else the sum (fp16's pre-divided sum, or
+    ``set_force_sum_reduction_for_comms``), divided after it."""
 
-    ``replicate_group``: HSDP's replicas, all-reduced after the reduce-scatter. ``partial``:
-    HSDP without the all-reduce this backward; the shard group's sum is kept back.
+    replicate_group: dist.ProcessGroup | None = None
+    hook: Callable[[torch.Tensor], None] | None = None
+    stream: Any = None
+    divide_before_hook: bool = True
+
+
+class ReduceScatterHandle:
+    """An issued reduce-scatter, finished in two phases.
+
+    :meth:`wait_reduce_scatter` (the next unit's post-backward): the reduce-scatter is done and
+    its input, the unsharded gradient buffer, is freed; what follows it (:class:`AfterReduceScatter`)
+    is issued on its own stream unless it already was (on CUDA it is issued with the
+    reduce-scatter, ordered after it on the GPU). :meth:`wait` (the end of backward, where FSDP2
+    waits for its post-reduce events): that is done too; the result is divided once, lands in
+    the sharded gradients and the full gradients are freed. With nothing to follow, both happen
+    at once. ``partial``: HSDP without the all-reduce this backward; the shard group's sum is
+    kept back.
     """
 
     def __init__(
@@ -91,49 +113,106 @@ class ReduceScatterHandle:
         token: Any,
         temp_bytes: int,
         done_event: Any,
-        replicate_group: dist.ProcessGroup | None,
+        after: AfterReduceScatter | None,
         partial: bool,
     ) -> None:
         self._dbuffer, self._work, self._sharded_grad = dbuffer, work, sharded_grad
         self._out: torch.Tensor | None = out  # dropped once done
         self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
         self._token, self._temp_bytes, self._done_event = token, temp_bytes, done_event
-        self._replicate_group, self._partial = replicate_group, partial
+        self._after, self._partial = after, partial
+        self._after_issued = False
+        self._after_work: Any = None  # gloo: the all-reduce in flight
+        self._after_event: Any = None  # CUDA: recorded after the all-reduce and the hook
+        self._kept_partial: torch.Tensor | None = None  # read by the all-reduce stream until done
+        self.reduce_scatter_done = False
         self.done = False
         # Run once the sharded gradients are final (post-accumulate-grad hooks).
         self.after_wait: Callable[[], None] | None = None
+        if after is not None and dbuffer.streams.enabled:
+            self._issue_after_reduce_scatter()
+
+    def wait_reduce_scatter(self) -> None:
+        """Complete the reduce-scatter and free its input; finish now if nothing follows it."""
+        self._complete_reduce_scatter()
+        if self._after is None:
+            self.wait()
+
+    def _complete_reduce_scatter(self) -> None:
+        if not self.reduce_scatter_done:
+            assert self._out is not None
+            wait_started = _wait_started(self._token, self._work, self._dbuffer.streams)
+            with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+                if self._work is not None:
+                    wait_collective(self._work)
+                    self._work = None
+                # The compute stream waits before it reads the result or frees the input.
+                self._dbuffer.streams.wait(self._done_event)
+                _report_done(self._token, wait_started)
+                if self._partial:
+                    self._dbuffer.keep_partial(self._out)
+                elif self._after is not None and not self._after_issued:
+                    self._issue_after_reduce_scatter()
+            self._dbuffer.release_unsharded_grad()
+            self.reduce_scatter_done = True
 
     def wait(self) -> None:
+        """Complete everything: the sharded gradients are final."""
         if self.done:
             return
-        assert self._out is not None
-        wait_started = _wait_started(self._token, self._work)
+        self._complete_reduce_scatter()
+        out = self._out
+        assert out is not None
         with torch.profiler.record_function(REDUCE_SCATTER_REGION):
-            if self._work is not None:
-                wait_collective(self._work)
-            # The compute stream waits before it reads the result or frees the input.
-            self._dbuffer.streams.wait(self._done_event)
-            _report_done(self._token, wait_started)
-            if self._partial:
-                self._dbuffer.keep_partial(self._out)
-            else:
-                self._finish_gradients(self._out, self._sharded_grad)
+            if self._after is not None:
+                if self._after_work is not None:
+                    wait_collective(self._after_work)
+                    self._after_work = None
+                    self._run_hook(out)  # gloo: once the all-reduce's result is here
+                self._dbuffer.streams.wait(self._after_event)
+            if not self._partial:
+                self._finish_gradients(out, self._sharded_grad)
             watcher = observer.current()
             if watcher is not None:
                 watcher.buffer_freed("comm_buffers", self._temp_bytes)
         # Keep the sharded gradient buffer: it is held weakly by the DBuffer, so this handle is
         # what keeps it alive until the caller has made the gradients' views of it.
-        self._out = None
-        self._dbuffer.release_unsharded_grad()
+        self._out = self._kept_partial = None
         self.done = True
         if self.after_wait is not None:
             after_wait, self.after_wait = self.after_wait, None
             after_wait()
 
+    def _issue_after_reduce_scatter(self) -> None:
+        """HSDP's all-reduce (with the sums kept back), then the hook, on their stream once the
+        reduce-scatter is done; asynchronous on gloo, where the hook waits for :meth:`wait`."""
+        after, out, streams = self._after, self._out, self._dbuffer.streams
+        assert after is not None and out is not None
+        self._after_issued = True
+        stream = after.stream if after.stream is not None else streams.all_reduce
+        with streams.issue_on(stream, after=self._done_event):
+            if after.replicate_group is not None:
+                self._kept_partial = self._dbuffer.take_partial()
+                if self._kept_partial is not None:
+                    out.add_(self._kept_partial)
+                self._after_work = dist.all_reduce(out, group=after.replicate_group, async_op=not streams.enabled)
+            if self._after_work is None:
+                self._run_hook(out)
+            self._after_event = streams.record(stream)
+
+    def _run_hook(self, out: torch.Tensor) -> None:
+        after = self._after
+        assert after is not None
+        if after.hook is None:
+            return
+        if after.divide_before_hook and self._divide_factor != 1:
+            out.div_(self._divide_factor)
+            self._divide_factor = 1
+        # The gradient shard with its padding (what FSDP2's reduce output holds), without the
+        # presence flags that follow it.
+        after.hook(out[: self._dbuffer.shard_size])
+
     def _finish_gradients(self, out: torch.Tensor, sharded_grad: torch.Tensor) -> None:
-        if self._replicate_group is not None:
-            self._dbuffer.add_partial(out)
-            dist.all_reduce(out, group=self._replicate_group)
         if self._divide_factor != 1:
             out.div_(self._divide_factor)
         if self._accumulate:

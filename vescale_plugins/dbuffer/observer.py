@@ -38,18 +38,26 @@ COMM_BUFFER_REGION = "vescale::comm_buffer"
 
 class BufferObserver(Protocol):
     """What the buffers report. ``kind`` is ``"unsharded_params"``, ``"unsharded_grads"`` or
-    ``"comm_buffers"``; sizes are bytes; times are the observer's own clock (``now()``)."""
+    ``"comm_buffers"``; sizes are bytes; times are marks of the observer's own clock
+    (``now()``: host seconds, or an event on the current CUDA stream)."""
 
-    def now(self) -> float: ...
+    def now(self) -> Any: ...
 
     def buffer_allocated(self, kind: str, nbytes: int) -> None: ...
 
     def buffer_freed(self, kind: str, nbytes: int) -> None: ...
 
     def collective_issued(self, kind: str, unit: str, nbytes: int, dtype: torch.dtype) -> Any:
-        """Returns a token for :meth:`collective_done`; its ``start_s`` is the issue time."""
+        """Called on the stream the collective runs on, before it is launched; returns a token
+        for :meth:`collective_enqueued` and :meth:`collective_done`."""
 
-    def collective_done(self, token: Any, wait_started_s: float) -> None: ...
+    def collective_enqueued(self, token: Any) -> None:
+        """Called on the same stream right after the launch."""
+
+    def collective_done(self, token: Any, wait_started: Any) -> None:
+        """Called once the caller waited for it; ``wait_started`` is the ``now()`` mark taken
+        before the wait, or None when the caller waited from the issue on (a synchronous
+        collective on the host)."""
 
 
 _CURRENT: BufferObserver | None = None

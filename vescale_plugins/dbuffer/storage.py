@@ -14,23 +14,25 @@ class ResizableStorage:
     """A flat tensor whose storage is released and re-grown in place, so views survive (FSDP2
     does the same for its unsharded parameters). ``kind`` is what the observer is told.
 
-    The tensor is made at its first allocation (or first use): making a tensor allocates its
-    storage, so a buffer made at construction or by ``to_empty`` allocates nothing until it
-    is first gathered into. A meta buffer is made at once (it has no memory to allocate).
+    The tensor is made by the first :meth:`allocate`, on the stream current then (the
+    all-gather stream for unsharded parameters), as FSDP2 makes its all-gather outputs at the
+    first all-gather: made at construction and freed at once, each unit would pass through
+    memory whole and, on CUDA, stay reserved in the compute stream's pool. On the meta device
+    it is made at once (it costs nothing there).
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, kind: str) -> None:
-        self.numel, self.dtype, self.device = numel, dtype, torch.device(device)
+        self._numel, self._dtype, self._device = numel, dtype, device
         self.nbytes = numel * dtype.itemsize
         self.kind = kind
-        self._tensor = torch.empty(numel, dtype=dtype, device=self.device) if self.device.type == "meta" else None
+        self._tensor: torch.Tensor | None = None
+        if device.type == "meta":
+            self._tensor = torch.empty(numel, dtype=dtype, device=device)
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The flat tensor, with an empty storage unless allocated."""
-        if self._tensor is None:
-            self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            self._release_storage()
+        """The flat tensor (views cut from it stay valid); made by the first ``allocate``."""
+        assert self._tensor is not None, "allocate() makes the tensor"
         return self._tensor
 
     @property
@@ -43,7 +45,7 @@ class ResizableStorage:
             if watcher is not None:
                 watcher.buffer_allocated(self.kind, self.nbytes)
             if self._tensor is None:
-                self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                self._tensor = torch.empty(self._numel, dtype=self._dtype, device=self._device)
             else:
                 self._tensor.untyped_storage().resize_(self.nbytes)
         return self.tensor
@@ -53,11 +55,8 @@ class ResizableStorage:
             watcher = observer.current()
             if watcher is not None:
                 watcher.buffer_freed(self.kind, self.nbytes)
-            self._release_storage()
-
-    def _release_storage(self) -> None:
-        if self.device.type != "meta":
-            self.tensor.untyped_storage().resize_(0)
+            if self._device.type != "meta":
+                self.tensor.untyped_storage().resize_(0)
 
 
 def set_version_counter(tensor: torch.Tensor, version: int) -> None:

@@ -1,4 +1,5 @@
-"""The side streams collectives run on, on CUDA: one for all-gathers, one for reduce-scatters.
+"""The side streams collectives run on, on CUDA: one for all-gathers, one for reduce-scatters,
+one for what follows a reduce-scatter (HSDP's all-reduce, the all-reduce hook).
 
 A collective is issued on its stream after that stream has waited for the compute stream (so
 it sees every write enqueued before it: the optimizer's update of the shards, autograd's
@@ -12,7 +13,9 @@ it, and is only handed out again to work ordered after every earlier use:
 * the unsharded gradient buffer is allocated on the compute stream and freed only after the
   compute stream has waited for its reduce-scatter;
 * sharded gradients and mixed-precision casts made on a side stream are only reused by later
-  work on that same stream, which waits for the compute stream first.
+  work on that same stream, which waits for the compute stream first;
+* what the all-reduce stream reads (the reduce output, HSDP's kept-back sums) stays referenced
+  until the compute stream has waited for it, at the end of backward.
 
 Elsewhere (CPU, gloo) there is one stream; collectives run asynchronously on the backend's
 threads and their ``Work`` objects are waited on instead, and this class does nothing.
@@ -33,7 +36,7 @@ _HIGH_PRIORITY = -1
 
 
 class CommStreams:
-    """An all-gather stream and a reduce-scatter stream of one device, or nothing off CUDA.
+    """The all-gather, reduce-scatter and all-reduce streams of one device, or nothing off CUDA.
 
     Args:
         device: the device the buffers live on.
@@ -46,6 +49,10 @@ class CommStreams:
         self.enabled = module is not None
         self.all_gather: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
         self.reduce_scatter: Any = module.Stream(device=device, priority=_HIGH_PRIORITY) if self.enabled else None
+        # HSDP's all-reduce and the all-reduce hook: overlapping the other collectives (they
+        # use other links in the usual intra-node shard / inter-node replicate layout), at
+        # normal priority, as FSDP2's all-reduce stream.
+        self.all_reduce: Any = module.Stream(device=device) if self.enabled else None
         self._post_optim_event: Any = None
 
     def wait_before_next_all_gather(self, event: Any) -> None:
@@ -56,12 +63,15 @@ class CommStreams:
             self._post_optim_event = event
 
     @contextlib.contextmanager
-    def issue_on(self, stream: Any) -> Iterator[None]:
-        """Make ``stream`` current (after it waits for the compute stream) for the block."""
+    def issue_on(self, stream: Any, after: Any = None) -> Iterator[None]:
+        """Make ``stream`` current for the block, after it waits for the compute stream (or
+        only for the event ``after``: the work it follows on another side stream)."""
         if not self.enabled:
             yield
             return
-        if stream is self.all_gather and self._post_optim_event is not None:
+        if after is not None:
+            stream.wait_event(after)
+        elif stream is self.all_gather and self._post_optim_event is not None:
             stream.wait_event(self._post_optim_event)
             self._post_optim_event = None
         else:

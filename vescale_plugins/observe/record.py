@@ -36,7 +36,8 @@ __all__ = ["RunRecord", "record_run", "CollectiveEvent", "unit_sharding_figures"
 @dataclass
 class CollectiveEvent:
     """One collective. Times in seconds since the record opened; ``exposed_s`` is the part the
-    training thread spent waiting for it (the rest overlapped with compute)."""
+    training thread (on CUDA: the compute stream) spent waiting for it (the rest overlapped
+    with compute). On CUDA the times are timing events on the stream the collective ran on."""
 
     kind: str
     unit: str
@@ -51,6 +52,59 @@ class CollectiveEvent:
     def overlap_ratio(self) -> float:
         duration = self.end_s - self.start_s
         return 0.0 if duration <= 0 else max(0.0, 1.0 - self.exposed_s / duration)
+
+
+class _HostClock:
+    """Seconds on the host since the record opened: off CUDA a collective runs on the calling
+    thread or the backend's, so it ends when its wait returns."""
+
+    on_device = False
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def mark(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def seconds(self, mark: float) -> float:
+        return mark
+
+
+class _DeviceClock:
+    """Timing events on the current stream of a CUDA device (``module``: ``torch.cuda``):
+    where the work runs, not when the host enqueued it. Read when the record is reported,
+    so recording costs no host sync."""
+
+    on_device = True
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self._t0 = self.mark()
+
+    def mark(self) -> Any:
+        event = self._module.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark: Any) -> float:
+        mark.synchronize()
+        return self._t0.elapsed_time(mark) / 1e3
+
+
+def _device_timing_module(device_type: str) -> Any:
+    """The stream API whose events time work on ``device_type``, or None (the host clock)."""
+    return torch.cuda if device_type == "cuda" else None
+
+
+@dataclass
+class _CollectiveMarks:
+    """One collective's clock marks: issued and (on a device) enqueued on its stream; where
+    the caller stood when it started waiting; ended (host: when the wait returned)."""
+
+    issued: Any
+    ended: Any = None
+    wait_started: Any = None
+    done: bool = False
 
 
 @dataclass
@@ -102,24 +156,47 @@ class RunRecord:
         self.events: list[CollectiveEvent] = []
         self.memory = _MemoryKinds()
         self.step = 0
-        self._t0 = time.perf_counter()
+        module = _device_timing_module(self._device_type())
+        self._clock: _HostClock | _DeviceClock = _HostClock() if module is None else _DeviceClock(module)
+        self._marks: dict[int, _CollectiveMarks] = {}  # by id of the event, until resolved
+        self._step_marks = [self._clock.mark()]  # the record's open, then each mark_step
         # The split of the peak of all live tensor bytes, filled in when the record closes.
         self.peak: dict[str, Any] | None = None
         self.peak_unavailable = "the record is still open"
 
     # -- called by the runtime (only while open) --------------------------------------
 
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
+    def now(self) -> Any:
+        return self._clock.mark()
 
     def collective_issued(self, kind: str, unit: str, nbytes: int, dtype: torch.dtype) -> CollectiveEvent:
-        event = CollectiveEvent(kind, unit, nbytes, str(dtype).removeprefix("torch."), self.now(), step=self.step)
+        event = CollectiveEvent(kind, unit, nbytes, str(dtype).removeprefix("torch."), math.nan, step=self.step)
         self.events.append(event)
+        self._marks[id(event)] = _CollectiveMarks(self._clock.mark())
         return event
 
-    def collective_done(self, event: CollectiveEvent, wait_started_s: float) -> None:
-        event.end_s = self.now()
-        event.exposed_s = event.end_s - wait_started_s
+    def collective_enqueued(self, event: CollectiveEvent) -> None:
+        if self._clock.on_device:  # an event after the collective on its stream
+            self._marks[id(event)].ended = self._clock.mark()
+
+    def collective_done(self, event: CollectiveEvent, wait_started: Any) -> None:
+        marks = self._marks[id(event)]
+        marks.wait_started = marks.issued if wait_started is None else wait_started
+        if not self._clock.on_device:
+            marks.ended = self._clock.mark()
+        marks.done = True
+
+    def _resolve_times(self) -> None:
+        """Fill in the times of the collectives done (on a device, waiting for their events)."""
+        seconds = self._clock.seconds
+        for event in self.events:
+            marks = self._marks.get(id(event))
+            if marks is None or not marks.done:
+                continue
+            event.start_s, event.end_s = seconds(marks.issued), seconds(marks.ended)
+            # On a device the compute stream may reach the wait after the collective ended.
+            event.exposed_s = max(0.0, event.end_s - seconds(marks.wait_started))
+            del self._marks[id(event)]
 
     def buffer_allocated(self, kind: str, nbytes: int) -> None:
         self.memory.add(kind, nbytes)
@@ -128,8 +205,15 @@ class RunRecord:
         self.memory.live[kind] -= nbytes
 
     def mark_step(self) -> None:
-        """Call once per optimizer step so events are grouped by step."""
+        """Call once per optimizer step so events are grouped by step (and steps timed)."""
         self.step += 1
+        self._step_marks.append(self._clock.mark())
+
+    def step_seconds(self) -> list[float]:
+        """Each step's duration: from the previous ``mark_step`` (or the record's open), on
+        the host clock, or between events on the compute stream on CUDA."""
+        times = [self._clock.seconds(mark) for mark in self._step_marks]
+        return [end - start for start, end in zip(times, times[1:])]
 
     # -- the record ---------------------------------------------------------------------
 
@@ -197,6 +281,7 @@ class RunRecord:
         }
 
     def communication(self) -> dict[str, Any]:
+        self._resolve_times()
         done = [e for e in self.events if not math.isnan(e.end_s)]
         steps = max(1, len({e.step for e in done}))
         by_kind = {}
@@ -264,6 +349,7 @@ class RunRecord:
                 "peak": self.peak if self.peak is not None else {"unavailable": self.peak_unavailable},
             },
             "communication": self.communication(),
+            "steps": {"clock": "cuda_events" if self._clock.on_device else "host", "seconds": self.step_seconds()},
             "zero_stages": self.zero_stages(),
         }
 

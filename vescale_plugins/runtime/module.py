@@ -106,10 +106,22 @@ class VeScaleFSDPModule(FSDPModule):
         )
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        raise NotImplementedError(
-            "set_all_reduce_hook is not supported by vescale_plugins.fully_shard yet; reduce the "
-            "sharded gradients (param.grad) after backward instead"
-        )
+        """As FSDP2: ``hook(reduce_output)`` runs on this unit's reduce output (after HSDP's
+        all-reduce across replicas), in place, before it lands in the sharded gradients, on
+        the all-reduce stream, or on ``stream`` (only without HSDP). It sees the mean, or the
+        sum under ``set_force_sum_reduction_for_comms(True)`` (divided after it)."""
+        unit = self._vescale_fsdp_unit
+        if len({id(buffer.mesh.mesh) for buffer in unit.buffers}) > 1:
+            raise ValueError(
+                "set_all_reduce_hook is not supported with multiple param groups (from per-param "
+                "mesh via shard_placement_fn). The hook would be ambiguous across groups with "
+                "different meshes."
+            )
+        if stream is not None and any(buffer.mesh.replicate_group is not None for buffer in unit.buffers):
+            raise ValueError("stream cannot be set when using native HSDP")
+        unit.all_reduce_hook = hook
+        if stream is not None:
+            unit.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """As FSDP2: the next all-gather waits for ``event`` on its stream instead of for the
@@ -124,9 +136,11 @@ class VeScaleFSDPModule(FSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Already so: veScale-FSDP always reduces with SUM and divides once afterwards."""
+        """veScale-FSDP always reduces with SUM and divides once afterwards; as in FSDP2, this
+        unit's all-reduce hook then sees the sum instead of the mean."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {enable!r}")
+        self._vescale_fsdp_unit.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Already so: every unit that ran backward reduce-scatters all its parameters, with

@@ -12,6 +12,7 @@ all-reduce across replicas). State shared by every unit under one root lives in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer import DBuffer
-from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
+from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook
@@ -73,6 +74,11 @@ class FSDPParamGroup:
         self.reduce_scatter_max_input_buffers = 1  # units whose reduce-scatters may be in flight
         # None: each DBuffer divides by its mesh's size (every data-parallel rank of it).
         self.gradient_divide_factor: float | None = None
+        # FSDP2's set_all_reduce_hook: run on each reduce output (after HSDP's all-reduce).
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None
+        # Whether the hook sees the sum rather than the mean (the reduction itself always sums).
+        self.force_sum_reduction_for_comms = False
         self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit (see RootState)
         self.backward_prefetch: list[FSDPParamGroup] | None = None
         # Set at the first forward under a root (the first unit to run forward is the root).
@@ -447,7 +453,8 @@ class FSDPParamGroup:
         the previous unit's gradient buffer and this unit's autograd gradients are what is
         alive. Autograd's gradients are copied in (one copy each: its backward ops always
         write fresh tensors) and freed as they are copied. The root waits for the last
-        reduce-scatters at the end of backward.
+        reduce-scatters, and for what follows each (HSDP's all-reduce, the all-reduce hook),
+        at the end of backward.
         """
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
@@ -481,9 +488,16 @@ class FSDPParamGroup:
             divide_factor = (
                 float(buffer.mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
             )
-            handle = dbuffer.reduce_scatter(
-                divide_factor, accumulate=accumulate, async_op=True, replicate_group=replicate_group
-            )
+            after = None
+            if replicate_group is not None or self.all_reduce_hook is not None:
+                after = AfterReduceScatter(
+                    replicate_group,
+                    self.all_reduce_hook,
+                    self.all_reduce_hook_stream,
+                    divide_before_hook=not self.force_sum_reduction_for_comms
+                    and dbuffer.reduce_dtype in (torch.float32, torch.bfloat16),
+                )
+            handle = dbuffer.reduce_scatter(divide_factor, accumulate=accumulate, async_op=True, after=after)
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
             issued.append(handle)
             for p, got in zip(members, received):

@@ -58,6 +58,9 @@ class RootState:
         # the units inside it): backward runs in its reverse, so it orders the prefetch.
         self.post_forward_order: list[FSDPParamGroup] = []
         self.reduces_in_flight: list[list[ReduceScatterHandle]] = []  # per unit, oldest first
+        # Reduce-scatters done whose all-reduce (HSDP) or hook is still in flight: waited for
+        # at the end of backward, where FSDP2 waits for its post-reduce events.
+        self.reduces_landing: list[ReduceScatterHandle] = []
         # Parameters reduced this backward without a local gradient, with the sharded
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
@@ -138,10 +141,19 @@ class RootState:
 
     def wait_for_reduces(self, keep: int = 0) -> None:
         """Complete the oldest units' reduce-scatters until ``keep`` units' remain in flight,
-        freeing their gradient buffers."""
+        freeing their gradient buffers (what follows a reduce-scatter stays in flight)."""
         while len(self.reduces_in_flight) > keep:
             for handle in self.reduces_in_flight.pop(0):
-                handle.wait()
+                handle.wait_reduce_scatter()
+                if not handle.done:
+                    self.reduces_landing.append(handle)
+
+    def wait_for_gradients(self) -> None:
+        """Complete every reduction in flight: the sharded gradients are final."""
+        self.wait_for_reduces()
+        landing, self.reduces_landing = self.reduces_landing, []
+        for handle in landing:
+            handle.wait()
 
     @eager_hook
     def final_callback(self) -> None:
@@ -158,7 +170,7 @@ class RootState:
             # been prefetched for one; it reshards below, as FSDP2's final callback does.
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
-        self.wait_for_reduces()
+        self.wait_for_gradients()
         for group in self.groups:  # CPU offload: the gradients' copies to host, as FSDP2
             for dbuffer in group.dbuffers:
                 dbuffer.wait_for_offloaded_grads()
@@ -178,16 +190,20 @@ class RootState:
         other ranks' contributions and a presence flag per parameter (see DBuffer): a
         parameter some rank had a gradient for gets the reduced gradient on every rank (so
         every shard steps), one no rank's data reached keeps ``grad=None`` on every rank (so
-        optimizers skip it everywhere), as under DDP. Ranks that had every gradient read
-        nothing back; the others read one small flag vector per buffer.
+        optimizers skip it everywhere), as under DDP. Whether a gradient is None is decided
+        on the host (optimizers skip on it), so ranks that lacked some gradient read the
+        flags back: in one read per backward for every unit (:func:`_read_flags`), after
+        the compute stream has waited for every reduction anyway. Ranks that had every
+        gradient read nothing (FSDP2 reads nothing either, and has no such flags).
         """
         pending, self.reduced_without_local_grad = self.reduced_without_local_grad, []
         by_buffer: dict[int, tuple[list[FSDPParam], torch.Tensor]] = {}
         for fsdp_param, sharded_grad in pending:
             members, _ = by_buffer.setdefault(id(fsdp_param.buffer), ([], sharded_grad))
             members.append(fsdp_param)
-        for members, sharded_grad in by_buffer.values():
-            received = members[0].dbuffer.received_gradient(sharded_grad, [p.slot for p in members])
+        groups = list(by_buffer.values())
+        flags = [members[0].dbuffer.received_gradient(grad, [p.slot for p in members]) for members, grad in groups]
+        for (members, _), received in zip(groups, _read_flags(flags)):
             attached = [p for p, got in zip(members, received) if got and p.sharded.grad is None]
             for fsdp_param in attached:
                 fsdp_param.attach_sharded_grad()
@@ -198,13 +214,28 @@ class RootState:
         """After an exception aborted a forward or backward: finish every collective in
         flight, reshard every unit and forget the iteration (its unreduced gradients and
         no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
-        for handles in self.reduces_in_flight:
-            for handle in handles:
-                handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
-        self.wait_for_reduces()
+        for handle in [h for handles in self.reduces_in_flight for h in handles] + self.reduces_landing:
+            handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
+        self.wait_for_gradients()
         self.reduced_without_local_grad = []
         self.callback_queued = False
         self.forward_order = []
         self.post_forward_order = []
         for group in self.groups:
             group.reset_iteration_state()
+
+
+def _read_flags(flags: list[torch.Tensor]) -> list[list[bool]]:
+    """Each boolean vector as a list, in one host read per device holding any of them (one
+    on a GPU run; host-offloaded gradients' flags are read where they are)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for position, vector in enumerate(flags):
+        by_device.setdefault(vector.device, []).append(position)
+    read: list[list[bool]] = [[] for _ in flags]
+    for positions in by_device.values():
+        values = torch.cat([flags[p] for p in positions]).tolist()
+        start = 0
+        for p in positions:
+            read[p] = values[start : start + flags[p].numel()]
+            start += flags[p].numel()
+    return read
