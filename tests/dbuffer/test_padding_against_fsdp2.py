@@ -7,11 +7,11 @@ processes: the planner and meta tensors only.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
-from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers, planner_inputs
 from vescale_plugins.planner import padding_lower_bound
@@ -22,14 +22,16 @@ ALIGNMENT = 8  # elements: 16 bytes of bf16
 SLACK = 256  # elements per rank: the 512 bytes (one CUDA allocator block) the cap allows
 
 
+@functools.cache
 def fsdp2_padding(shape: tuple[int, ...], world: int) -> int:
     """FSDP2's padding of one parameter: ``FSDPParam._init_sharded_param`` chunks dim 0 over
-    the ranks and pads every rank to chunk 0's size (torch 2.13,
+    the ranks (``_chunk_with_empty``: ``torch.chunk``, the list then filled up with empty
+    tensors) and pads every rank to chunk 0's size (torch 2.13,
     torch/distributed/fsdp/_fully_shard/_fsdp_param.py:304,
     ``padded_sharded_size = chunks[0].size()  # 0th always padded``)."""
     param = torch.empty(shape, device="meta")
-    chunks = _chunk_with_empty(param, world, dim=0)
-    return world * chunks[0].numel() - param.numel()
+    first = torch.chunk(param, world, dim=0)[0]
+    return world * first.numel() - param.numel()
 
 
 def plan(shapes: list[tuple[int, ...]], rows: int, world: int, cost: BufferSplitCost = BufferSplitCost()):
