@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from tests.support.planner_checks import assert_unit_plan_valid, assert_valid, plan_above_the_bound
 from vescale_plugins.planner import (
-    CostModel,
+    CollectiveCost,
     Layout,
+    choose_split,
     clear_plan_cache,
     padding_lower_bound,
     plan_layout,
-    plan_unit,
     shard_size_lower_bound,
     unit_plan_options,
 )
@@ -168,7 +168,7 @@ def test_rank_range_and_tensor_slice():
     ],
 )
 def test_bad_input_names_the_tensor_and_values(args, message):
-    for planner in (plan_layout, plan_unit, padding_lower_bound):
+    for planner in (plan_layout, choose_split, padding_lower_bound):
         with pytest.raises(ValueError, match=message):
             planner(*args)
 
@@ -185,8 +185,8 @@ def test_same_plan_every_time_and_every_hash_seed():
     clear_plan_cache()
     assert plan_layout(*problem) == first
     script = (
-        "from vescale_plugins.planner import plan_layout, plan_unit\n"
-        f"print(repr(plan_layout(*{problem!r})), repr(plan_unit(*{problem!r})))\n"
+        "from vescale_plugins.planner import choose_split, plan_layout\n"
+        f"print(repr(plan_layout(*{problem!r})), repr(choose_split(*{problem!r})))\n"
     )
     outputs = {
         subprocess.run(
@@ -221,21 +221,21 @@ def test_cost_model_picks_the_split():
     unit = next(u for u in CATALOG["DeepSeek-V3-671B"].units if u.name == "moe_decoder_layer")
     numels = [math.prod(shape) for _, shape in unit.params]
     blocks = [block_size(shape, 1) for _, shape in unit.params]
-    chosen = plan_unit(numels, blocks, 8192)
+    chosen = choose_split(numels, blocks, 8192)
     assert 1 < len(chosen.buffers) <= 4 and chosen.padding_ratio < 0.01
     assert_unit_plan_valid(chosen, numels, blocks)
-    assert len(plan_unit(numels, blocks, 8192, collective_latency_s=1e3).buffers) == 1
-    assert len(plan_unit(numels, blocks, 8192, max_buffers=2).buffers) <= 2
+    assert len(choose_split(numels, blocks, 8192, cost=CollectiveCost(base_latency_s=1e3)).buffers) == 1
+    assert len(choose_split(numels, blocks, 8192, max_buffers=2).buffers) <= 2
     options = unit_plan_options(numels, blocks, 8192)
-    model = CostModel()
-    assert model.seconds(chosen.buffers) == min(model.seconds(o.buffers) for o in options)
+    model = CollectiveCost()
+    assert model.unit_seconds(chosen.buffers, 2) == min(model.unit_seconds(o.buffers, 2) for o in options[:4])
 
 
 def test_cost_model_rejects_nonsense():
     with pytest.raises(ValueError, match="bandwidth"):
-        plan_unit([4], [1], 2, bandwidth_bytes_per_s=0)
+        CollectiveCost(intra_bandwidth=0)
     with pytest.raises(ValueError, match="max_buffers"):
-        plan_unit([4], [1], 2, max_buffers=0)
+        choose_split([4], [1], 2, max_buffers=0)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.planner_checks import brute_force_min_shard, plan_above_the_bound, start_is_valid
-from vescale_plugins.planner import plan_layout, plan_unit
+from vescale_plugins.planner import CollectiveCost, choose_split, plan_layout
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.placement import earliest_start
 
@@ -67,7 +67,9 @@ def test_no_block_straddles_a_rank_when_blocks_do_not_divide(problem):
 @given(ragged_problems(max_tensors=5))
 def test_split_plans_keep_short_blocks_whole(problem):
     numels, blocks, world, alignment = problem
-    plan = plan_unit(numels, blocks, world, alignment=alignment, max_buffers=3)
+    # No latency: a split wherever it saves padding.
+    free = CollectiveCost(base_latency_s=0.0, intra_step_s=0.0, inter_step_s=0.0)
+    plan = choose_split(numels, blocks, world, cost=free, alignment=alignment, max_buffers=3)
     for index in range(len(numels)):
         layout, slot = plan.layout_of(index)
         start = layout.offsets[slot]

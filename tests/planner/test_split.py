@@ -203,49 +203,110 @@ def test_bound_rejects_a_bad_budget():
 
 
 # ----------------------------------------------------------------------------------
-# the alpha-beta cost of extra buffers
+# the collective model that prices extra buffers
 # ----------------------------------------------------------------------------------
 
 
-def test_ring_cost_is_the_forecast_ring_model():
-    from vescale_plugins.forecast.comm_model import Link, ring_collective_s
-    from vescale_plugins.planner import RingCost, plan_layout
+def test_split_cost_is_the_forecast_collective_model():
+    # One model: the forecast's collective time is the planner's CollectiveCost with the
+    # forecast hardware's figures, for groups inside a node, across nodes and at one rank
+    # per node (PAT); the planner's default bandwidths and node size are the H100's.
+    import dataclasses
 
-    layout = plan_layout([4096 * 3, 100], [4096, 1], 24)
-    cost = RingCost(alpha_s=7e-6, beta_bytes_per_s=50e9, bytes_per_element=2)
-    expected = ring_collective_s(layout.buffer_size * 2, 24, Link((7e-6, 50e9)))
-    assert cost.buffer_seconds(layout) == pytest.approx(expected, rel=1e-12)
-    assert cost.break_even_elements() == pytest.approx(7e-6 * 50e9 / 2)
+    from vescale_plugins.forecast.comm_model import collective_cost, collective_s
+    from vescale_plugins.forecast.hardware import GPUS
+    from vescale_plugins.planner import CollectiveCost, plan_layout
+
+    h100 = GPUS["h100"]
+    default = CollectiveCost()
+    assert (default.gpus_per_node, default.intra_bandwidth, default.inter_bandwidth) == (
+        h100.gpus_per_node,
+        h100.intra_node_bandwidth,
+        h100.inter_node_bandwidth,
+    )
+    for hardware in (h100, dataclasses.replace(h100, gpus_per_node=1)):
+        model = collective_cost(hardware)
+        assert isinstance(model, CollectiveCost)
+        for world in (2, 8, 24, 1024, 16384):
+            layout = plan_layout([4096 * 3, 100], [4096, 1], world)
+            expected = collective_s(layout.buffer_size * 2, world, hardware)
+            assert model.unit_seconds([layout], 2) == pytest.approx(expected, rel=1e-12)
+            # By hand: ring steps inside nodes and across them; PAT where one rank per node.
+            per_node = min(world, hardware.gpus_per_node)
+            nodes = -(-world // per_node)
+            bandwidth = hardware.inter_node_bandwidth if nodes > 1 else hardware.intra_node_bandwidth
+            ring = (
+                (world - nodes) * hardware.intra_node_latency_s
+                + (nodes - 1) * hardware.inter_node_latency_s
+                + layout.buffer_size * 2 * (world - 1) / world / bandwidth
+            )
+            candidates = [ring]
+            if per_node == 1:
+                pat = 8e-6 + math.floor(math.log2(nodes)) * hardware.inter_node_latency_s / 3.5 + 2.8e-6 * world
+                candidates.append(pat + layout.buffer_size * 2 / (0.75 * bandwidth))
+            assert expected == pytest.approx(min(candidates), rel=1e-12)
+
+
+def test_latency_grows_with_nodes_not_with_ranks_per_step():
+    # NCCL's ring: only the N - 1 steps between nodes pay the network latency; with one
+    # rank per node PAT's log2(N) network steps beat the ring at scale.
+    from vescale_plugins.planner import CollectiveCost
+
+    cost = CollectiveCost()
+    ring_1024 = cost.seconds(0, 1024)
+    assert ring_1024 == pytest.approx(8.4e-6 + (1024 - 128) * 3.4e-6 + 127 * 14e-6)
+    one_per_node = CollectiveCost(gpus_per_node=1)
+    assert one_per_node.seconds(0, 1024) == pytest.approx(8e-6 + 10 * 14e-6 / 3.5 + 2.8e-6 * 1024)
+    assert one_per_node.seconds(0, 1024) < 1023 * 14e-6 + 8.4e-6
 
 
 def test_split_pays_exactly_past_the_break_even_latency():
-    from vescale_plugins.planner import RingCost, choose_split
+    from vescale_plugins.planner import CollectiveCost, choose_split
 
     numels, blocks = catalogue_unit("Llama-3-8B", 16)
     options = unit_plan_options(numels, blocks, 256)
     one, best = options[0], options[-1]
     saved = sum(b.shard_size for b in one.buffers) - sum(b.shard_size for b in best.buffers)
     assert saved > 0 and len(best.buffers) > 1
+
+    def latency(seconds):  # a fixed latency per collective, 100 GB/s
+        return CollectiveCost(base_latency_s=seconds, intra_step_s=0.0, inter_step_s=0.0, inter_bandwidth=100e9)
+
     counts = []
     for alpha in (0.0, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1.0):
-        plan = choose_split(numels, blocks, 256, alpha_s=alpha, beta_bytes_per_s=100e9)
-        cost = RingCost(alpha, 100e9, 2)
-        assert cost.seconds(plan.buffers) == min(cost.seconds(o.buffers) for o in options[:4])
+        cost = latency(alpha)
+        plan = choose_split(numels, blocks, 256, cost=cost)
+        assert cost.unit_seconds(plan.buffers, 2) == min(cost.unit_seconds(o.buffers, 2) for o in options[:4])
         counts.append(len(plan.buffers))
     assert counts == sorted(counts, reverse=True)  # more latency, never more buffers
     assert counts[0] == len(best.buffers) and counts[-1] == 1
-    # Between one buffer and the best split alone: the split wins below alpha*beta/bytes.
+    # Between one buffer and the best split alone: the split wins below the bytes it saves.
     extra = len(best.buffers) - 1
-    threshold = saved * 2 / 100e9 / extra
+    threshold = saved * 2 * 255 / 100e9 / extra
     two_way = [one, best]
     for alpha, expected in ((threshold * 0.99, best), (threshold * 1.01, one)):
-        cost = RingCost(alpha, 100e9, 2)
-        assert min(two_way, key=lambda p: (cost.seconds(p.buffers), len(p.buffers))) is expected
+        cost = latency(alpha)
+        assert min(two_way, key=lambda p: (cost.unit_seconds(p.buffers, 2), len(p.buffers))) is expected
+
+
+def test_padding_cap_buys_memory_the_latency_does_not_pay_for():
+    # Llama-3-8B's block at W=1024: one buffer pads 7 % (a shard size both row lengths
+    # tile), three pad none; under NCCL's model two more collectives cost more than the
+    # padding's bytes, so only a cap on the padding (FSDP2's: 0) splits.
+    from vescale_plugins.planner import choose_split, plan_layout
+
+    numels, blocks = catalogue_unit("Llama-3-8B", 1, "decoder_layer")
+    single = plan_layout(numels, blocks, 1024, alignment=8)
+    assert single.padding_ratio > 0.06
+    assert len(choose_split(numels, blocks, 1024, alignment=8).buffers) == 1
+    capped = choose_split(numels, blocks, 1024, alignment=8, padding_cap=0)
+    assert capped.padding <= 7 * (len(numels) + len(capped.buffers) * 1024)
+    assert len(capped.buffers) == 3
 
 
 def test_small_worlds_keep_one_buffer():
     # A small MLP unit at W=2 (the default bench's scale): padding is at most a few
-    # elements per rank, far below the 500 000 elements one extra collective costs.
+    # elements per rank, far below the bytes one extra collective's latency could move.
     from vescale_plugins.planner import choose_split
 
     numels, blocks = [256 * 64, 256, 64 * 256, 64, 10 * 64, 10], [64, 1, 256, 1, 64, 1]
@@ -254,14 +315,18 @@ def test_small_worlds_keep_one_buffer():
 
 
 def test_choose_split_rejects_nonsense():
-    from vescale_plugins.planner import choose_split
+    from vescale_plugins.planner import CollectiveCost, choose_split
 
-    with pytest.raises(ValueError, match="alpha_s"):
-        choose_split([4], [1], 2, alpha_s=-1.0)
-    with pytest.raises(ValueError, match="beta_bytes_per_s"):
-        choose_split([4], [1], 2, beta_bytes_per_s=0)
+    with pytest.raises(ValueError, match="intra_step_s"):
+        CollectiveCost(intra_step_s=-1.0)
+    with pytest.raises(ValueError, match="inter_bandwidth"):
+        CollectiveCost(inter_bandwidth=0)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        CollectiveCost(gpus_per_node=0)
     with pytest.raises(ValueError, match="max_buffers"):
         choose_split([4], [1], 2, max_buffers=0)
+    with pytest.raises(ValueError, match="padding_cap"):
+        choose_split([4], [1], 2, padding_cap=-1)
 
 
 def test_padding_table_rows_and_markdown(tmp_path):

@@ -1,5 +1,6 @@
 """Each formula of the forecast against a hand-computed case, the published figures, and the CLI."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from vescale_plugins.forecast import ForecastSettings, forecast, forecast_world_size, load_hardware, resolve_model
 from vescale_plugins.forecast.__main__ import main, parse_args
 from vescale_plugins.forecast.calibrate import calibrate, fit_alpha_beta
-from vescale_plugins.forecast.comm_model import Link, all_reduce_s, link_for_group, ring_collective_s
+from vescale_plugins.forecast.comm_model import all_reduce_s, collective_s
 from vescale_plugins.forecast.compute import activation_bytes, block_activation_elements, training_flops_per_token
 from vescale_plugins.forecast.hardware import GPUS
 from vescale_plugins.forecast.layouts import plan_unit_layouts, rank_payloads
@@ -38,17 +39,21 @@ def _tiny_spec():
 
 
 def test_ring_collective_time_by_hand():
-    link = Link((1e-5, 1e9))
-    # 4 ranks, 4 MB: 3 steps of (10 us + 1 MB / 1 GB/s).
-    assert ring_collective_s(4e6, 4, link) == pytest.approx(3 * (1e-5 + 1e-3))
-    assert all_reduce_s(4e6, 4, link) == pytest.approx(6 * (1e-5 + 1e-3))
-    assert ring_collective_s(4e6, 1, link) == 0.0
+    # One node of 4 ranks, 4 MB: 3 steps of (10 us + 1 MB / 1 GB/s).
+    node = dataclasses.replace(GPUS["h100"], intra_node_latency_s=1e-5, intra_node_bandwidth=1e9)
+    assert collective_s(4e6, 4, node) == pytest.approx(3 * (1e-5 + 1e-3))
+    assert all_reduce_s(4e6, 4, node) == pytest.approx(6 * (1e-5 + 1e-3))
+    assert collective_s(4e6, 1, node) == 0.0
 
 
 def test_groups_inside_a_node_use_nvlink():
+    # 16 ranks on two nodes of 8: 14 NVLink steps, one network step, the network's bandwidth.
     h100 = GPUS["h100"]
-    assert link_for_group(h100, 8) == (h100.intra_node_latency_s, h100.intra_node_bandwidth)
-    assert link_for_group(h100, 16) == (h100.inter_node_latency_s, h100.inter_node_bandwidth)
+    assert collective_s(8e6, 8, h100) == pytest.approx(
+        7 * (h100.intra_node_latency_s + 1e6 / h100.intra_node_bandwidth)
+    )
+    across = 14 * h100.intra_node_latency_s + h100.inter_node_latency_s + 8e6 * 15 / 16 / h100.inter_node_bandwidth
+    assert collective_s(8e6, 16, h100) == pytest.approx(across)
 
 
 def test_alpha_beta_fit_recovers_the_constants():

@@ -1,11 +1,11 @@
 """The one place DBuffers get their layouts: what the planner is asked for a group of
 parameters, and how many buffers the group is split into.
 
-Each DBuffer costs its own all-gather and reduce-scatter, so a group is split only where the
-padding saved outweighs the extra collectives' latency under the alpha-beta ring model
-(:func:`vescale_plugins.planner.choose_split`): an extra buffer must save
-``alpha * beta / bytes`` elements per rank (500K at the defaults, 10 us per ring step and
-100 GB/s). Small units and small world sizes keep one buffer.
+Each DBuffer costs its own all-gather and reduce-scatter. A group is split where NCCL's
+collective model says the padding saved outweighs the extra collectives' latency
+(:func:`vescale_plugins.planner.choose_split`), and, where the user asked for no block
+structure (every block one row), wherever that is what keeps its padding at most FSDP2's for
+the same parameters: a drop-in replacement for FSDP2 should not need more memory per rank.
 """
 
 from __future__ import annotations
@@ -16,28 +16,56 @@ from dataclasses import dataclass
 
 import torch
 
-from vescale_plugins.planner import Layout, RingCost, choose_split
+from vescale_plugins.planner import CollectiveCost, Layout, choose_split
+from vescale_plugins.planner.baselines import fsdp2_padding
 
 __all__ = ["ALIGNMENT_BYTES", "BufferPlan", "BufferSplitCost", "plan_buffers", "planner_inputs", "row_numel"]
 
 # Collectives and vectorised kernels like 16-byte aligned buffers; offsets are in elements.
 ALIGNMENT_BYTES = 16
+# The padding cap applies where FSDP2 pads at most this share of the group's parameters.
+FSDP2_CAP_UP_TO = 0.01
+# ... and lets each rank pad this much more than FSDP2: the CUDA caching allocator rounds
+# every block to 512 bytes (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize), so less is
+# below the granularity memory is handed out in, and not worth a collective.
+CAP_SLACK_BYTES_PER_RANK = 512
 
 
 @dataclass(frozen=True)
 class BufferSplitCost:
-    """The ring model's parameters (``alpha_s`` seconds per ring step, ``beta_bytes_per_s``)
-    and the most buffers one (mesh, dtype, requires_grad) group may get. ``fully_shard``
-    takes one (``buffer_split_cost=``); the same on every rank."""
+    """What a split costs, and the most buffers one (mesh, dtype, requires_grad) group may
+    get. ``fully_shard`` takes one (``buffer_split_cost=``); the same on every rank.
 
-    alpha_s: float = RingCost.alpha_s
-    beta_bytes_per_s: float = RingCost.beta_bytes_per_s
+    By default NCCL's tuner model with its own constants (:class:`CollectiveCost`) on nodes
+    of ``gpus_per_node`` GPUs. ``alpha_s`` (seconds per ring step, every step) and
+    ``beta_bytes_per_s`` (bus bandwidth) replace its latencies and bandwidths.
+    ``cap_at_fsdp2_padding``: where no block structure is asked for, split further if that
+    is what keeps the padding at most FSDP2's (memory first; False: time alone decides).
+    """
+
+    alpha_s: float | None = None
+    beta_bytes_per_s: float | None = None
     max_buffers: int = 4
+    gpus_per_node: int = CollectiveCost.gpus_per_node
+    cap_at_fsdp2_padding: bool = True
 
     def __post_init__(self) -> None:
-        RingCost(self.alpha_s, self.beta_bytes_per_s)  # validates alpha and beta
+        self.collective_cost()  # validates alpha, beta and gpus_per_node
         if not isinstance(self.max_buffers, int) or self.max_buffers < 1:
             raise ValueError(f"max_buffers must be an int >= 1, got {self.max_buffers!r}")
+
+    def collective_cost(self) -> CollectiveCost:
+        latency: dict[str, float] = {}
+        if self.alpha_s is not None:
+            if not self.alpha_s >= 0:
+                raise ValueError(f"alpha_s (seconds per ring step) must be >= 0, got {self.alpha_s}")
+            latency = {"base_latency_s": 0.0, "intra_step_s": self.alpha_s, "inter_step_s": self.alpha_s}
+        bandwidth: dict[str, float] = {}
+        if self.beta_bytes_per_s is not None:
+            if not self.beta_bytes_per_s > 0:
+                raise ValueError(f"beta_bytes_per_s must be > 0, got {self.beta_bytes_per_s}")
+            bandwidth = {"intra_bandwidth": self.beta_bytes_per_s, "inter_bandwidth": self.beta_bytes_per_s}
+        return CollectiveCost(gpus_per_node=self.gpus_per_node, **latency, **bandwidth)
 
 
 @dataclass(frozen=True)
@@ -75,7 +103,19 @@ def plan_buffers(
 ) -> list[BufferPlan]:
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
     collectives move (the cost model counts its bytes)."""
+    # FSDP2 pads dim 0 of each parameter to a multiple of the world size: torch.chunk gives
+    # every rank ceil(dim0 / W) rows and the sharded parameter is padded to chunk 0's size
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param:
+    # ``padded_sharded_size = chunks[0].size()  # 0th always padded``, line 304 in torch 2.13).
     numels, blocks, alignment = planner_inputs(shapes, block_rows, dtype)
+    cap = None
+    if cost.cap_at_fsdp2_padding and all(rows == 1 for rows in block_rows):
+        rows_shapes = [tuple(s) if len(s) else (1,) for s in shapes if math.prod(s)]
+        fsdp2 = fsdp2_padding(rows_shapes, [row_numel(torch.Size(s)) for s in rows_shapes], world_size)
+        # Where FSDP2 itself pads more (tensors with fewer rows than ranks), its padding is
+        # no bar worth extra collectives: time alone decides.
+        slack = world_size * (CAP_SLACK_BYTES_PER_RANK // torch.empty((), dtype=dtype).element_size())
+        cap = fsdp2 + slack if fsdp2 <= FSDP2_CAP_UP_TO * sum(numels) else None
     # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
     # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
     alignment = max(alignment, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size())
@@ -83,10 +123,10 @@ def plan_buffers(
         numels,
         blocks,
         world_size,
-        alpha_s=cost.alpha_s,
-        beta_bytes_per_s=cost.beta_bytes_per_s,
+        cost=cost.collective_cost(),
         bytes_per_element=torch.empty((), dtype=comm_dtype).element_size(),
         alignment=alignment,
         max_buffers=cost.max_buffers,
+        padding_cap=cap,
     )
     return [BufferPlan(tuple(members), layout) for members, layout in zip(plan.members, plan.buffers)]

@@ -2,7 +2,7 @@
 
 ``python -m vescale_plugins.forecast --model NAME --gpus 8,256,8192 --gpu h100``. Layouts
 come from the planner and FSDP2's ``Shard(0)`` rule (:mod:`.layouts`), memory parts follow
-the run record's split (:mod:`.memory`), step time from an alpha-beta model of ring
+the run record's split (:mod:`.memory`), step time from the planner's model of NCCL's
 collectives (:mod:`.comm_model`) and FLOPs at a stated MFU (:mod:`.compute`,
 :mod:`.step_time`). Every hardware figure is a field of :class:`Hardware`.
 """

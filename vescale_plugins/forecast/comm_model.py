@@ -1,46 +1,44 @@
-"""Alpha-beta model of ring collectives (seconds), inside a node or across nodes.
+"""Seconds of the collectives, from the planner's model of NCCL (one model for both).
 
-A ring all-gather or reduce-scatter over ``n`` ranks of ``B`` bytes in total (the gathered
-buffer; the reduce-scatter's input) takes ``n - 1`` steps, each moving ``B / n`` bytes over
-every link at once: ``(n - 1) * (alpha + B / n / beta)``, with ``alpha`` the per-step latency
-and ``beta`` the bus bandwidth (bytes/s per GPU). A ring that leaves the node runs at the
-speed of its slowest link, the network. An all-reduce is a reduce-scatter then an all-gather.
+:class:`vescale_plugins.planner.CollectiveCost` is NCCL's tuner model of an all-gather or
+reduce-scatter (ring, and PAT at one rank per node); the planner's split decision runs it
+with NCCL's constants, the forecast with its hardware's figures: per ring step inside a node
+and across nodes, the bus bandwidths, GPUs per node. Within one node it is the alpha-beta
+ring, ``(n - 1) * (alpha + B / n / beta)``. An all-reduce is a reduce-scatter then an
+all-gather.
 """
 
 from __future__ import annotations
 
 from vescale_plugins.forecast.hardware import Hardware
+from vescale_plugins.planner import CollectiveCost
 
-__all__ = ["Link", "all_reduce_s", "link_for_group", "ring_collective_s"]
-
-
-class Link(tuple):
-    """``(latency_s, bandwidth_bytes_per_s)`` of the slowest hop a ring crosses."""
-
-    @property
-    def latency_s(self) -> float:
-        return self[0]
-
-    @property
-    def bandwidth(self) -> float:
-        return self[1]
+__all__ = ["all_reduce_s", "collective_cost", "collective_s", "replica_ranks_per_node"]
 
 
-def link_for_group(hardware: Hardware, span: int) -> Link:
-    """The link a group of ranks spanning ``span`` consecutive ranks uses: NVLink when they
-    fit in one node (``span <= gpus_per_node``), else the network."""
-    if span <= hardware.gpus_per_node:
-        return Link((hardware.intra_node_latency_s, hardware.intra_node_bandwidth))
-    return Link((hardware.inter_node_latency_s, hardware.inter_node_bandwidth))
+def collective_cost(hardware: Hardware) -> CollectiveCost:
+    """The planner's collective model with ``hardware``'s figures (no per-collective base)."""
+    return CollectiveCost(
+        gpus_per_node=hardware.gpus_per_node,
+        base_latency_s=0.0,
+        intra_step_s=hardware.intra_node_latency_s,
+        inter_step_s=hardware.inter_node_latency_s,
+        intra_bandwidth=hardware.intra_node_bandwidth,
+        inter_bandwidth=hardware.inter_node_bandwidth,
+    )
 
 
-def ring_collective_s(total_bytes: float, ranks: int, link: Link) -> float:
-    """Seconds of a ring all-gather or reduce-scatter of ``total_bytes`` over ``ranks``."""
-    if ranks <= 1:
-        return 0.0
-    return (ranks - 1) * (link.latency_s + total_bytes / ranks / link.bandwidth)
+def collective_s(total_bytes: float, ranks: int, hardware: Hardware, ranks_per_node: int | None = None) -> float:
+    """Seconds of an all-gather or reduce-scatter of ``total_bytes`` over ``ranks``
+    consecutive ranks (or ``ranks_per_node`` of them per node)."""
+    return collective_cost(hardware).seconds(total_bytes, ranks, ranks_per_node)
 
 
-def all_reduce_s(total_bytes: float, ranks: int, link: Link) -> float:
-    """Seconds of a ring all-reduce of ``total_bytes`` over ``ranks``."""
-    return 2 * ring_collective_s(total_bytes, ranks, link)
+def all_reduce_s(total_bytes: float, ranks: int, hardware: Hardware, ranks_per_node: int | None = None) -> float:
+    """Seconds of an all-reduce of ``total_bytes`` over ``ranks``: reduce-scatter + all-gather."""
+    return 2 * collective_s(total_bytes, ranks, hardware, ranks_per_node)
+
+
+def replica_ranks_per_node(hardware: Hardware, group_size: int) -> int:
+    """Ranks per node of an HSDP replica group, whose ranks are ``group_size`` apart."""
+    return max(1, hardware.gpus_per_node // group_size)

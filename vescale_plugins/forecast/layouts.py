@@ -1,10 +1,10 @@
 """Each engine's layout of one FSDP unit at one group size, from the code that makes it.
 
-veScale-FSDP: the planner's :class:`~vescale_plugins.planner.Layout`, asked exactly as
-``DBuffer`` asks it (one buffer per unit: every parameter here is floating point and
-trainable; blocks of ``block_rows`` dim-0 rows; 16-byte aligned offsets). FSDP2: its
-``Shard(0)`` rule, every parameter padded to ``ceil(dim0 / n)`` rows per rank
-(:func:`vescale_plugins.planner.baselines.fsdp2_padding`). Sizes in elements.
+veScale-FSDP: the buffers :func:`vescale_plugins.dbuffer.planning.plan_buffers` gives the
+unit, asked exactly as ``fully_shard`` asks (one group: every parameter here is floating point
+and trainable; blocks of ``block_rows`` dim-0 rows where they divide dim 0; the default split
+cost). FSDP2: its ``Shard(0)`` rule, every parameter padded to ``ceil(dim0 / n)`` rows per
+rank (:func:`vescale_plugins.planner.baselines.fsdp2_padding`). Sizes in elements.
 
 Identical units share one plan: a model's layers are planned once per group size.
 """
@@ -16,19 +16,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vescale_plugins.planner import Layout, plan_layout
+import torch
+
+from vescale_plugins.dbuffer.planning import BufferPlan, plan_buffers
+from vescale_plugins.planner import Layout
 from vescale_plugins.planner.baselines import fsdp2_padding
-from vescale_plugins.tools.model_catalog import Unit
+from vescale_plugins.tools.model_catalog import Unit, dim0_block_rows
 
-__all__ = ["UnitLayouts", "dbuffer_alignment", "dbuffer_block_sizes", "plan_unit_layouts", "rank_payloads"]
+__all__ = ["UnitLayouts", "buffer_rank_payloads", "plan_unit_layouts", "rank_payloads"]
 
-# DBuffer aligns offsets to 16 bytes (vescale_plugins/dbuffer.py, _ALIGNMENT_BYTES).
-_ALIGNMENT_BYTES = 16
-
-
-def dbuffer_alignment(sharded_itemsize: int) -> int:
-    """The planner alignment (elements) DBuffer uses for sharded parameters of this itemsize."""
-    return max(1, _ALIGNMENT_BYTES // sharded_itemsize)
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
 
 def _slice_numel(shape: Sequence[int]) -> int:
@@ -36,55 +33,81 @@ def _slice_numel(shape: Sequence[int]) -> int:
     return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-def dbuffer_block_sizes(shapes: Sequence[Sequence[int]], block_rows: int | None) -> list[int]:
-    """Block sizes (elements) as ``fully_shard`` plans them: one dim-0 row, or ``block_rows``
-    rows for a parameter of 2 or more dims whose dim 0 they divide (the bench's
-    ``--block-rows`` rule)."""
-    sizes = []
-    for shape in shapes:
-        rows = block_rows if block_rows and len(shape) >= 2 and shape[0] % block_rows == 0 else 1
-        sizes.append(rows * _slice_numel(shape))
-    return sizes
-
-
 @dataclass(frozen=True)
 class UnitLayouts:
-    """One unit at group size ``group_size``: veScale-FSDP's layout and FSDP2's padding.
+    """One unit at group size ``group_size``: veScale-FSDP's buffers and FSDP2's padding.
 
-    ``fsdp2_shard_elements`` is what every FSDP2 rank allocates for the unit (the padded
-    ``ceil(dim0 / n)`` rows of each parameter), ``(payload + fsdp2_padding) / n``.
+    ``vescale_buffers``: each DBuffer's parameter positions and layout. ``fsdp2_shard_elements``
+    is what every FSDP2 rank allocates for the unit (the padded ``ceil(dim0 / n)`` rows of
+    each parameter), ``(payload + fsdp2_padding) / n``.
     """
 
     group_size: int
-    vescale: Layout
+    vescale_buffers: tuple[BufferPlan, ...]
     fsdp2_padding: int
     fsdp2_shard_elements: int
     fsdp2_rank0_param_elements: tuple[int, ...]
 
     @property
     def payload(self) -> int:
-        return sum(self.vescale.numels)
+        return sum(sum(b.layout.numels) for b in self.vescale_buffers)
+
+    @property
+    def vescale_layouts(self) -> tuple[Layout, ...]:
+        return tuple(b.layout for b in self.vescale_buffers)
+
+    @property
+    def vescale_shard_elements(self) -> int:
+        """Elements per rank over the unit's buffers."""
+        return sum(b.layout.shard_size for b in self.vescale_buffers)
+
+    @property
+    def vescale_padding(self) -> int:
+        return sum(b.layout.padding for b in self.vescale_buffers)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(
-    shapes: tuple[tuple[int, ...], ...], group_size: int, block_rows: int | None, sharded_itemsize: int
+    shapes: tuple[tuple[int, ...], ...],
+    group_size: int,
+    block_rows: int | None,
+    sharded_itemsize: int,
+    compute_itemsize: int,
 ) -> UnitLayouts:
-    numels = [max(1, math.prod(s)) for s in shapes]
-    layout = plan_layout(
-        numels, dbuffer_block_sizes(shapes, block_rows), group_size, alignment=dbuffer_alignment(sharded_itemsize)
+    buffers = plan_buffers(
+        [torch.Size(s) for s in shapes],
+        dim0_block_rows(shapes, block_rows),
+        _DTYPES[sharded_itemsize],
+        _DTYPES[compute_itemsize],
+        group_size,
     )
+    numels = [max(1, math.prod(s)) for s in shapes]
     as_rows = [s if len(s) else (1,) for s in shapes]
     padding = fsdp2_padding(as_rows, [_slice_numel(s) for s in as_rows], group_size)
     rank0 = tuple(-(-s[0] // group_size) * _slice_numel(s) for s in as_rows)
-    return UnitLayouts(group_size, layout, padding, (sum(numels) + padding) // group_size, rank0)
+    return UnitLayouts(group_size, tuple(buffers), padding, (sum(numels) + padding) // group_size, rank0)
 
 
 def plan_unit_layouts(
-    unit: Unit, group_size: int, block_rows: int | None = None, sharded_itemsize: int = 4
+    unit: Unit,
+    group_size: int,
+    block_rows: int | None = None,
+    sharded_itemsize: int = 4,
+    compute_itemsize: int | None = None,
 ) -> UnitLayouts:
-    """Both engines' layouts of ``unit`` sharded over ``group_size`` ranks (cached)."""
-    return _plan(tuple(tuple(s) for _, s in unit.params), group_size, block_rows, sharded_itemsize)
+    """Both engines' layouts of ``unit`` sharded over ``group_size`` ranks (cached);
+    ``compute_itemsize`` (default: the sharded one) is what the collectives move."""
+    compute = sharded_itemsize if compute_itemsize is None else compute_itemsize
+    return _plan(tuple(tuple(s) for _, s in unit.params), group_size, block_rows, sharded_itemsize, compute)
+
+
+def buffer_rank_payloads(layouts: UnitLayouts, weights: Sequence[float]) -> list[float]:
+    """:func:`rank_payloads` over the unit's buffers, ``weights`` per parameter of the unit."""
+    totals = [0.0] * layouts.group_size
+    for buffer in layouts.vescale_buffers:
+        for rank, value in enumerate(rank_payloads(buffer.layout, [weights[i] for i in buffer.positions])):
+            totals[rank] += value
+    return totals
 
 
 def rank_payloads(layout: Layout, weights: Sequence[float] | None = None) -> list[float]:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vescale_plugins.dbuffer.buffer import grad_shard_elements
-from vescale_plugins.forecast.layouts import UnitLayouts, plan_unit_layouts, rank_payloads
+from vescale_plugins.forecast.layouts import UnitLayouts, buffer_rank_payloads, plan_unit_layouts
 from vescale_plugins.forecast.model import ModelSpec
 from vescale_plugins.observe.record import unit_sharding_figures
 from vescale_plugins.tools.model_catalog import Unit
@@ -97,7 +97,7 @@ def vescale_optimizer_bytes_per_rank(
     for unit in spec.units.units:
         layouts = plan_unit_layouts(unit, group_size, block_rows)
         weights = [optimizer_bytes_per_element(optimizer, name, shape) for name, shape in unit.params]
-        for rank, value in enumerate(rank_payloads(layouts.vescale, weights)):
+        for rank, value in enumerate(buffer_rank_payloads(layouts, weights)):
             totals[rank] += unit.count * (value + _step_counter_bytes(unit))
     return totals
 
@@ -111,8 +111,8 @@ def _fsdp2_rank0_optimizer_bytes(unit: Unit, layouts: UnitLayouts, optimizer: st
 
 def unit_figures(unit: Unit, group_size: int, compute_itemsize: int, block_rows: int | None = None) -> dict[str, Any]:
     """The run record's per-unit sharding figures for veScale-FSDP's plan of ``unit``."""
-    layout = plan_unit_layouts(unit, group_size, block_rows).vescale
-    return unit_sharding_figures([(layout, compute_itemsize)])
+    layouts = plan_unit_layouts(unit, group_size, block_rows, compute_itemsize=compute_itemsize)
+    return unit_sharding_figures([(layout, compute_itemsize) for layout in layouts.vescale_layouts])
 
 
 @dataclass(frozen=True)
@@ -193,18 +193,25 @@ def forecast_memory(
         raise ValueError(f"--precision {precision!r}: use one of {sorted(PRECISIONS)}")
     sharded_b, compute_b, reduce_b = PRECISIONS[precision]
     order = spec.forward_order()
-    layouts = {id(unit): plan_unit_layouts(unit, group_size, block_rows, sharded_b) for unit in spec.units.units}
+    layouts = {
+        id(unit): plan_unit_layouts(unit, group_size, block_rows, sharded_b, compute_b) for unit in spec.units.units
+    }
     n = group_size
     muon = MUON_ROOT_MATRIX_COPIES * 4 * _largest_muon_matrix(spec) if optimizer == "muon" else 0
     autograd_grads = max(unit.numel for unit in order) * compute_b
 
     # veScale-FSDP
-    shard = sum(u.count * layouts[id(u)].vescale.shard_size for u in spec.units.units)
-    gathered = [n * layouts[id(u)].vescale.shard_size for u in order]
-    # Each rank's chunk of the unsharded gradient buffer carries one presence flag per parameter
-    # and is rounded up to an aligned start (DBuffer's grad_shard_size).
+    shard = sum(u.count * layouts[id(u)].vescale_shard_elements for u in spec.units.units)
+    # A unit's buffers are gathered together.
+    gathered = [n * layouts[id(u)].vescale_shard_elements for u in order]
+    # Each rank's chunk of a buffer's unsharded gradients carries one presence flag per
+    # parameter of the buffer and is rounded up to an aligned start (DBuffer's grad_shard_size).
     gathered_grads = [
-        n * grad_shard_elements(layouts[id(u)].vescale.shard_size, len(u.params), reduce_b) for u in order
+        n
+        * sum(
+            grad_shard_elements(b.layout.shard_size, len(b.positions), reduce_b) for b in layouts[id(u)].vescale_buffers
+        )
+        for u in order
     ]
     vescale = MemoryBreakdown(
         sharded_params=shard * sharded_b,
@@ -212,14 +219,17 @@ def forecast_memory(
         optimizer_state=math.ceil(max(vescale_optimizer_bytes_per_rank(spec, n, optimizer, block_rows))),
         unsharded_params=_adjacent_pair_peak(gathered) * compute_b,
         unsharded_grads=max(gathered_grads) * reduce_b + autograd_grads,
-        comm_buffers=max(layouts[id(u)].vescale.shard_size for u in order) * compute_b if compute_b != sharded_b else 0,
+        comm_buffers=max(layouts[id(u)].vescale_shard_elements for u in order) * compute_b
+        if compute_b != sharded_b
+        else 0,
         optimizer_transient=muon,
         activations=activation_bytes[0],
         activations_checkpointed=activation_bytes[1],
-        padding_elements=sum(u.count * layouts[id(u)].vescale.padding for u in spec.units.units) // n,
+        padding_elements=sum(u.count * layouts[id(u)].vescale_padding for u in spec.units.units) // n,
         unsharded_params_buffer_peak=_adjacent_pair_peak(gathered) * compute_b,
         unsharded_grads_buffer_peak=max(gathered_grads) * reduce_b,
-        largest_unsharded_bytes=max(gathered) * compute_b,
+        largest_unsharded_bytes=max(b.layout.buffer_size for u in order for b in layouts[id(u)].vescale_buffers)
+        * compute_b,
     )
 
     # FSDP2

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from vescale_plugins.forecast.comm_model import all_reduce_s, link_for_group, ring_collective_s
+from vescale_plugins.forecast.comm_model import all_reduce_s, collective_s, replica_ranks_per_node
 from vescale_plugins.forecast.compute import is_block, unit_flops_per_token
 from vescale_plugins.forecast.hardware import Hardware
 from vescale_plugins.forecast.layouts import plan_unit_layouts
@@ -82,8 +82,7 @@ def forecast_step_time(
     peak = hardware.peak_flops_bf16 if compute_b == 2 else hardware.peak_flops_fp32
     rate = peak * settings.mfu
     copy_rate = hardware.memory_bandwidth * hardware.copy_efficiency
-    shard_link = link_for_group(hardware, group_size)
-    replica_link = link_for_group(hardware, group_size * replicas)
+    replica_per_node = replica_ranks_per_node(hardware, group_size)
     order = spec.forward_order()
     forward, backward = [], []
     for unit in order:
@@ -95,15 +94,26 @@ def forecast_step_time(
     for engine in ("vescale", "fsdp2"):
         gathers, reduces, copy_bytes = [], [], 0.0
         for unit in order:
-            layouts = plan_unit_layouts(unit, group_size, block_rows, sharded_b)
-            shard = layouts.vescale.shard_size if engine == "vescale" else layouts.fsdp2_shard_elements
+            layouts = plan_unit_layouts(unit, group_size, block_rows, sharded_b, compute_b)
+            # One collective per buffer: FSDP2 gathers a unit in one, we in one per DBuffer.
+            shards = (
+                [b.layout.shard_size for b in layouts.vescale_buffers]
+                if engine == "vescale"
+                else [layouts.fsdp2_shard_elements]
+            )
+            shard = sum(shards)
             full = group_size * shard
             gather_factor = hardware.fsdp2_all_gather_factor if engine == "fsdp2" else 1.0
             reduce_factor = hardware.fsdp2_reduce_scatter_factor if engine == "fsdp2" else 1.0
-            gathers.append(gather_factor * ring_collective_s(full * compute_b, group_size, shard_link))
+            gathers.append(
+                gather_factor * sum(collective_s(group_size * s * compute_b, group_size, hardware) for s in shards)
+            )
             reduces.append(
-                reduce_factor * ring_collective_s(full * reduce_b, group_size, shard_link)
-                + all_reduce_s(shard * reduce_b, replicas, replica_link)
+                sum(
+                    reduce_factor * collective_s(group_size * s * reduce_b, group_size, hardware)
+                    + all_reduce_s(s * reduce_b, replicas, hardware, replica_per_node)
+                    for s in shards
+                )
             )
             # Gradients into the reduce-scatter input: both engines, once per step.
             copy_bytes += unit.numel * compute_b + full * reduce_b

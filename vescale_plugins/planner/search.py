@@ -86,7 +86,7 @@ def clear_plan_cache() -> None:
 @functools.lru_cache(maxsize=_CACHED_PLANS)
 def _plan_layout(numels: tuple[int, ...], block_sizes: tuple[int, ...], world_size: int, alignment: int) -> Layout:
     """:func:`plan_layout` on validated input, cached: a model's identical blocks (and the
-    subsets :func:`plan_unit` revisits) are planned once per process. ``Layout`` is
+    subsets :func:`.split.unit_plan_options` revisits) are planned once per process. ``Layout`` is
     immutable, so sharing one is safe."""
     admissible = AdmissibleShardSizes(numels, block_sizes, alignment)
     lower = lower_bound_from_parts(aligned_payload(numels, alignment), max(block_sizes), world_size, admissible)

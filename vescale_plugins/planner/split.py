@@ -1,4 +1,4 @@
-"""``plan_unit``: split one FSDP unit into several buffers when the padding saved pays.
+"""The least-padding splits of one FSDP unit into several buffers, per buffer budget.
 
 In one buffer, every tensor longer than two shards forces the shard size to a multiple of its
 block size, so tensors with unrelated block sizes force the lcm of them all; at large world
@@ -23,12 +23,7 @@ and their own collective. Which split:
   with hundreds of experts, where that is too large, the split :mod:`.split_spill` finds
   by spilling up to a period of experts into other buffers) is planned, then finer atoms are
   searched for the budgets that plan does not settle.
-* The cost model picks the buffer count:
-  ``cost = buffers * collective_latency_s + sum(world_size * shard_size) * bytes_per_element
-  / bandwidth_bytes_per_s``.
-
-Defaults: 20 us per collective (NCCL all-gather latency at scale is tens of microseconds) and
-100 GB/s (per-GPU inter-node bandwidth of a 400-800 Gb/s NIC), bf16 (2 bytes per element).
+* Which budget to use is :func:`.cost.choose_split`'s decision (NCCL's collective model).
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ from vescale_plugins.planner.search import plan_layout
 from vescale_plugins.planner.split_bounds import least_bound_partitions, smallest_tensors
 from vescale_plugins.planner.split_spill import spill_partitions
 
-__all__ = ["CostModel", "MAX_ATOMS", "UnitPlan", "plan_unit", "unit_plan_options"]
+__all__ = ["MAX_ATOMS", "UnitPlan", "unit_plan_options"]
 
 # Exact partition search handles up to this many block-size classes (3**8 DP steps).
 MAX_ATOMS = 8
@@ -64,29 +59,6 @@ FINE_MAX_PLANS = 24
 # Tensors that together hold at most this fraction of the payload (norms, biases) form one
 # fine atom.
 TINY_FRACTION = 1e-3
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Time of one collective over a buffer: a fixed latency plus bytes over bandwidth."""
-
-    collective_latency_s: float = 20e-6
-    bytes_per_element: int = 2
-    bandwidth_bytes_per_s: float = 100e9
-
-    def __post_init__(self) -> None:
-        if self.collective_latency_s < 0 or self.bytes_per_element <= 0:
-            raise ValueError(
-                f"collective_latency_s must be >= 0 and bytes_per_element > 0, got "
-                f"{self.collective_latency_s} and {self.bytes_per_element}"
-            )
-        if self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
-
-    def seconds(self, buffers: Sequence[Layout]) -> float:
-        """Modelled time of one collective per buffer, in seconds."""
-        moved = sum(layout.buffer_size for layout in buffers) * self.bytes_per_element
-        return len(buffers) * self.collective_latency_s + moved / self.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -122,31 +94,6 @@ class UnitPlan:
     def layout_of(self, index: int) -> tuple[Layout, int]:
         """The buffer holding input tensor ``index`` and the tensor's slot in it."""
         return self.buffers[self.buffer_of[index]], self.slot_of[index]
-
-
-def plan_unit(
-    numels: Sequence[int],
-    block_sizes: Sequence[int],
-    world_size: int,
-    *,
-    alignment: int = 1,
-    collective_latency_s: float = 20e-6,
-    bytes_per_element: int = 2,
-    bandwidth_bytes_per_s: float = 100e9,
-    max_buffers: int | None = None,
-) -> UnitPlan:
-    """Plan a unit as one or more buffers, minimising the modelled collective time.
-
-    Arguments as :func:`plan_layout` (elements), plus the cost model (module docstring) and
-    ``max_buffers``, a cap on collectives per unit (``None``: no cap). Ties go to fewer
-    buffers. Deterministic like :func:`plan_layout`.
-    """
-    cost = CostModel(collective_latency_s, bytes_per_element, bandwidth_bytes_per_s)
-    if max_buffers is not None and (not isinstance(max_buffers, int) or max_buffers < 1):
-        raise ValueError(f"max_buffers must be None or an int >= 1, got {max_buffers!r}")
-    options = unit_plan_options(numels, block_sizes, world_size, alignment=alignment)
-    allowed = options if max_buffers is None else options[:max_buffers]
-    return min(allowed, key=lambda plan: (cost.seconds(plan.buffers), len(plan.buffers)))
 
 
 def unit_plan_options(

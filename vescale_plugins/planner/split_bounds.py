@@ -1,5 +1,5 @@
 """What no split of a unit into at most ``k`` buffers can pad less than: the proof side of
-:func:`.split.plan_unit` (elements throughout).
+:func:`.split.unit_plan_options` (elements throughout).
 
 Every buffer of a split is a single-buffer layout of its tensors, so its padding is at least
 :func:`.bounds.padding_lower_bound` of them; the unit's padding is at least the least sum of
@@ -77,7 +77,7 @@ def least_bound_partitions(
     into at most ``k`` buffers (as :func:`split_padding_lower_bound`) and a partition of
     the other tensors (input indices) into at most ``k`` parts whose bounds sum to the
     least; ``None`` where the exact search is too large. Candidates for
-    :func:`.split.plan_unit`: where the planner packs each part at its bound, the split
+    :func:`.split.unit_plan_options`: where the planner packs each part at its bound, the split
     is optimal."""
     tiny, problem = unit_kinds(numels, block_sizes, world_size, alignment)
     if problem is None or problem.transitions > EXACT_TRANSITIONS:

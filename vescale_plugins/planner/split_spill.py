@@ -23,7 +23,7 @@ taker's payload repeats modulo ``W`` times its grid), keeping the ``SPILL_BEAM``
 between kinds (a beam, not a greedy choice: many spills tie, and only some leave the
 padding where a later spill removes it). Deterministic; the values are bounds of the parts
 picked, not a bound on every split (that stays :func:`.split_bounds
-.split_padding_lower_bound`'s job), and :func:`.split.plan_unit` plans each part.
+.split_padding_lower_bound`'s job), and :func:`.split.unit_plan_options` plans each part.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ A *row* is the last dim (``shape[-1]`` elements, the tensor's trailing dims unde
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ModelUnits",
     "Unit",
     "block_size",
+    "dim0_block_rows",
     "model_from_config",
     "planner_inputs",
     "row_count",
@@ -122,6 +124,14 @@ def block_size(shape: Shape, rows_per_block: int) -> int:
     128 rows gets 64-row blocks), so blocks always tile the tensor.
     """
     return math.gcd(rows_per_block, row_count(shape)) * row_length(shape)
+
+
+def dim0_block_rows(shapes: Sequence[Shape], rows_per_block: int | None) -> list[int]:
+    """``block_size_fn``'s answer per parameter as the bench's ``--block-rows`` gives it:
+    ``rows_per_block`` dim-0 rows for a tensor of 2 or more dims whose dim 0 it divides,
+    else one row (``fully_shard`` counts blocks in dim-0 rows, not in the rows above)."""
+    rows = rows_per_block or 1
+    return [rows if len(shape) >= 2 and shape[0] % rows == 0 else 1 for shape in shapes]
 
 
 def planner_inputs(unit: Unit, rows_per_block: int) -> tuple[list[int], list[int]]:

@@ -1,16 +1,22 @@
-"""Padding per rank on the catalogue models, one buffer per unit against split units.
+"""Padding per rank on the catalogue models: ours against FSDP2's, and split units.
 
 ``python -m vescale_plugins.tools.padding_table [--json docs/padding_table.json]`` (or
-``vescale-padding-table``) prints
-a markdown table and writes the same figures as JSON. For every catalogue model, world size
-``W`` in ``WORLD_SIZES`` and block granularity in ``ROWS_PER_BLOCK``, summed over the
-model's units (embedding, each transformer block, final norm + head):
+``vescale-padding-table``) prints two markdown tables and writes the same figures as JSON.
+Figures are summed over every unit of the model (embedding, each transformer block, final
+norm + head).
 
-* **before**: one buffer per unit (:func:`plan_layout`), the runtime's layout so far;
-* **after**: the split :func:`choose_split` picks under the default alpha-beta ring model
-  (10 us per ring step, 100 GB/s, bf16), and the largest buffer count it uses in a unit;
-* **least with <= 4 buffers**: the least padding any plan with at most 4 buffers per unit
-  reaches (``unit_plan_options``), whatever its collective cost.
+1. **Ours against FSDP2** (:func:`fsdp2_rows`), for every catalogue model and ``W`` in
+   ``FSDP2_WORLD_SIZES``: the layout ``fully_shard`` plans (:func:`.dbuffer.planning.plan_buffers`,
+   bf16 parameters and collectives, its default cost) with no ``block_size_fn`` (one dim-0
+   row per block) and with ``block_size_fn`` giving 16 or 128 rows to every parameter of 2
+   or more dims whose dim 0 they divide; FSDP2's padding (every parameter's dim 0 padded to
+   a multiple of ``W``); the planner's lower bound for one buffer per unit; and the modelled
+   all-gather time of one forward over every unit (NCCL's model, one collective per buffer,
+   FSDP2 one per unit).
+2. **One buffer per unit against split units** (:func:`padding_rows`), on the catalogue's
+   last-dim rows: **before**, one buffer per unit (:func:`plan_layout`); **after**, the split
+   :func:`choose_split` picks under its default NCCL model with no padding cap; **least with
+   <= 4 buffers**, whatever the collectives cost.
 
 Padding per rank is in MiB of bf16 (2 bytes per element): ``sum(count * padding) / W``.
 """
@@ -24,17 +30,125 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vescale_plugins.planner.cost import RingCost, choose_split
+import torch
+
+from vescale_plugins.dbuffer.planning import (
+    ALIGNMENT_BYTES,
+    BufferSplitCost,
+    plan_buffers,
+)
+from vescale_plugins.dbuffer.planning import (
+    planner_inputs as dbuffer_inputs,
+)
+from vescale_plugins.planner.baselines import fsdp2_padding
+from vescale_plugins.planner.bounds import padding_lower_bound
+from vescale_plugins.planner.cost import CollectiveCost, choose_split
 from vescale_plugins.planner.search import plan_layout
 from vescale_plugins.planner.split import unit_plan_options
-from vescale_plugins.tools.model_catalog import CATALOG, planner_inputs
+from vescale_plugins.tools.model_catalog import CATALOG, dim0_block_rows, planner_inputs
 
-__all__ = ["padding_rows", "markdown"]
+__all__ = ["fsdp2_markdown", "fsdp2_rows", "markdown", "padding_rows"]
 
 WORLD_SIZES = (64, 256, 1024)
 ROWS_PER_BLOCK = (16, 128)
 MAX_BUFFERS = 4
 BYTES_PER_ELEMENT = 2
+FSDP2_WORLD_SIZES = (64, 1024, 8192)
+FSDP2_ROWS_PER_BLOCK = (1, 16, 128)
+
+
+def fsdp2_rows(
+    models: Sequence[str] = tuple(CATALOG),
+    world_sizes: Sequence[int] = FSDP2_WORLD_SIZES,
+    rows_per_block: Sequence[int] = FSDP2_ROWS_PER_BLOCK,
+) -> list[dict]:
+    """One dict per (model, W, rows per block): payload, our padding and most buffers per
+    unit, the single-buffer lower bound, FSDP2's padding (elements), and the modelled
+    all-gather seconds of one pass over the units, ours and FSDP2's (module docstring)."""
+    cost = CollectiveCost()
+    out = []
+    for model in (CATALOG[name] for name in models):
+        for world in world_sizes:
+            for rows in rows_per_block:
+                row = dict.fromkeys(("payload", "ours", "bound", "fsdp2"), 0) | {"buffers": 0}
+                ours_s = fsdp2_s = 0.0
+                for unit in model.units:
+                    shapes = [torch.Size(shape) for _, shape in unit.params]
+                    block_rows = dim0_block_rows([s for _, s in unit.params], rows)
+                    plans = plan_buffers(shapes, block_rows, torch.bfloat16, torch.bfloat16, world, BufferSplitCost())
+                    numels, blocks, alignment = dbuffer_inputs(shapes, block_rows, torch.bfloat16)
+                    padding = sum(p.layout.padding for p in plans)
+                    theirs = fsdp2_padding(shapes, [n // s[0] for n, s in zip(numels, shapes)], world)
+                    row["payload"] += unit.count * sum(numels)
+                    row["ours"] += unit.count * padding
+                    row["bound"] += unit.count * padding_lower_bound(numels, blocks, world, alignment=alignment)
+                    row["fsdp2"] += unit.count * theirs
+                    row["buffers"] = max(row["buffers"], len(plans))
+                    ours_s += unit.count * cost.unit_seconds([p.layout for p in plans], BYTES_PER_ELEMENT)
+                    fsdp2_s += unit.count * cost.seconds((sum(numels) + theirs) * BYTES_PER_ELEMENT, world)
+                out.append(
+                    {
+                        "model": model.name,
+                        "world_size": world,
+                        "rows_per_block": rows,
+                        "payload_elements": row["payload"],
+                        "padding_elements": row["ours"],
+                        "max_buffers_per_unit": row["buffers"],
+                        "single_buffer_bound_elements": row["bound"],
+                        "fsdp2_padding_elements": row["fsdp2"],
+                        "all_gather_s": ours_s,
+                        "fsdp2_all_gather_s": fsdp2_s,
+                    }
+                )
+    return out
+
+
+def fsdp2_markdown(rows: list[dict]) -> str:
+    """The table of :func:`fsdp2_rows`: padding % of the payload per (model, W)."""
+    cost = CollectiveCost()
+    by_key = {(r["model"], r["world_size"], r["rows_per_block"]): r for r in rows}
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    worlds = list(dict.fromkeys(r["world_size"] for r in rows))
+    granularities = sorted({r["rows_per_block"] for r in rows})
+    blocked = [g for g in granularities if g != 1]
+    lines = [
+        "Padding per rank as % of the payload, every unit of the model, bf16 parameters and "
+        f"collectives ({ALIGNMENT_BYTES}-byte aligned: 8 elements). Ours: the layout `fully_shard` "
+        "plans (buffers: the most one unit gets). FSDP2: every parameter's dim 0 padded to a "
+        "multiple of W (FSDP2 cannot keep blocks whole; its figure is the same for every "
+        "granularity). Bound: the least padding of one buffer per unit with those blocks. "
+        "All-gather ms: one forward's all-gathers over every unit under NCCL's model "
+        f"(`CollectiveCost()`: {cost.gpus_per_node} GPUs per node, ring), ours one per buffer, "
+        "FSDP2 one per unit.",
+        "",
+        "| model | W | FSDP2 % | ours, no blocks % (buffers) | all-gather ms, ours / FSDP2 | "
+        + " | ".join(f"ours, {g}-row % (buffers) / bound %" for g in blocked)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(blocked),
+    ]
+    for model in models:
+        for world in worlds:
+            plain = by_key[(model, world, 1)]
+            payload = plain["payload_elements"]
+
+            def pct(elements: int, payload: int = payload) -> str:
+                return f"{100 * elements / payload:.4f}"
+
+            cells = [
+                model,
+                str(world),
+                pct(plain["fsdp2_padding_elements"]),
+                f"{pct(plain['padding_elements'])} ({plain['max_buffers_per_unit']})",
+                f"{1e3 * plain['all_gather_s']:.0f} / {1e3 * plain['fsdp2_all_gather_s']:.0f}",
+            ]
+            for g in blocked:
+                r = by_key[(model, world, g)]
+                cells.append(
+                    f"{pct(r['padding_elements'])} ({r['max_buffers_per_unit']}) / "
+                    f"{pct(r['single_buffer_bound_elements'])}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def padding_rows(
@@ -83,15 +197,12 @@ def _mib_per_rank(elements: int, world: int) -> float:
 
 def markdown(rows: list[dict]) -> str:
     """The table: MiB of padding per rank, with % of the payload in brackets."""
-    cost = RingCost()
     lines = [
-        f"Padding per rank in MiB of bf16 (and % of the payload), every unit of the model. "
-        f"Before: one buffer per unit. After: the split `choose_split` picks with "
-        f"alpha = {cost.alpha_s * 1e6:.0f} us per ring step and beta = "
-        f"{cost.beta_bytes_per_s / 1e9:.0f} GB/s (an extra buffer must save "
-        f"{cost.break_even_elements() / 1e3:.0f}K elements per rank), with the most buffers "
-        f"it uses in one unit. Least: the least padding with at most {MAX_BUFFERS} buffers "
-        "per unit, whatever the collectives cost.",
+        "Padding per rank in MiB of bf16 (and % of the payload), every unit of the model, "
+        "blocks of k last-dim rows. Before: one buffer per unit. After: the split "
+        "`choose_split` picks under NCCL's model (`CollectiveCost()`, no padding cap), with "
+        f"the most buffers it uses in one unit. Least: the least padding with at most "
+        f"{MAX_BUFFERS} buffers per unit, whatever the collectives cost.",
         "",
         "| model | rows/block | W | before MiB (%) | after MiB (%) | buffers/unit | least, <= 4 buffers, MiB (%) |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -117,7 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    against = fsdp2_rows()
     rows = padding_rows()
+    print("### Ours against FSDP2\n")
+    print(fsdp2_markdown(against))
+    print("\n### One buffer per unit against split units\n")
     print(markdown(rows))
     print(f"\n_Generated by `python -m vescale_plugins.tools.padding_table` in {time.perf_counter() - start:.1f} s._")
     if args.json is not None:
@@ -127,8 +242,11 @@ def main(argv: list[str] | None = None) -> None:
                 {
                     "world_sizes": list(WORLD_SIZES),
                     "rows_per_block": list(ROWS_PER_BLOCK),
-                    "cost_model": dataclasses.asdict(RingCost()),
+                    "cost_model": dataclasses.asdict(CollectiveCost()),
                     "rows": rows,
+                    "fsdp2_world_sizes": list(FSDP2_WORLD_SIZES),
+                    "fsdp2_rows_per_block": list(FSDP2_ROWS_PER_BLOCK),
+                    "fsdp2_rows": against,
                 },
                 indent=1,
             )

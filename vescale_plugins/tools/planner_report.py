@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vescale_plugins.planner import CostModel, clear_plan_cache, plan_layout, plan_unit, unit_plan_options
+from vescale_plugins.planner import CollectiveCost, choose_split, clear_plan_cache, plan_layout, unit_plan_options
 from vescale_plugins.planner.baselines import flat_padding_and_cut_blocks, fsdp2_padding, megatron_fsdp_padding
 from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.split_bounds import split_padding_lower_bound
@@ -97,7 +97,7 @@ def split(model: ModelUnits, world_size: int, rows: int) -> Split:
         numels, blocks = planner_inputs(unit, rows)
         start = time.perf_counter()
         options = unit_plan_options(numels, blocks, world_size)
-        plan = plan_unit(numels, blocks, world_size)
+        plan = choose_split(numels, blocks, world_size)
         cell.seconds += time.perf_counter() - start
         cell.payload += unit.count * sum(numels)
         for k, budget in enumerate(SPLIT_BUDGETS):
@@ -284,14 +284,16 @@ def main() -> None:
     keys = [(rows, model, world) for rows in GRANULARITIES for model in CATALOG for world in WORLD_SIZES]
     singles = {key: single_buffer(CATALOG[key[1]], key[2], key[0]) for key in keys}
     splits = {key: split(CATALOG[key[1]], key[2], key[0]) for key in keys}
-    cost = CostModel()
+    cost = CollectiveCost()
     out = [
         "## Planner report",
         "",
         "Padding % = padding elements / payload elements over every unit of the model; "
         "the lower bound is the least padding any single buffer per unit can have. "
-        f"Split cost model: {cost.collective_latency_s * 1e6:.0f} us per collective, "
-        f"{cost.bandwidth_bytes_per_s / 1e9:.0f} GB/s, {cost.bytes_per_element} bytes per "
+        f"Split cost model: NCCL's tuner model (`CollectiveCost`, docs/planner.md): ring "
+        f"{cost.base_latency_s * 1e6:.1f} us + {cost.intra_step_s * 1e6:.1f} us per NVLink step + "
+        f"{cost.inter_step_s * 1e6:.0f} us per network step, {cost.gpus_per_node} GPUs per node, "
+        f"{cost.inter_bandwidth / 1e9:.0f} GB/s across nodes, 2 bytes per "
         "element. Plan ms: the whole model from a cold cache.",
         "",
     ]
