@@ -24,6 +24,7 @@ from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.runtime.dynamo import eager_hook
+from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -90,12 +91,14 @@ class FSDPParamGroup:
     def _build(self, specs: list[ParamSpec], cost: BufferSplitCost) -> list[FSDPParam]:
         """The DBuffers of each (mesh, dtype, requires_grad) group, as many as the planner's
         split says, each parameter sharded into its slot."""
-        by_group: dict[tuple[DeviceMesh, torch.dtype, bool], list[int]] = {}
+        # Subclasses with all-gather extensions apart: their DBuffers gather only their inputs.
+        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool], list[int]] = {}
         for i, spec in enumerate(specs):
-            by_group.setdefault((spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad), []).append(i)
+            key = (spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad, defines_extension(spec.param))
+            by_group.setdefault(key, []).append(i)
         meshes = {self.mesh: UnitMesh.of(self.mesh)}
         built: list[FSDPParam | None] = [None] * len(specs)
-        for (mesh, dtype, _), indices in by_group.items():
+        for (mesh, dtype, _, _), indices in by_group.items():
             unit_mesh = meshes.setdefault(mesh, UnitMesh.of(mesh))
             members = [specs[i] for i in indices]
             shapes, block_rows = [s.local.shape for s in members], [s.block_rows for s in members]
@@ -178,6 +181,7 @@ class FSDPParamGroup:
                     old.layout,
                 )
                 buffer.dbuffer.label = old.label
+                buffer.extensions = None  # its input buffers follow the DBuffer's device
             for fsdp_param, old_local in zip(members, locals_):
                 fsdp_param.readopt_local(old_local)
 
@@ -205,10 +209,7 @@ class FSDPParamGroup:
             for member in fsdp_param.buffer.params:
                 member.replace_sharded(value.device)
             self.readopt_sharded_params()
-        with torch.no_grad():
-            fsdp_param.dbuffer.sharded_view(fsdp_param.slot).reshape(-1).copy_(
-                fsdp_param.local_value_of(value).reshape(-1)
-            )
+        fsdp_param.write_local(fsdp_param.local_value_of(value))
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
@@ -222,7 +223,7 @@ class FSDPParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return all(b.is_unsharded for b in self.dbuffers)
+        return all(b.is_unsharded for b in self.buffers)
 
     def check_materialized(self) -> None:
         for fsdp_param in self.fsdp_params:
@@ -238,7 +239,29 @@ class FSDPParamGroup:
             return
         self.check_materialized()
         with outside_functorch():
-            self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
+            self._pending_unshard = [h for b in self.buffers for h in self._all_gather(b, async_op)]
+
+    def _all_gather(self, buffer: ShardedBuffer, async_op: bool) -> list[GatherHandle]:
+        """The DBuffer's all-gather, and its extension parameters' through their inputs (the
+        DBuffer's own only when some parameter has none)."""
+        extended = [p for p in buffer.params if has_extension(p.sharded._local_tensor)]
+        if buffer.extensions is not None:
+            buffer.extensions.ran_on = set()
+        handles = [buffer.dbuffer.all_gather(async_op=async_op)] if len(extended) < len(buffer.params) else []
+        if extended:
+            for p in extended:
+                check_extension_param(
+                    p.fqn,
+                    p.sharded._local_tensor,
+                    p.dbuffer.slots[p.slot].shape,
+                    parallel=p.parallel is not None,
+                    own_mesh=buffer.mesh.mesh is not self.mesh,
+                    group_size=is_group_size(self.reshard_after_forward),
+                )
+            if buffer.extensions is None:
+                buffer.extensions = ExtensionGather(buffer)
+            handles += buffer.extensions.all_gather(extended, self.mp_policy, async_op)
+        return handles
 
     def wait_for_unshard(self) -> None:
         with outside_functorch():
@@ -258,8 +281,10 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
-        for dbuffer in self.dbuffers:
-            dbuffer.release_unsharded()
+        for buffer in self.buffers:
+            buffer.dbuffer.release_unsharded()
+            if buffer.extensions is not None:
+                buffer.extensions.release()
 
     def _reshard_to_post_forward_group(self) -> None:
         """``reshard_after_forward=k``: keep the parameters sharded over groups of k
