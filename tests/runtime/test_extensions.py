@@ -145,6 +145,40 @@ def test_inputs_padded_to_fsdp2_chunks_are_refused_on_every_rank(dist_run):
     dist_run(_padded_inputs_are_refused_on_every_rank, 2, timeout=T)
 
 
+def _extensions_get_fsdp2s_arguments():
+    """Monkey-patched on plain local shards (views of the DBuffer) after fully_shard: each
+    pre-all-gather gets the shard mesh, the full size and contiguous stride, the owning module
+    and the policy, as FSDP2 passes them."""
+    calls = []
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls.append((mesh, tuple(outer_size), tuple(outer_stride), module, mp_policy))
+        return (self,), None
+
+    def post(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (tensor,) = all_gather_outputs
+        return None if out is not None else (tensor, (tensor,))
+
+    model = nn.Sequential(nn.Linear(3, 9), nn.Linear(9, 3))
+    reference = [p.detach().clone() for p in model.parameters()]
+    policy = MixedPrecisionPolicy()
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    for p in model.parameters():
+        p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
+        p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
+    mesh = model[0].weight.device_mesh
+    model(torch.randn(2, 3))
+    want = {((9, 3), (3, 1), 0), ((9,), (1,), 0), ((3, 9), (9, 1), 1), ((3,), (1,), 1)}
+    assert {(size, stride, list(model).index(module)) for _, size, stride, module, _ in calls} == want
+    assert all(m is mesh and mp is policy for m, _, _, _, mp in calls)
+    for p, value in zip(model.parameters(), reference):  # gathered through the extension
+        torch.testing.assert_close(p, value, **EXACT)
+
+
+def test_extensions_get_fsdp2s_arguments(dist_run):
+    dist_run(_extensions_get_fsdp2s_arguments, 2, timeout=T)
+
+
 class _PreOnly(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh):
         return (self,), None
