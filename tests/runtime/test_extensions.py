@@ -43,9 +43,16 @@ def _model(weight_cls, pad_to_chunks, dims):
     return model
 
 
+def _plain_value(tensor):
+    """The full-precision values a weight wraps (ours, torchao's) or the tensor itself."""
+    for inner in ("_data", "_tensor"):
+        if hasattr(tensor, inner):
+            return getattr(tensor, inner)
+    return tensor
+
+
 def _plain(tensor):
-    local = tensor._local_tensor
-    return local._data if isinstance(local, (Float8Weight, MXFP8Weight)) else local
+    return _plain_value(tensor._local_tensor)
 
 
 def _full(param):
@@ -56,10 +63,10 @@ def _full(param):
     return torch.cat(pieces)
 
 
-def _train(shard, weight_cls, pad_to_chunks, mp_policy):
+def _train(shard, weight_cls, pad_to_chunks, mp_policy, reshard_after_forward):
     model = _model(weight_cls, pad_to_chunks, UNEVEN if weight_cls is Float8Weight else EVEN)
     for linear in model[::2]:
-        shard(linear, mp_policy=mp_policy)
+        shard(linear, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     shard(model, mp_policy=mp_policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -73,10 +80,10 @@ def _train(shard, weight_cls, pad_to_chunks, mp_policy):
     return model, losses
 
 
-def _trains_like_fsdp2(weight_cls, mp):
+def _trains_like_fsdp2(weight_cls, mp, reshard_after_forward=True):
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else MixedPrecisionPolicy()
-    ours, our_losses = _train(fully_shard, weight_cls, False, mp_policy)
-    theirs, their_losses = _train(torch_fully_shard, weight_cls, True, mp_policy)
+    ours, our_losses = _train(fully_shard, weight_cls, False, mp_policy, reshard_after_forward)
+    theirs, their_losses = _train(torch_fully_shard, weight_cls, True, mp_policy, reshard_after_forward)
     extended = [n for n, p in ours.named_parameters() if isinstance(p._local_tensor, weight_cls)]
     assert len(extended) == 3, extended
     # Exact at W=2; at W=3 our point-to-point reduce-scatter sums the ranks' gradients in
@@ -88,16 +95,6 @@ def _trains_like_fsdp2(weight_cls, mp):
     torch.testing.assert_close(our_losses, their_losses, **loss_tol)
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         torch.testing.assert_close(_full(p), _full(q), **param_tol, msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("weight_cls", [Float8Weight, MXFP8Weight], ids=["float8", "mxfp8"])
-def test_extension_weights_train_like_fsdp2(dist_run, world_size, weight_cls):
-    dist_run(_trains_like_fsdp2, world_size, weight_cls, False, timeout=T)
-
-
-def test_mxfp8_weights_with_mixed_precision_train_like_fsdp2(dist_run):
-    dist_run(_trains_like_fsdp2, 2, MXFP8Weight, True, timeout=T)
 
 
 def _gathered_from_views_of_buffers_per_kind():
@@ -119,16 +116,13 @@ def _gathered_from_views_of_buffers_per_kind():
     assert (data.dtype, scales.dtype) == (torch.float8_e4m3fn, torch.float8_e8m0fnu)
     assert data.shard_size == BLOCK * scales.shard_size
     assert not extended.dbuffer.is_unsharded  # the fp32 weights were never gathered
+    assert extended.dbuffer.sharded.untyped_storage().size() == 0  # they live in the weights' own storage
     for p in extended.params:
         assert p.owns_local and fsdp_param_of(p.sharded) is p
     model.unshard()
     for name, value in wanted.items():
         torch.testing.assert_close(model.get_parameter(name), value, **EXACT)
         assert data.holds(model.get_parameter(name)) is False  # dequantised into its own tensor
-
-
-def test_mxfp8_gathered_from_views_of_buffers_per_kind(dist_run):
-    dist_run(_gathered_from_views_of_buffers_per_kind, 3, timeout=T)
 
 
 def _padded_inputs_are_refused_on_every_rank():
@@ -139,10 +133,6 @@ def _padded_inputs_are_refused_on_every_rank():
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, str(raised.value))
     assert any("parameter '0.weight'" in m for m in messages), messages
-
-
-def test_inputs_padded_to_fsdp2_chunks_are_refused_on_every_rank(dist_run):
-    dist_run(_padded_inputs_are_refused_on_every_rank, 2, timeout=T)
 
 
 def _extensions_get_fsdp2s_arguments():
@@ -175,8 +165,46 @@ def _extensions_get_fsdp2s_arguments():
         torch.testing.assert_close(p, value, **EXACT)
 
 
-def test_extensions_get_fsdp2s_arguments(dist_run):
-    dist_run(_extensions_get_fsdp2s_arguments, 2, timeout=T)
+def _torchao_float8_trains_like_replicated(precompute_scales):
+    """torchao's float8 training with ``enable_fsdp_float8_all_gather=True`` (its
+    ``WeightWithDynamicFloat8CastTensor``), against the same model replicated with its
+    gradients all-reduced: FSDP2 itself cannot run it on gloo (no float8 collectives); ours
+    gathers the float8 bytes. The weight's scale is the global amax either way, so the float8
+    weights, and the steps, are the same (exactly at W=2)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.fsdp_utils import precompute_float8_dynamic_scale_for_fsdp
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.ReLU(), nn.Linear(96, 48, bias=False))
+        return convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+
+    ours, reference = build(), build()
+    for linear in ours[::2]:
+        fully_shard(linear)
+    fully_shard(ours)
+    assert all(type(p._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor" for p in ours.parameters())
+    opt, ref_opt = torch.optim.AdamW(ours.parameters(), lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    world = dist.get_world_size()
+    tol, param_tol = (EXACT, EXACT) if world == 2 else (TOL, PARAM_TOL)
+    torch.manual_seed(1 + dist.get_rank())
+    for _ in range(STEPS):
+        batch = torch.randn(4, 64)
+        loss, ref_loss = (model(batch).float().pow(2).mean() for model in (ours, reference))
+        loss.backward()
+        ref_loss.backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if precompute_scales:  # torchtitan's default: one all-reduce for every scale
+            precompute_float8_dynamic_scale_for_fsdp(ours)
+    for (name, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(_full(p), _plain_value(q).reshape(-1), **param_tol, msg=lambda m: f"{name}: {m}")
 
 
 class _PreOnly(torch.Tensor):
@@ -192,6 +220,40 @@ def _setup_refusals():
     model = _model(Float8Weight, False, UNEVEN)
     with pytest.raises(NotImplementedError, match="'0.weight'.*reshard_after_forward=<int>"):
         fully_shard(model, reshard_after_forward=2)
+
+
+# -- the cases, grouped by world size (one pool of ranks per size) ---------------------
+
+
+def test_extensions_get_fsdp2s_arguments(dist_run):
+    dist_run(_extensions_get_fsdp2s_arguments, 2, timeout=T)
+
+
+def test_inputs_padded_to_fsdp2_chunks_are_refused_on_every_rank(dist_run):
+    dist_run(_padded_inputs_are_refused_on_every_rank, 2, timeout=T)
+
+
+@pytest.mark.parametrize("weight_cls", [Float8Weight, MXFP8Weight], ids=["float8", "mxfp8"])
+def test_extension_weights_with_mixed_precision_kept_after_forward_train_like_fsdp2(dist_run, weight_cls):
+    dist_run(_trains_like_fsdp2, 2, weight_cls, True, False, timeout=T)
+
+
+def test_torchao_float8_all_gather_with_dynamic_scales_trains_like_replicated(dist_run):
+    dist_run(_torchao_float8_trains_like_replicated, 2, False, timeout=T)
+
+
+@pytest.mark.parametrize("weight_cls", [Float8Weight, MXFP8Weight], ids=["float8", "mxfp8"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_extension_weights_train_like_fsdp2(dist_run, world_size, weight_cls):
+    dist_run(_trains_like_fsdp2, world_size, weight_cls, False, timeout=T)
+
+
+def test_mxfp8_gathered_from_views_of_buffers_per_kind(dist_run):
+    dist_run(_gathered_from_views_of_buffers_per_kind, 3, timeout=T)
+
+
+def test_torchao_float8_all_gather_with_precomputed_scales_trains_like_replicated(dist_run):
+    dist_run(_torchao_float8_trains_like_replicated, 3, True, timeout=T)
 
 
 def test_unsupported_extensions_are_refused_at_fully_shard(dist_run):

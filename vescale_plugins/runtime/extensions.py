@@ -125,6 +125,7 @@ class ExtensionGather:
         self._buffers_of: dict[int, list[InputBuffer]] = {}  # each slot's, in its inputs' order
         self.gathered: dict[int, _Gathered] = {}
         self.ran_on: set[int] = set()  # slots the last all-gather ran through their extension
+        self.awaiting_post: set[int] = set()  # of those, the ones not yet post-all-gathered
 
     @property
     def is_unsharded(self) -> bool:
@@ -168,6 +169,7 @@ class ExtensionGather:
                 for slot, index in pieces:
                     buffer.sharded_piece(slot).copy_(inputs[slot][index].reshape(-1))
         self.ran_on = {p.slot for p in members}
+        self.awaiting_post = set(self.ran_on)
         return [buffer.all_gather(async_op=async_op) for buffer, _ in self.inputs]
 
     def _pre_all_gather(self, fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> list[torch.Tensor]:
@@ -225,6 +227,7 @@ class ExtensionGather:
         """The unsharded parameter's tensor from the gathered inputs (views), or ``None`` when
         the extension refilled the existing one (``out=``, every all-gather after the first)."""
         slot = fsdp_param.slot
+        self.awaiting_post.discard(slot)
         state = self.gathered[slot]
         outputs = [b.gathered(slot).view(-1, *shape) for b, shape in zip(self._buffers_of[slot], state.trailing)]
         local = fsdp_param.sharded._local_tensor

@@ -51,6 +51,13 @@ class ShardedBuffer:
     params: list[FSDPParam]
     extensions: ExtensionGather | None = None
 
+    def release_unused_shards(self) -> None:
+        """Free the DBuffer's sharded buffer where no parameter keeps its data there (each is a
+        subclass with all-gather extensions, whose local tensor has its own storage)."""
+        sharded = self.dbuffer.sharded
+        if self.params and all(p.owns_local for p in self.params) and sharded.device.type != "meta":
+            sharded.untyped_storage().resize_(0)
+
     @property
     def is_unsharded(self) -> bool:
         extensions = self.extensions
@@ -213,9 +220,10 @@ class FSDPParam:
             self.unsharded = None
         if by_extension:
             assert extensions is not None  # by_extension says so
-            tensor = extensions.post_all_gather(self, self.dbuffer.param_dtype)
-            if tensor is not None:
-                self._make_unsharded(tensor, after_gradient)
+            if self.slot in extensions.awaiting_post:  # once per all-gather, as FSDP2
+                tensor = extensions.post_all_gather(self, self.dbuffer.param_dtype)
+                if tensor is not None:
+                    self._make_unsharded(tensor, after_gradient)
             self.unsharded_by_extension = True
         elif self.unsharded is None:
             view = self.dbuffer.unsharded_view(self.slot)

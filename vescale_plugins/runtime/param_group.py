@@ -116,6 +116,7 @@ class FSDPParamGroup:
                 buffer = ShardedBuffer(dbuffer, unit_mesh, [])
                 for slot, spec in enumerate(in_buffer):
                     buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
+                buffer.release_unused_shards()
                 self.buffers.append(buffer)
                 for position, fsdp_param in zip(plan.positions, buffer.params):
                     built[indices[position]] = fsdp_param
@@ -184,6 +185,7 @@ class FSDPParamGroup:
                 buffer.extensions = None  # its input buffers follow the DBuffer's device
             for fsdp_param, old_local in zip(members, locals_):
                 fsdp_param.readopt_local(old_local)
+            buffer.release_unused_shards()
 
     def adopt_assigned(self, fsdp_param: FSDPParam, value: nn.Parameter) -> nn.Parameter | None:
         """``module.<name> = value`` on a managed parameter (``load_state_dict(assign=True)``
@@ -245,6 +247,12 @@ class FSDPParamGroup:
         """The DBuffer's all-gather, and its extension parameters' through their inputs (the
         DBuffer's own only when some parameter has none)."""
         extended = [p for p in buffer.params if has_extension(p.sharded._local_tensor)]
+        for p in buffer.params:
+            if p.owns_local and p not in extended:
+                raise RuntimeError(
+                    f"parameter {p.fqn!r} was a {type(p.sharded._local_tensor).__name__} with all-gather extensions "
+                    "at fully_shard and has none now: its data is in its local tensor, not in a DBuffer"
+                )
         if buffer.extensions is not None:
             buffer.extensions.ran_on = set()
         handles = [buffer.dbuffer.all_gather(async_op=async_op)] if len(extended) < len(buffer.params) else []
