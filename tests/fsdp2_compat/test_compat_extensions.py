@@ -378,7 +378,8 @@ def _all_gather_extension_outer_size_stride(impl):
     "the mesh size); veScale-FSDP's shards are the planner's whole rows without padding, so such inputs are "
     "refused on every rank naming the parameter "
     "(tests/runtime/test_extensions.py::test_inputs_padded_to_fsdp2_chunks_are_refused_on_every_rank); "
-    "outer_size and outer_stride themselves are checked there too"
+    "that outer_size and outer_stride reach the extension is checked in "
+    "tests/runtime/test_extensions.py::test_extensions_get_fsdp2s_arguments"
 )
 def test_all_gather_extension_outer_size_stride(dist_run, impl):
     dist_run(_all_gather_extension_outer_size_stride, 2, impl, timeout=T)
