@@ -4,7 +4,7 @@ Managed modules are ``torch.distributed.fsdp.FSDPModule`` instances; every publi
 FSDP2 2.13's FSDPModule has is ours (none falls through to FSDP2's internals) and either
 works as FSDP2's or raises NotImplementedError saying what to do. Also: ``unshard`` handles,
 deepcopy refusal, ``cast_forward_inputs`` into dataclasses and grouped units, tensor
-extensions refused, RaggedShard pickling, and import-order independence of the DTensor
+extensions with an invalid signature refused, RaggedShard pickling, and import-order independence of the DTensor
 patches (in a fresh interpreter).
 """
 
@@ -252,7 +252,9 @@ def test_cast_forward_inputs_reaches_dataclasses_and_every_grouped_module(dist_r
 
 
 class _WithAllGatherExtension(torch.Tensor):
-    """The smallest tensor subclass FSDP2 treats as an all-gather extension."""
+    """The smallest tensor subclass FSDP2 treats as an all-gather extension, with a
+    ``fsdp_pre_all_gather`` signature neither FSDP2's old nor its new one (FSDP2 fails at its
+    first all-gather)."""
 
     @staticmethod
     def __new__(cls, data):
@@ -270,7 +272,7 @@ def _tensor_extensions_refused():
     model.weight = nn.Parameter(_WithAllGatherExtension(model.weight.detach()))
     assert hasattr(model.weight, "fsdp_pre_all_gather")
     before = {n: p for n, p in model.named_parameters()}
-    with pytest.raises(NotImplementedError, match=r"'weight'.*fsdp_pre_all_gather, fsdp_post_all_gather"):
+    with pytest.raises(TypeError, match=r"'weight'.*invalid fsdp_pre_all_gather"):
         vescale_plugins.fully_shard(model)
     assert dict(model.named_parameters()) == before and not isinstance(model, FSDPModule)
 

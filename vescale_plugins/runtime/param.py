@@ -19,8 +19,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement
 
 from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.dbuffer.planning import row_numel
 from vescale_plugins.ragged.dtensor import make_dtensor, set_local_tensor
 from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.runtime.extensions import ExtensionGather, defines_extension
 from vescale_plugins.runtime.mesh import UnitMesh
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
@@ -41,11 +43,28 @@ __all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
 @dataclass
 class ShardedBuffer:
     """One DBuffer of a unit, the mesh it shards over, and the parameters it holds (in slot
-    order). ``dbuffer`` is replaced when ``module.to()`` or ``to_empty()`` moves the unit."""
+    order). ``dbuffer`` is replaced when ``module.to()`` or ``to_empty()`` moves the unit;
+    ``extensions`` gathers the parameters with all-gather extensions (made at their first)."""
 
     dbuffer: DBuffer
     mesh: UnitMesh
     params: list[FSDPParam]
+    extensions: ExtensionGather | None = None
+
+    def release_unused_shards(self) -> None:
+        """Free the DBuffer's sharded buffer where no parameter keeps its data there (each is a
+        subclass with all-gather extensions, whose local tensor has its own storage)."""
+        sharded = self.dbuffer.sharded
+        if self.params and all(p.owns_local for p in self.params) and sharded.device.type != "meta":
+            sharded.untyped_storage().resize_(0)
+
+    @property
+    def is_unsharded(self) -> bool:
+        extensions = self.extensions
+        if extensions is None or not extensions.ran_on:
+            return self.dbuffer.is_unsharded
+        plain_too = len(extensions.ran_on) < len(self.params)
+        return extensions.is_unsharded and (not plain_too or self.dbuffer.is_unsharded)
 
 
 class FSDPParam:
@@ -74,6 +93,11 @@ class FSDPParam:
         # shared across units, which an outer unit must refuse.
         self.original: Callable[[], nn.Parameter | None] = weakref.ref(original)
         self.unsharded: nn.Parameter | None = None
+        self.unsharded_by_extension = False  # the unsharded face came from fsdp_post_all_gather
+        # A tensor subclass with all-gather extensions keeps its sharded local tensor an
+        # instance of its class with its own storage, as FSDP2's: the DBuffer slot only lays out
+        # its gradient and its extension's inputs.
+        self.owns_local = defines_extension(original)
         # Gradients of micro-batches that did not sync, in the reduce dtype when it differs from
         # the unsharded parameters' (FSDP2 accumulates there, not in bf16 on the parameter).
         self.accumulated_grad: torch.Tensor | None = None
@@ -102,7 +126,12 @@ class FSDPParam:
         (dp, tp) mesh with the ragged cut on the dp dim (see ``tensor_parallel``)."""
         slot = self.dbuffer.slots[self.slot]
         local = self.dbuffer.sharded_view(self.slot)
-        if param.device.type != "meta":
+        if self.owns_local:
+            rows = row_numel(slot.shape)
+            with torch.no_grad():
+                start = self.slice_start() // rows if slot.local_length else 0
+                local = _local(param).detach().narrow(0, start, slot.local_length // rows).clone()
+        elif param.device.type != "meta":
             with torch.no_grad():
                 flat = _local(param).detach().reshape(-1)
                 start = self.slice_start()
@@ -143,18 +172,28 @@ class FSDPParam:
     def readopt_local(self, old_local: torch.Tensor) -> None:
         """Point the sharded face at its view of the (possibly new) DBuffer, copying what the
         replaced local tensor held."""
+        self.unsharded = None
+        if self.owns_local:
+            return  # the sharded face keeps the local tensor it was given
         view = self.dbuffer.sharded_view(self.slot)
         if old_local.device.type != "meta":
             with torch.no_grad():
                 view.copy_(old_local)
         set_local_tensor(self.sharded, view)
-        self.unsharded = None
 
     def holds_its_view(self) -> bool:
         """Whether the sharded face still is its view of the DBuffer (``to_empty``/``_apply``
         replace local tensors)."""
         local = self.sharded._local_tensor
+        if self.owns_local:
+            return local.device == self.dbuffer.sharded.device and local.dtype == self.dbuffer.dtype
         return _same_storage(local, self.dbuffer.sharded_view(self.slot)) and local.dtype == self.dbuffer.dtype
+
+    def write_local(self, values: torch.Tensor) -> None:
+        """Copy this rank's part (flat ``values``) into the sharded face's storage."""
+        target = self.sharded._local_tensor if self.owns_local else self.dbuffer.sharded_view(self.slot)
+        with torch.no_grad():
+            target.reshape(-1).copy_(values.reshape(-1))
 
     def local_value_of(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``value``: a full tensor, or a DTensor of any placement over the
@@ -173,14 +212,30 @@ class FSDPParam:
     # -- the unsharded face -----------------------------------------------------------
 
     def to_unsharded(self, after_gradient: Callable[[nn.Parameter], None]) -> None:
-        """Register the unsharded face (made once per gather) in the modules."""
-        if self.unsharded is None:
+        """Register the unsharded face in the modules: made at the first gather (or when the
+        extension starts or stops being used), refilled in place after."""
+        extensions = self.buffer.extensions
+        by_extension = extensions is not None and self.slot in extensions.ran_on
+        if by_extension != self.unsharded_by_extension:
+            self.unsharded = None
+        if by_extension:
+            assert extensions is not None  # by_extension says so
+            if self.slot in extensions.awaiting_post:  # once per all-gather, as FSDP2
+                tensor = extensions.post_all_gather(self, self.dbuffer.param_dtype)
+                if tensor is not None:
+                    self._make_unsharded(tensor, after_gradient)
+            self.unsharded_by_extension = True
+        elif self.unsharded is None:
             view = self.dbuffer.unsharded_view(self.slot)
-            gathered = view if self.parallel is None else self.parallel.unsharded_param(view)
-            self.unsharded = nn.Parameter(gathered, requires_grad=self.sharded.requires_grad)
-            if self.unsharded.requires_grad:
-                self.unsharded.register_post_accumulate_grad_hook(after_gradient)
+            self._make_unsharded(view if self.parallel is None else self.parallel.unsharded_param(view), after_gradient)
+            self.unsharded_by_extension = False
+        assert self.unsharded is not None  # made above or at an earlier gather
         self.register(self.unsharded)
+
+    def _make_unsharded(self, gathered: torch.Tensor, after_gradient: Callable[[nn.Parameter], None]) -> None:
+        self.unsharded = nn.Parameter(gathered, requires_grad=self.sharded.requires_grad)
+        if self.unsharded.requires_grad:
+            self.unsharded.register_post_accumulate_grad_hook(after_gradient)
 
     def to_sharded(self) -> None:
         self.register(self.sharded)
@@ -258,7 +313,7 @@ def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
     ``None`` for any other tensor. A flat optimizer reads :meth:`DBuffer.sharded_padding`
     from it to step across the padding between parameters."""
     fsdp_param = fsdp_param_of(param)
-    return fsdp_param.dbuffer if fsdp_param is not None else None
+    return fsdp_param.dbuffer if fsdp_param is not None and not fsdp_param.owns_local else None
 
 
 # Which (module, name) slots hold a managed parameter, so that assigning to one (meta-device

@@ -26,6 +26,7 @@ from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, Re
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook
+from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -99,12 +100,14 @@ class FSDPParamGroup:
     def _build(self, specs: list[ParamSpec], cost: BufferSplitCost) -> list[FSDPParam]:
         """The DBuffers of each (mesh, dtype, requires_grad) group, as many as the planner's
         split says, each parameter sharded into its slot."""
-        by_group: dict[tuple[DeviceMesh, torch.dtype, bool], list[int]] = {}
+        # Subclasses with all-gather extensions apart: their DBuffers gather only their inputs.
+        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool], list[int]] = {}
         for i, spec in enumerate(specs):
-            by_group.setdefault((spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad), []).append(i)
+            key = (spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad, defines_extension(spec.param))
+            by_group.setdefault(key, []).append(i)
         meshes = {self.mesh: UnitMesh.of(self.mesh)}
         built: list[FSDPParam | None] = [None] * len(specs)
-        for (mesh, dtype, _), indices in by_group.items():
+        for (mesh, dtype, _, _), indices in by_group.items():
             unit_mesh = meshes.setdefault(mesh, UnitMesh.of(mesh))
             members = [specs[i] for i in indices]
             shapes, block_rows = [s.local.shape for s in members], [s.block_rows for s in members]
@@ -122,6 +125,7 @@ class FSDPParamGroup:
                 buffer = ShardedBuffer(dbuffer, unit_mesh, [])
                 for slot, spec in enumerate(in_buffer):
                     buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
+                buffer.release_unused_shards()
                 self.buffers.append(buffer)
                 for position, fsdp_param in zip(plan.positions, buffer.params):
                     built[indices[position]] = fsdp_param
@@ -187,8 +191,10 @@ class FSDPParamGroup:
                     old.layout,
                 )
                 buffer.dbuffer.label = old.label
+                buffer.extensions = None  # its input buffers follow the DBuffer's device
             for fsdp_param, old_local in zip(members, locals_):
                 fsdp_param.readopt_local(old_local)
+            buffer.release_unused_shards()
 
     def adopt_assigned(self, fsdp_param: FSDPParam, value: nn.Parameter) -> nn.Parameter | None:
         """``module.<name> = value`` on a managed parameter (``load_state_dict(assign=True)``
@@ -214,10 +220,7 @@ class FSDPParamGroup:
             for member in fsdp_param.buffer.params:
                 member.replace_sharded(value.device)
             self.readopt_sharded_params()
-        with torch.no_grad():
-            fsdp_param.dbuffer.sharded_view(fsdp_param.slot).reshape(-1).copy_(
-                fsdp_param.local_value_of(value).reshape(-1)
-            )
+        fsdp_param.write_local(fsdp_param.local_value_of(value))
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
@@ -231,7 +234,7 @@ class FSDPParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return all(b.is_unsharded for b in self.dbuffers)
+        return all(b.is_unsharded for b in self.buffers)
 
     def check_materialized(self, names: dict[int, str] | None = None) -> None:
         """Refuse to gather parameters still on the meta device, with FSDP2's error; ``names``
@@ -251,7 +254,35 @@ class FSDPParamGroup:
             return
         self.check_materialized()
         with outside_functorch():
-            self._pending_unshard = [b.all_gather(async_op=async_op) for b in self.dbuffers]
+            self._pending_unshard = [h for b in self.buffers for h in self._all_gather(b, async_op)]
+
+    def _all_gather(self, buffer: ShardedBuffer, async_op: bool) -> list[GatherHandle]:
+        """The DBuffer's all-gather, and its extension parameters' through their inputs (the
+        DBuffer's own only when some parameter has none)."""
+        extended = [p for p in buffer.params if has_extension(p.sharded._local_tensor)]
+        for p in buffer.params:
+            if p.owns_local and p not in extended:
+                raise RuntimeError(
+                    f"parameter {p.fqn!r} was a {type(p.sharded._local_tensor).__name__} with all-gather extensions "
+                    "at fully_shard and has none now: its data is in its local tensor, not in a DBuffer"
+                )
+        if buffer.extensions is not None:
+            buffer.extensions.ran_on = set()
+        handles = [buffer.dbuffer.all_gather(async_op=async_op)] if len(extended) < len(buffer.params) else []
+        if extended:
+            for p in extended:
+                check_extension_param(
+                    p.fqn,
+                    p.sharded._local_tensor,
+                    p.dbuffer.slots[p.slot].shape,
+                    parallel=p.parallel is not None,
+                    own_mesh=buffer.mesh.mesh is not self.mesh,
+                    group_size=is_group_size(self.reshard_after_forward),
+                )
+            if buffer.extensions is None:
+                buffer.extensions = ExtensionGather(buffer)
+            handles += buffer.extensions.all_gather(extended, self.mp_policy, async_op)
+        return handles
 
     def wait_for_unshard(self) -> None:
         with outside_functorch():
@@ -271,8 +302,10 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
-        for dbuffer in self.dbuffers:
-            dbuffer.release_unsharded()
+        for buffer in self.buffers:
+            buffer.dbuffer.release_unsharded()
+            if buffer.extensions is not None:
+                buffer.extensions.release()
 
     def _reshard_to_post_forward_group(self) -> None:
         """``reshard_after_forward=k``: keep the parameters sharded over groups of k

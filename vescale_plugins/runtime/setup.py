@@ -25,6 +25,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vescale_plugins.ragged.placement import RaggedShard
+from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
+from vescale_plugins.runtime.mesh import is_group_size
 from vescale_plugins.runtime.param import fsdp_param_of
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
 from vescale_plugins.runtime.tensor_parallel import (
@@ -159,7 +162,7 @@ def plan_unit_setup(
                 "module that contains every user of them"
             )
         _refuse_parameters_of_sibling_units(modules, specs)
-        _refuse_tensor_extensions(specs)
+        _check_tensor_extensions(specs, lambda: normalise_reshard_after_forward(reshard_after_forward, mesh))
         return specs
 
     # Tensor-parallel parameters are planned by their local (TP) shape; a parameter on its own
@@ -383,20 +386,21 @@ def _refuse_parameters_of_sibling_units(modules: list[nn.Module], specs: list[Pa
             )
 
 
-_TENSOR_EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
-
-
-def _refuse_tensor_extensions(specs: list[ParamSpec]) -> None:
-    """FSDP2's tensor-subclass all-gather extensions (e.g. float8 all-gather) would be
-    ignored by our DBuffer all-gather, silently changing what is communicated: refuse."""
+def _check_tensor_extensions(specs: list[ParamSpec], reshard_after_forward: Callable[[], Any]) -> None:
+    """FSDP2's all-gather extensions (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``): what
+    veScale-FSDP does not run them for is refused here, naming the parameter (extensions
+    given to local tensors after ``fully_shard`` are checked at their first all-gather).
+    ``reshard_after_forward`` gives the normalised policy (asked only if some parameter has
+    an extension)."""
     for spec in specs:
-        hooks = [h for h in _TENSOR_EXTENSION_HOOKS if hasattr(spec.param, h)]
-        if hooks:
-            raise NotImplementedError(
-                f"parameter {spec.fqn!r} is a {type(spec.param).__name__} with FSDP2 all-gather extensions "
-                f"({', '.join(hooks)}); vescale_plugins.fully_shard does not run them. Use "
-                "torch.distributed.fsdp.fully_shard for this model, or keep the parameter a plain "
-                "tensor (e.g. float8 training without float8 all-gather)"
+        if defines_extension(spec.param):
+            check_extension_param(
+                spec.fqn,
+                spec.param,
+                spec.param.shape,
+                parallel=spec.parallel is not None,
+                own_mesh=spec.mesh is not None,
+                group_size=is_group_size(reshard_after_forward()),
             )
 
 
