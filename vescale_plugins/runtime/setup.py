@@ -25,7 +25,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
 from vescale_plugins.runtime.mesh import is_group_size
 from vescale_plugins.runtime.param import fsdp_param_of
