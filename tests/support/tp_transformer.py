@@ -94,10 +94,16 @@ def tensor_parallel(model: Transformer, tp_mesh) -> Transformer:
                 "w2": RowwiseParallel(),
             },
         )
+    replicate_norms(model, tp_mesh)
+    return model
+
+
+def replicate_norms(model: nn.Module, tp_mesh) -> None:
+    """Every norm's parameters Replicate DTensors on ``tp_mesh`` (local tensors in and out),
+    as torchtitan's SequenceParallel leaves them: all parameters then share the TP mesh."""
     for module in model.modules():
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             distribute_module(module, tp_mesh, input_fn=_replicated_input, output_fn=_local_output)
-    return model
 
 
 def data_parallel(model: Transformer, shard, dp_mesh) -> Transformer:
