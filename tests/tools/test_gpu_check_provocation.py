@@ -18,11 +18,11 @@ class _Streams:
     """Just enough of ``torch.cuda``'s stream API for ``CommStreams``: named streams, a current one."""
 
     def __init__(self, log):
-        self.log, self.names = log, iter(["all_gather", "reduce_scatter"])
+        self.log, self.names = log, iter(["all_gather", "reduce_scatter", "all_reduce"])
         self.current = SimpleNamespace(name="compute")
 
     def Stream(self, device=None, priority=0):
-        return SimpleNamespace(name=next(self.names), wait_stream=lambda other: None)
+        return SimpleNamespace(name=next(self.names), wait_stream=lambda other: None, wait_event=lambda event: None)
 
     def current_stream(self, device=None):
         return self.current
@@ -38,6 +38,9 @@ def _issue_both(streams, log):
     for side in (streams.all_gather, streams.reduce_scatter):
         with streams.issue_on(side):
             log.append(("collective", getattr(side, "name", None)))
+    # HSDP's all-reduce follows the reduce-scatter's event, not the compute stream
+    with streams.issue_on(streams.all_reduce, after="reduce-scatter done"):
+        log.append(("collective", getattr(streams.all_reduce, "name", None)))
 
 
 def test_sleeps_land_on_the_side_stream_before_each_collective(monkeypatch):
@@ -53,12 +56,19 @@ def test_sleeps_land_on_the_side_stream_before_each_collective(monkeypatch):
         ("collective", "all_gather"),
         ("sleep", "reduce_scatter", 7),
         ("collective", "reduce_scatter"),
+        ("sleep", "all_reduce", 7),
+        ("collective", "all_reduce"),
     ]
-    assert counts == {"side_stream_sleeps": 2} and CommStreams.issue_on is original
+    assert counts == {"side_stream_sleeps": 3} and CommStreams.issue_on is original
     log.clear()
     with provoked_streams(5, which="reduce_scatter") as counts:
         _issue_both(streams, log)
-    assert log == [("collective", "all_gather"), ("sleep", "reduce_scatter", 5), ("collective", "reduce_scatter")]
+    assert log == [
+        ("collective", "all_gather"),
+        ("sleep", "reduce_scatter", 5),
+        ("collective", "reduce_scatter"),
+        ("collective", "all_reduce"),
+    ]
     assert counts == {"side_stream_sleeps": 1}
     log.clear()
     _issue_both(CommStreams(torch.device("cpu")), log)  # off CUDA: no streams, no sleep

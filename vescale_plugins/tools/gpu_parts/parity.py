@@ -111,8 +111,8 @@ def provoked_streams(cycles: int, which: str = "all") -> Iterator[dict[str, int]
     counts = {"side_stream_sleeps": 0}
 
     @contextlib.contextmanager
-    def issue_on(streams: CommStreams, stream: Any) -> Iterator[None]:
-        with original(streams, stream):
+    def issue_on(streams: CommStreams, stream: Any, after: Any = None) -> Iterator[None]:
+        with original(streams, stream, after=after):
             if streams.enabled and (which == "all" or stream is streams.reduce_scatter):
                 torch.cuda._sleep(cycles)
                 counts["side_stream_sleeps"] += 1
