@@ -40,8 +40,9 @@ from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout
 from vescale_plugins.ragged.layout import ragged_layout
+from vescale_plugins.ragged.units import UnitRuns
 
-__all__ = ["BufferSlot", "DBuffer"]
+__all__ = ["BufferSlot", "DBuffer", "slot_units"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class BufferSlot:
     shape: torch.Size
     local_offset: int
     local_length: int
-    local_units: tuple[int, ...]
+    local_units: UnitRuns  # units of every rank of the shard group
     block_rows: int
 
 
@@ -142,18 +143,16 @@ class DBuffer:
         numel = math.prod(shape)
         if numel == 0:
             length = 0
-        if numel and numel % self.layout.block_sizes[index]:
-            # The last block is shorter: RaggedShard needs equal units, so count rows.
-            local_units = tuple(n // row_numel(shape) for _, n in self.layout.shard_ranges(index))
-        else:
-            local_units = self.layout.local_units(index)
+        # The last block shorter: RaggedShard needs equal units, so count rows.
+        block = self.layout.block_sizes[index]
+        unit = row_numel(shape) if numel and numel % block else block
         return BufferSlot(
             global_offset=self.layout.offsets[index],
             numel=numel,
             shape=shape,
             local_offset=start,
             local_length=length,
-            local_units=local_units,
+            local_units=slot_units(self.layout, index, unit),
             block_rows=rows,
         )
 
@@ -518,6 +517,30 @@ def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
     if len(shape) == 0:
         return tuple(shape) if length else (0,)
     return (length // row_numel(shape), *shape[1:])
+
+
+def slot_units(layout: Layout, index: int, unit: int) -> UnitRuns:
+    """Units of ``unit`` elements of tensor ``index`` on every rank (``Layout.local_units``
+    when ``unit`` is its block), from its interval alone: zeros, the rank it starts in, whole
+    shards, the rank it ends in, zeros; the same few runs at any world size."""
+    start, stop = layout.tensor_slice(index)
+    S, W = layout.shard_size, layout.world_size
+    first, last = start // S, (stop - 1) // S
+
+    def units(elements: int) -> int:
+        return -(-elements // unit)
+
+    if first == last:
+        runs = [(0, first), (units(stop - start), 1), (0, W - 1 - first)]
+    else:
+        runs = [
+            (0, first),
+            (units((first + 1) * S - start), 1),
+            (units(S), last - first - 1),
+            (units(stop - last * S), 1),
+            (0, W - 1 - last),
+        ]
+    return UnitRuns(runs)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
