@@ -8,9 +8,8 @@ import torch.nn as nn
 
 from tests.support.fake_world import fake_world
 from vescale_plugins import fully_shard
-from vescale_plugins.forecast.memory import forecast_memory
+from vescale_plugins.forecast.memory import BUFFER_FIGURES, executed_buffer_memory, forecast_memory
 from vescale_plugins.forecast.model import spec_from_modules
-from vescale_plugins.runtime.state import groups_under
 
 
 class _Block(nn.Module):
@@ -18,22 +17,6 @@ class _Block(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(48)
         self.up, self.down = nn.Linear(48, 160), nn.Linear(160, 48, bias=False)
-
-
-def _executed(model, world):
-    """Per-rank bytes of veScale-FSDP's buffers, by the forecast's parts."""
-    units = [u for u in groups_under([model]) if u.dbuffers]
-    per_unit = [(u, u.dbuffers) for u in units]
-    return {
-        "sharded_params": sum(b.sharded.numel() * b.sharded.element_size() for _, bs in per_unit for b in bs),
-        "largest_unsharded_bytes": max(
-            sum(b.layout.buffer_size * b.param_dtype.itemsize for b in bs) for _, bs in per_unit
-        ),
-        "unsharded_grads_buffer_peak": max(
-            sum(world * b.grad_shard_size * b.reduce_dtype.itemsize for b in bs) for _, bs in per_unit
-        ),
-        "padding_elements": sum(b.layout.padding for _, bs in per_unit for b in bs) // world,
-    }
 
 
 @pytest.mark.distributed
@@ -49,6 +32,6 @@ def test_forecast_memory_is_the_executed_buffers_to_the_byte(world):
         units = [(f"block{i}", [block]) for i, block in enumerate(model)] + [("root", [model])]
         spec = spec_from_modules("three-blocks", units, {})
         forecast = forecast_memory(spec, world, "fp32", "adamw", (0, 0))["vescale"]
-        executed = _executed(model, world)
-        assert executed == {k: getattr(forecast, k) for k in executed}
+        executed = executed_buffer_memory(model, world)
+        assert executed == {k: getattr(forecast, k) for k in BUFFER_FIGURES}
         assert forecast.sharded_grads == forecast.sharded_params
