@@ -90,6 +90,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _forecast_verdict(row: dict[str, Any]) -> str:
+    check = row["memory_vs_forecast"]
+    if check["equal"]:
+        return f"equal to the forecast's ({check['executed']['sharded_params']:,} sharded bytes)"
+    return f"DIFFER from the forecast's: executed {check['executed']}, forecast {check['forecast']}"
+
+
 def _draw(rows: list[dict[str, Any]], path: str) -> None:
     plt = pyplot()
     fig, (host, ops) = plt.subplots(1, 2, figsize=(10, 4))
@@ -117,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {engine:<8} W={world:<6} done", flush=True)
     record: dict[str, Any] = {"model": args.model, "runs": rows}
     print(table(rows))
+    for row in rows:
+        if "memory_vs_forecast" in row:
+            print(f"  W={row['world_size']:<6} per-rank buffers {_forecast_verdict(row)}")
     if args.setup_model is not None:
         whole = [
             _measure(engine, args.setup_world_size, args.setup_model, args.steps, args.warmup, args.timeout)
@@ -127,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"{row['engine']:<8} {args.setup_model} ({row['units']} units) at W={row['world_size']:,}: "
                 f"set-up {row['setup_ms_total'] / 1e3:.1f} s CPU ({row['setup_ms_per_unit']:.1f} ms per unit)"
+                + (f"; per-rank buffers {_forecast_verdict(row)}" if "memory_vs_forecast" in row else "")
             )
     write_results(print, record, args.json, args.plot, lambda path: _draw(rows, path))
     return 0

@@ -13,7 +13,8 @@ materialised on the CPU with ``to_empty`` (only the local shards exist). Measure
   trivial op (calibrated here). On a GPU an op costs the host its dispatch and launch whatever
   its size; on the CPU it also does the op's work, which this takes out, with the fake
   collectives' time. Intra-op threads are off so every op runs on this thread;
-- peak RSS of the process.
+- peak RSS of the process;
+- (ours) the per-rank buffer bytes as sharded, beside the forecast's figures for the model.
 
 The caller runs this module (``python -m``, one process per engine and W) with glibc's heap
 kept, as a GPU's caching allocator keeps memory (``MALLOC_MMAP_MAX_=0``, no trim): freeing a
@@ -38,6 +39,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale_plugins.bench.llama import PRESETS, DecoderLayer, LlamaConfig, RMSNorm
+from vescale_plugins.forecast.memory import BUFFER_FIGURES, executed_buffer_memory, forecast_memory
+from vescale_plugins.forecast.model import spec_from_modules
 from vescale_plugins.tools.model_catalog import CATALOG
 
 __all__ = ["STEP_MODELS", "measure"]
@@ -193,6 +196,16 @@ def _sharded_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
+def _memory_vs_forecast(model: nn.Module, units: list[nn.Module], world_size: int, name: str) -> dict[str, Any]:
+    """Per-rank buffer bytes as sharded here, and the forecast's figures for the same model
+    (bf16 throughout, as built here): they must be equal."""
+    spec = spec_from_modules(name, [(f"unit{i}", [u]) for i, u in enumerate(units)] + [("root", [model])], {})
+    forecast = forecast_memory(spec, world_size, "bf16", "adamw", (0, 0))["vescale"]
+    executed = executed_buffer_memory(model, world_size)
+    expected = {key: getattr(forecast, key) for key in BUFFER_FIGURES}
+    return {"executed": executed, "forecast": expected, "equal": executed == expected}
+
+
 def measure(engine: str, world_size: int, model_name: str, steps: int = 3, warmup: int = 2) -> dict[str, Any]:
     """Everything the module docstring lists, for ``engine`` at ``world_size``."""
     torch.set_num_threads(1)
@@ -231,6 +244,8 @@ def _measure(engine: str, world_size: int, model_name: str, steps: int, warmup: 
         "setup_ms_per_unit": sum(setup_ns[:-1]) / max(1, len(setup_ns) - 1) / 1e6,
         "setup_ms_total": sum(setup_ns) / 1e6,
     }
+    if engine == "vescale":
+        result["memory_vs_forecast"] = _memory_vs_forecast(model, units, world_size, model_name)
     if not trains:
         return result
     model.to_empty(device="cpu")

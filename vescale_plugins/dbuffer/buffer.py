@@ -40,8 +40,9 @@ from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout
 from vescale_plugins.ragged.layout import ragged_layout
+from vescale_plugins.ragged.units import UnitRuns
 
-__all__ = ["BufferSlot", "DBuffer"]
+__all__ = ["BufferSlot", "DBuffer", "slot_units"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class BufferSlot:
     shape: torch.Size
     local_offset: int
     local_length: int
-    local_units: tuple[int, ...]
+    local_units: UnitRuns  # units of every rank of the shard group
     block_rows: int
 
 
@@ -125,6 +126,7 @@ class DBuffer:
             self.world_size * self.grad_shard_size, self.reduce_dtype, self.device, "unsharded_grads"
         )
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], layout.buffer_size)
+        self._grad_copy: _GradCopyPlan | None = None  # cut at the first allocation
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
@@ -141,18 +143,16 @@ class DBuffer:
         numel = math.prod(shape)
         if numel == 0:
             length = 0
-        if numel and numel % self.layout.block_sizes[index]:
-            # The last block is shorter: RaggedShard needs equal units, so count rows.
-            local_units = tuple(n // row_numel(shape) for _, n in self.layout.shard_ranges(index))
-        else:
-            local_units = self.layout.local_units(index)
+        # The last block shorter: RaggedShard needs equal units, so count rows.
+        block = self.layout.block_sizes[index]
+        unit = row_numel(shape) if numel and numel % block else block
         return BufferSlot(
             global_offset=self.layout.offsets[index],
             numel=numel,
             shape=shape,
             local_offset=start,
             local_length=length,
-            local_units=local_units,
+            local_units=slot_units(self.layout, index, unit),
             block_rows=rows,
         )
 
@@ -184,8 +184,14 @@ class DBuffer:
         return buffer
 
     def sharded_grad_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer."""
-        return self._local_view(self._sharded_grad_for_reduce(), index)
+        """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer (one
+        ``as_strided``, as FSDP2 cuts its gradient shards: every step cuts them anew)."""
+        flat = self._sharded_grad_for_reduce()
+        slot = self.slots[index]
+        if slot.numel == 0:
+            return self._local_view(flat, index)
+        shape = _local_shape(slot.shape, slot.local_length)
+        return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + slot.local_offset)
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
@@ -200,38 +206,42 @@ class DBuffer:
         slot = self.slots[index]
         return self._unsharded.tensor[slot.global_offset : slot.global_offset + slot.numel].view(slot.shape)
 
-    def _grad_pieces(self, start: int, end: int) -> list[tuple[torch.Tensor, int]]:
+    def _grad_pieces(self, start: int, end: int) -> list[torch.Tensor]:
         """The global interval ``[start, end)`` in the unsharded gradient buffer, whose rank
         chunks are ``S`` elements each followed by the presence flags: at most three views of
         it whatever the ranks it spans (the partial chunk it starts in, the whole chunks as
-        one strided view, the partial chunk it ends in), each with its offset in the interval."""
+        one ``(k, S)`` view, the partial chunk it ends in). Cut while the buffer is allocated."""
         S = self.shard_size
         if start >= end:
             return []
         chunks = self._unsharded_grad.tensor.view(self.world_size, self.grad_shard_size)[:, :S]
         (first, head), (last, tail) = divmod(start, S), divmod(end, S)
         if first == last:
-            return [(chunks[first, head:tail], 0)]
+            return [chunks[first, head:tail]]
         pieces, whole_from = [], first
         if head:
-            pieces.append((chunks[first, head:], 0))
+            pieces.append(chunks[first, head:])
             whole_from += 1
         if whole_from < last:
-            pieces.append((chunks[whole_from:last], whole_from * S - start))
+            pieces.append(chunks[whole_from:last])
         if tail:
-            pieces.append((chunks[last, :tail], last * S - start))
+            pieces.append(chunks[last, :tail])
         return pieces
 
-    def _write_unsharded_grad(self, index: int, grad: torch.Tensor | None) -> None:
-        """Copy parameter ``index``'s full gradient into the unsharded gradient buffer
-        (``None``: zeros), in at most three copies at any world size."""
-        slot = self.slots[index]
-        flat = grad.reshape(-1) if grad is not None else None
-        for piece, offset in self._grad_pieces(slot.global_offset, slot.global_offset + slot.numel):
-            if flat is None:
-                piece.zero_()
-            else:
-                piece.copy_(flat[offset : offset + piece.numel()].view(piece.shape))
+    def _grad_copy_plan(self) -> _GradCopyPlan:
+        """The views of the unsharded gradient buffer each step writes, cut once (its storage
+        comes and goes, the views stay): per step only the copies and fills remain."""
+        if self._grad_copy is None:
+            flags = self._unsharded_grad.tensor.view(self.world_size, self.grad_shard_size)[:, self.shard_size :]
+            self._grad_copy = _GradCopyPlan(
+                targets=tuple(
+                    _GradTargets.of(slot, self._grad_pieces(slot.global_offset, slot.global_offset + slot.numel))
+                    for slot in self.slots
+                ),
+                padding=tuple(piece for start, end in self._padding for piece in self._grad_pieces(start, end)),
+                flags=flags,
+            )
+        return self._grad_copy
 
     def received_gradient(self, sharded_grad: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
         """After a reduce-scatter into ``sharded_grad``: whether some rank had a gradient for
@@ -318,20 +328,18 @@ class DBuffer:
     def has_unsharded_grad(self) -> bool:
         return self._unsharded_grad.allocated
 
-    def _allocate_unsharded_grad(self) -> torch.Tensor:
+    def _allocate_unsharded_grad(self) -> None:
         """Allocate the unsharded gradient buffer, zeroing only its padding.
 
         Each parameter's slice is then written whole (its gradient copied in, or zeros if none
         came), so the buffer needs no memset of its own.
         """
         if self._unsharded_grad.allocated:
-            return self._unsharded_grad.tensor
+            return
         with observer.scope(GRADIENT_BUFFER_REGION):
-            buffer = self._unsharded_grad.allocate()
-        for start, end in self._padding:
-            for piece, _ in self._grad_pieces(start, end):
-                piece.zero_()
-        return buffer
+            self._unsharded_grad.allocate()
+        for piece in self._grad_copy_plan().padding:
+            piece.zero_()
 
     def fill_unsharded_grad(self, grads: dict[int, torch.Tensor | None]) -> None:
         """Allocate the unsharded gradient buffer and copy each slot's gradient into it.
@@ -340,7 +348,8 @@ class DBuffer:
         are copied, so each is freed right after its copy when ``grads`` held the last
         reference.
         """
-        buffer = self._allocate_unsharded_grad()
+        self._allocate_unsharded_grad()
+        plan = self._grad_copy_plan()
         present = [False] * len(self.slots)
         for index, grad in grads.items():
             present[index] = grad is not None
@@ -348,17 +357,18 @@ class DBuffer:
         with torch.profiler.record_function(GRADIENT_RELEASE_REGION):
             while grads:
                 index, grad = grads.popitem()
-                self._write_unsharded_grad(index, grad)
+                plan.targets[index].write(grad)
                 del grad
             # Filled on the device, one fill per run of equal flags (one in all when every
-            # gradient came): no host-to-device copy.
-            flags = buffer.view(self.world_size, self.grad_shard_size)[:, self.shard_size :]
-            if flags.shape[1] > len(present):
-                flags[:, len(present) :].zero_()  # the alignment's tail: reduced, never read
+            # gradient came, the alignment's tail with the last run: reduced, never read):
+            # no host-to-device copy.
             start = 0
             for value, run in itertools.groupby(present):
                 length = len(list(run))
-                flags[:, start : start + length].fill_(float(value))
+                end = start + length if start + length < len(present) else plan.flags.shape[1]
+                (plan.flags if start == 0 and end == plan.flags.shape[1] else plan.flags[:, start:end]).fill_(
+                    float(value)
+                )
                 start += length
 
     def reduce_scatter(
@@ -469,10 +479,81 @@ class DBuffer:
         self._unsharded_grad.release()
 
 
+@dataclass(frozen=True)
+class _GradTargets:
+    """Where one parameter's gradient goes in the unsharded gradient buffer: the buffer's
+    views (at most three, see :meth:`DBuffer._grad_pieces`) each shaped as the gradient rows
+    it takes, and those rows (rank boundaries fall between rows). One copy per view, plus
+    one split when there are several."""
+
+    views: tuple[torch.Tensor, ...]
+    rows: tuple[int, ...]
+
+    @classmethod
+    def of(cls, slot: BufferSlot, pieces: list[torch.Tensor]) -> _GradTargets:
+        if len(pieces) == 1 and pieces[0].dim() == 1:
+            return cls((pieces[0].view(slot.shape),), ())
+        per_row = row_numel(slot.shape)
+        views = tuple(p.view(*p.shape[:-1], p.shape[-1] // per_row, *slot.shape[1:]) for p in pieces)
+        return cls(views, tuple(p.numel() // per_row for p in pieces))
+
+    def write(self, grad: torch.Tensor | None) -> None:
+        """Copy ``grad`` in (cast to the buffer's dtype), or zeros for ``None``."""
+        if grad is None:
+            for view in self.views:
+                view.zero_()
+            return
+        parts = grad.split(self.rows) if len(self.views) > 1 else (grad,)
+        for view, part in zip(self.views, parts):
+            view.copy_(part if part.shape == view.shape else part.reshape(view.shape))
+
+
+@dataclass(frozen=True)
+class _GradCopyPlan:
+    """A DBuffer's cut views of its unsharded gradient buffer: each parameter's targets, the
+    padding's pieces, and the presence flags with the alignment's tail (``(W, G - S)``)."""
+
+    targets: tuple[_GradTargets, ...]
+    padding: tuple[torch.Tensor, ...]
+    flags: torch.Tensor
+
+
 def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
     if len(shape) == 0:
         return tuple(shape) if length else (0,)
     return (length // row_numel(shape), *shape[1:])
+
+
+def slot_units(layout: Layout, index: int, unit: int) -> UnitRuns:
+    """Units of ``unit`` elements of tensor ``index`` on every rank (``Layout.local_units``
+    when ``unit`` is its block), from its interval alone: zeros, the rank it starts in, whole
+    shards, the rank it ends in, zeros; the same few runs at any world size."""
+    start, stop = layout.tensor_slice(index)
+    S, W = layout.shard_size, layout.world_size
+    first, last = start // S, (stop - 1) // S
+
+    def units(elements: int) -> int:
+        return -(-elements // unit)
+
+    if first == last:
+        runs = [(0, first), (units(stop - start), 1), (0, W - 1 - first)]
+    else:
+        runs = [
+            (0, first),
+            (units((first + 1) * S - start), 1),
+            (units(S), last - first - 1),
+            (units(stop - last * S), 1),
+            (0, W - 1 - last),
+        ]
+    return UnitRuns(runs)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def grad_shard_elements(shard_size: int, num_params: int, itemsize: int) -> int:

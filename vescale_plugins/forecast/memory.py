@@ -35,16 +35,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch.nn as nn
+
 from vescale_plugins.dbuffer.buffer import grad_shard_elements
 from vescale_plugins.forecast.layouts import UnitLayouts, buffer_rank_payloads, plan_unit_layouts
 from vescale_plugins.forecast.model import ModelSpec
 from vescale_plugins.observe.record import unit_sharding_figures
+from vescale_plugins.runtime.state import groups_under
 from vescale_plugins.tools.model_catalog import Unit
 
 __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
+    "BUFFER_FIGURES",
     "MemoryBreakdown",
+    "executed_buffer_memory",
     "forecast_memory",
     "optimizer_bytes_per_element",
     "vescale_optimizer_bytes_per_rank",
@@ -53,7 +58,7 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 # precision -> (sharded itemsize, compute itemsize, reduce itemsize), bytes.
-PRECISIONS = {"fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4)}
+PRECISIONS = {"fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "bf16": (2, 2, 2)}
 ADAMW_STEP_BYTES = 4  # torch.optim.AdamW's per-parameter float32 ``step`` tensor
 # AdamW8bit: two uint8 moments per element and one fp32 scale per moment per 32x32 tile.
 ADAMW8BIT_BYTES_PER_ELEMENT = 2 + 2 * 4 / (32 * 32)
@@ -155,6 +160,24 @@ class MemoryBreakdown:
             "total": self.total(False),
             "total_checkpointed": self.total(True),
         }
+
+
+# The MemoryBreakdown fields that are sizes of veScale-FSDP's buffers (known once sharded).
+BUFFER_FIGURES = ("sharded_params", "largest_unsharded_bytes", "unsharded_grads_buffer_peak", "padding_elements")
+
+
+def executed_buffer_memory(model: nn.Module, group_size: int) -> dict[str, int]:
+    """``BUFFER_FIGURES`` of ``model`` as ``fully_shard`` allocated them on this rank (what
+    the forecast's figures must equal; works on the meta device)."""
+    units = [u.dbuffers for u in groups_under([model]) if u.dbuffers]
+    return {
+        "sharded_params": sum(b.sharded.numel() * b.sharded.element_size() for bs in units for b in bs),
+        "largest_unsharded_bytes": max(sum(b.layout.buffer_size * b.param_dtype.itemsize for b in bs) for bs in units),
+        "unsharded_grads_buffer_peak": max(
+            sum(group_size * b.grad_shard_size * b.reduce_dtype.itemsize for b in bs) for bs in units
+        ),
+        "padding_elements": sum(b.layout.padding for bs in units for b in bs) // group_size,
+    }
 
 
 def _adjacent_pair_peak(sizes: Sequence[int]) -> int:

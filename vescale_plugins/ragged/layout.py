@@ -8,10 +8,13 @@ say what would fit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
-__all__ = ["RankSlice", "RaggedLayout", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
+from vescale_plugins.ragged.units import UnitRuns
+
+__all__ = ["RankSlice", "RankSlices", "RaggedLayout", "ragged_layout", "validate_ragged", "flat_interval_boxes"]
 
 
 @dataclass(frozen=True)
@@ -32,15 +35,71 @@ class RaggedLayout:
     """Every rank's slice of one tensor under ``RaggedShard(dims, local_units)``.
 
     ``row_numel`` is the elements in one row (the product of the trailing, never-split dims);
-    ``unit_rows`` is the rows in one unit.
+    ``unit_rows`` is the rows in one unit. ``slices[r]`` is computed when asked for (from the
+    units' runs), so a layout costs the same at any world size.
     """
 
     shape: tuple[int, ...]
     dims: tuple[int, ...]
-    local_units: tuple[int, ...]
+    local_units: UnitRuns
     row_numel: int
     unit_rows: int
-    slices: tuple[RankSlice, ...]
+    slices: RankSlices
+
+
+class RankSlices(Sequence[RankSlice]):
+    """The ranks' :class:`RankSlice` of one layout, each computed on access."""
+
+    def __init__(self, shape: tuple[int, ...], dims: tuple[int, ...], units: UnitRuns, unit_numel: int) -> None:
+        self._shape, self._dims, self._units, self._unit_numel = shape, dims, units, unit_numel
+        row_numel = math.prod(shape[len(dims) :])
+        self._unit_rows = unit_numel // row_numel if row_numel else 0
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    @overload
+    def __getitem__(self, rank: int) -> RankSlice: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> tuple[RankSlice, ...]: ...
+
+    def __getitem__(self, rank: int | slice) -> RankSlice | tuple[RankSlice, ...]:
+        if isinstance(rank, slice):
+            return tuple(self._slice(r) for r in range(len(self))[rank])
+        if not -len(self) <= rank < len(self):
+            raise IndexError(f"rank {rank} of {len(self)}")
+        return self._slice(rank % len(self))
+
+    def _slice(self, rank: int) -> RankSlice:
+        return self._make(self._units.prefix(rank), self._units[rank])
+
+    def __iter__(self) -> Iterator[RankSlice]:
+        start = 0
+        for units in self._units:
+            yield self._make(start, units)
+            start += units
+
+    def _make(self, start_units: int, units: int) -> RankSlice:
+        shape = self._shape
+        if not self._dims:
+            local_shape = shape if units else (0, *shape[1:]) if shape else (0,)
+        else:
+            local_shape = (units * self._unit_rows, *shape[len(self._dims) :])
+        return RankSlice(start_units * self._unit_numel, units * self._unit_numel, local_shape)
+
+    def _key(self) -> tuple:
+        return (self._shape, self._dims, self._units, self._unit_numel)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RankSlices):
+            return self._key() == other._key()
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 def _divisor_hint(numel: int, row_numel: int) -> str:
@@ -59,36 +118,40 @@ def validate_ragged(shape: Sequence[int], dims: Sequence[int], local_units: Sequ
     non-negative with a positive sum; one unit (``numel // sum(units)`` elements) is a whole
     number of rows of ``dims`` (a row = the trailing dims ``shape[k:]``).
     """
-    shape, dims, local_units = tuple(shape), tuple(dims), tuple(local_units)
-    where = f"RaggedShard(dims={dims}, local_units={local_units}) on shape {shape}"
-    _validate_placement_args(dims, local_units, where)
+    shape, dims, units = tuple(shape), tuple(dims), UnitRuns.of(local_units)
+
+    def where() -> str:
+        return f"RaggedShard(dims={dims}, local_units={units}) on shape {shape}"
+
+    _validate_placement_args(dims, units, where)
     if len(dims) > len(shape):
         raise ValueError(
-            f"{where}: dims names {len(dims)} dims but the tensor has only {len(shape)}; "
+            f"{where()}: dims names {len(dims)} dims but the tensor has only {len(shape)}; "
             f"use a prefix of (0, ..., {len(shape) - 1})"
         )
     row_numel = math.prod(shape[len(dims) :])
     numel = math.prod(shape)
-    total_units = sum(local_units)
+    total_units = units.total
     if numel % total_units or (numel // total_units) % max(row_numel, 1):
         raise ValueError(
-            f"{where}: {numel} elements do not split into {total_units} equal units of whole "
+            f"{where()}: {numel} elements do not split into {total_units} equal units of whole "
             f"rows of {row_numel} elements; {_divisor_hint(numel, row_numel)}"
         )
 
 
-def _validate_placement_args(dims: tuple[int, ...], local_units: tuple[int, ...], where: str) -> None:
-    """The checks that need no tensor shape: dims form a prefix, units are sane."""
+def _validate_placement_args(dims: tuple[int, ...], units: UnitRuns, where: Callable[[], str]) -> None:
+    """The checks that need no tensor shape: dims form a prefix, units are sane. ``where``
+    names the placement in an error (built only then: its units may be long)."""
     if dims != tuple(range(len(dims))):
         raise ValueError(
-            f"{where}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, e.g. {tuple(range(len(dims)))}"
+            f"{where()}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, e.g. {tuple(range(len(dims)))}"
         )
-    if not local_units:
-        raise ValueError(f"{where}: local_units is empty; give one entry per rank of the mesh dim")
-    if any((not isinstance(u, int)) or u < 0 for u in local_units):
-        raise ValueError(f"{where}: local_units must be non-negative integers")
-    if sum(local_units) == 0:
-        raise ValueError(f"{where}: local_units are all zero; at least one rank must hold a unit")
+    if not len(units):
+        raise ValueError(f"{where()}: local_units is empty; give one entry per rank of the mesh dim")
+    if any((not isinstance(u, int)) or u < 0 for u, _ in units.runs):
+        raise ValueError(f"{where()}: local_units must be non-negative integers")
+    if units.total == 0:
+        raise ValueError(f"{where()}: local_units are all zero; at least one rank must hold a unit")
 
 
 def ragged_layout(shape: Sequence[int], dims: Sequence[int], local_units: Sequence[int]) -> RaggedLayout:
@@ -99,24 +162,12 @@ def ragged_layout(shape: Sequence[int], dims: Sequence[int], local_units: Sequen
     shard of a 2-D weight is 2-D with uneven rows and an element-wise shard is 1-D.
     ``dims=()`` puts the whole tensor (one unit) on one rank, which keeps the full shape.
     """
-    shape, dims, local_units = tuple(shape), tuple(dims), tuple(local_units)
-    validate_ragged(shape, dims, local_units)
-    k = len(dims)
-    trailing = shape[k:]
-    row_numel = math.prod(trailing)
-    unit_numel = math.prod(shape) // sum(local_units)
+    shape, dims, units = tuple(shape), tuple(dims), UnitRuns.of(local_units)
+    validate_ragged(shape, dims, units)
+    row_numel = math.prod(shape[len(dims) :])
+    unit_numel = math.prod(shape) // units.total
     unit_rows = unit_numel // row_numel if row_numel else 0
-    slices = []
-    start_units = 0
-    for units in local_units:
-        rows = units * unit_rows
-        if k == 0:
-            local_shape = shape if units else (0, *shape[1:]) if shape else (0,)
-        else:
-            local_shape = (rows, *trailing)
-        slices.append(RankSlice(start_units * unit_numel, units * unit_numel, local_shape))
-        start_units += units
-    return RaggedLayout(shape, dims, local_units, row_numel, unit_rows, tuple(slices))
+    return RaggedLayout(shape, dims, units, row_numel, unit_rows, RankSlices(shape, dims, units, unit_numel))
 
 
 def flat_interval_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

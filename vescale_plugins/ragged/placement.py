@@ -22,6 +22,7 @@ from vescale_plugins.ragged.layout import (
     _validate_placement_args,
     ragged_layout,
 )
+from vescale_plugins.ragged.units import UnitRuns
 
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
@@ -37,10 +38,11 @@ class RaggedShard(Placement):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
         super().__init__()
-        dims, local_units = tuple(int(d) for d in dims), tuple(local_units)
-        _validate_placement_args(dims, local_units, f"RaggedShard(dims={dims}, local_units={local_units})")
+        dims, units = tuple(int(d) for d in dims), UnitRuns.of(local_units)
+        _validate_placement_args(dims, units, lambda: f"RaggedShard(dims={dims}, local_units={units})")
         self.dims = dims
-        self.local_units = local_units
+        # As runs: the same few pairs at any world size (hashed on every DTensor op).
+        self.local_units = units
 
     def layout(self, shape: Sequence[int]) -> RaggedLayout:
         """Every rank's slice of a tensor of ``shape`` (raises ``ValueError`` if it does not fit)."""
@@ -84,7 +86,10 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
 
     def __str__(self) -> str:
-        return f"RS{self.dims}{list(self.local_units)}"
+        return f"RS{self.dims}{self._units_str()}"
+
+    def _units_str(self) -> str:
+        return str(list(self.local_units)) if len(self.local_units) <= 64 else repr(self.local_units)
 
 
 class StridedRaggedShard(RaggedShard):
@@ -126,4 +131,4 @@ class StridedRaggedShard(RaggedShard):
         return f"StridedRaggedShard(dims={self.dims}, local_units={self.local_units}, split_factor={self.split_factor})"
 
     def __str__(self) -> str:
-        return f"SRS{self.dims}{list(self.local_units)}/{self.split_factor}"
+        return f"SRS{self.dims}{self._units_str()}/{self.split_factor}"

@@ -6,6 +6,7 @@ A 1-D mesh shards over all of it; a 2-D one (HSDP) replicates over dim 0 and sha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -39,7 +40,7 @@ class UnitMesh:
             mesh.get_group(0) if mesh.ndim == 2 else None,
         )
 
-    def placements(self, shape: torch.Size, numel: int, local_units: tuple[int, ...]) -> list[Placement]:
+    def placements(self, shape: torch.Size, numel: int, local_units: Sequence[int]) -> list[Placement]:
         """The DTensor placements of a parameter whose shard-group layout is ``local_units``."""
         # A zero-size parameter is one (empty) unit: dims=() (see DBuffer's zero-size slots).
         ragged = RaggedShard((0,) if len(shape) and numel else (), local_units)
