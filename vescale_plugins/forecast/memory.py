@@ -251,7 +251,8 @@ def forecast_memory(
         padding_elements=sum(u.count * layouts[id(u)].vescale_padding for u in spec.units.units) // n,
         unsharded_params_buffer_peak=_adjacent_pair_peak(gathered) * compute_b,
         unsharded_grads_buffer_peak=max(gathered_grads) * reduce_b,
-        largest_unsharded_bytes=max(b.layout.buffer_size for u in order for b in layouts[id(u)].vescale_buffers)
+        # the largest unit gathered: all its buffers at once
+        largest_unsharded_bytes=max(sum(b.layout.buffer_size for b in layouts[id(u)].vescale_buffers) for u in order)
         * compute_b,
     )
 
