@@ -1,7 +1,7 @@
 """Padding per rank against FSDP2's on every catalogue model at W = 64, 1024 and 8192.
 
 Ours: the buffers ``fully_shard`` plans (``plan_buffers``, bf16 parameters and collectives,
-the default split cost). FSDP2's: computed as FSDP2 computes it, with its own helper. No
+the split cost with the padding cap on). FSDP2's: computed as FSDP2 computes it, with its own helper. No
 processes: the planner and meta tensors only.
 """
 
@@ -34,7 +34,10 @@ def fsdp2_padding(shape: tuple[int, ...], world: int) -> int:
     return world * first.numel() - param.numel()
 
 
-def plan(shapes: list[tuple[int, ...]], rows: int, world: int, cost: BufferSplitCost = BufferSplitCost()):
+CAPPED = BufferSplitCost(cap_at_fsdp2_padding=True)
+
+
+def plan(shapes: list[tuple[int, ...]], rows: int, world: int, cost: BufferSplitCost = CAPPED):
     sizes = [torch.Size(s) for s in shapes]
     return plan_buffers(sizes, dim0_block_rows(shapes, rows), torch.bfloat16, torch.bfloat16, world, cost)
 
@@ -69,10 +72,10 @@ def test_padding_with_no_block_size_fn_is_at_most_fsdp2s(model):
 
 def test_the_cap_is_what_splits_a_dense_block_at_1024_ranks():
     # Llama-3-8B's block at W=1024: one buffer pads 6.8 % (a shard both row lengths tile);
-    # FSDP2 pads nothing; the cap splits it in three, time alone keeps one buffer.
+    # FSDP2 pads nothing; the cap splits it in three, time alone (the default) keeps one buffer.
     shapes = [shape for _, shape in next(u for u in CATALOG["Llama-3-8B"].units if u.name == "decoder_layer").params]
     assert sum(fsdp2_padding(s, 1024) for s in shapes) == 0
-    time_only = plan(shapes, 1, 1024, BufferSplitCost(cap_at_fsdp2_padding=False))
+    time_only = plan(shapes, 1, 1024, BufferSplitCost())
     assert len(time_only) == 1 and time_only[0].layout.padding_ratio > 0.06
     capped = plan(shapes, 1, 1024)
     assert len(capped) == 3 and sum(b.layout.padding for b in capped) <= 7 * (len(shapes) + 3 * 1024)

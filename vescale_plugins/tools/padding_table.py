@@ -57,6 +57,9 @@ FSDP2_WORLD_SIZES = (64, 1024, 8192)
 FSDP2_ROWS_PER_BLOCK = (1, 16, 128)
 
 
+CAPPED = BufferSplitCost(cap_at_fsdp2_padding=True)
+
+
 def fsdp2_rows(
     models: Sequence[str] = tuple(CATALOG),
     world_sizes: Sequence[int] = FSDP2_WORLD_SIZES,
@@ -70,12 +73,14 @@ def fsdp2_rows(
     for model in (CATALOG[name] for name in models):
         for world in world_sizes:
             for rows in rows_per_block:
-                row = dict.fromkeys(("payload", "ours", "bound", "fsdp2"), 0) | {"buffers": 0}
-                ours_s = fsdp2_s = 0.0
+                row = dict.fromkeys(("payload", "ours", "capped", "bound", "fsdp2"), 0) | {"buffers": 0}
+                row |= {"capped_buffers": 0}
+                ours_s = capped_s = fsdp2_s = 0.0
                 for unit in model.units:
                     shapes = [torch.Size(shape) for _, shape in unit.params]
                     block_rows = dim0_block_rows([s for _, s in unit.params], rows)
                     plans = plan_buffers(shapes, block_rows, torch.bfloat16, torch.bfloat16, world, BufferSplitCost())
+                    capped = plan_buffers(shapes, block_rows, torch.bfloat16, torch.bfloat16, world, CAPPED)
                     numels, blocks, alignment = dbuffer_inputs(shapes, block_rows, torch.bfloat16)
                     padding = sum(p.layout.padding for p in plans)
                     theirs = fsdp2_padding(shapes, [n // s[0] for n, s in zip(numels, shapes)], world)
@@ -84,7 +89,10 @@ def fsdp2_rows(
                     row["bound"] += unit.count * padding_lower_bound(numels, blocks, world, alignment=alignment)
                     row["fsdp2"] += unit.count * theirs
                     row["buffers"] = max(row["buffers"], len(plans))
+                    row["capped"] += unit.count * sum(p.layout.padding for p in capped)
+                    row["capped_buffers"] = max(row["capped_buffers"], len(capped))
                     ours_s += unit.count * cost.unit_seconds([p.layout for p in plans], BYTES_PER_ELEMENT)
+                    capped_s += unit.count * cost.unit_seconds([p.layout for p in capped], BYTES_PER_ELEMENT)
                     fsdp2_s += unit.count * cost.seconds((sum(numels) + theirs) * BYTES_PER_ELEMENT, world)
                 out.append(
                     {
@@ -97,6 +105,9 @@ def fsdp2_rows(
                         "single_buffer_bound_elements": row["bound"],
                         "fsdp2_padding_elements": row["fsdp2"],
                         "all_gather_s": ours_s,
+                        "capped_padding_elements": row["capped"],
+                        "capped_max_buffers_per_unit": row["capped_buffers"],
+                        "capped_all_gather_s": capped_s,
                         "fsdp2_all_gather_s": fsdp2_s,
                     }
                 )
@@ -119,12 +130,14 @@ def fsdp2_markdown(rows: list[dict]) -> str:
         "granularity). Bound: the least padding of one buffer per unit with those blocks. "
         "All-gather ms: one forward's all-gathers over every unit under NCCL's model "
         f"(`CollectiveCost()`: {cost.gpus_per_node} GPUs per node, ring), ours one per buffer, "
-        "FSDP2 one per unit.",
+        "FSDP2 one per unit. Capped: `BufferSplitCost(cap_at_fsdp2_padding=True)`, splitting "
+        "units with no blocks where that keeps their padding at most FSDP2's.",
         "",
         "| model | W | FSDP2 % | ours, no blocks % (buffers) | all-gather ms, ours / FSDP2 | "
+        "capped % (buffers) / all-gather ms | "
         + " | ".join(f"ours, {g}-row % (buffers) / bound %" for g in blocked)
         + " |",
-        "|---|---:|---:|---:|---:|" + "---:|" * len(blocked),
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(blocked),
     ]
     for model in models:
         for world in worlds:
@@ -140,6 +153,8 @@ def fsdp2_markdown(rows: list[dict]) -> str:
                 pct(plain["fsdp2_padding_elements"]),
                 f"{pct(plain['padding_elements'])} ({plain['max_buffers_per_unit']})",
                 f"{1e3 * plain['all_gather_s']:.0f} / {1e3 * plain['fsdp2_all_gather_s']:.0f}",
+                f"{pct(plain['capped_padding_elements'])} ({plain['capped_max_buffers_per_unit']}) / "
+                f"{1e3 * plain['capped_all_gather_s']:.0f}",
             ]
             for g in blocked:
                 r = by_key[(model, world, g)]
