@@ -343,9 +343,23 @@ def _on_spmd_mesh(model: SpmdMLP, mesh) -> SpmdMLP:
     return model
 
 
+def _spmd_backward(ours, theirs, reference, mesh):
+    """One step's backward on a (dp, tp) mesh: each dp rank's batch as a DTensor through both
+    engines (equal losses), the unsharded reference over every dp rank's batch."""
+    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
+
+    def backward(step):
+        batches = [_moe_batch(step, d) for d in range(dp_size)]
+        x, y = batches[dp_rank]
+        x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
+        _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
+        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
+
+    return backward
+
+
 def _dp_mesh_dims_parity():
     mesh = _mesh_2x2()
-    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
     reference = SpmdMLP()
     models = []
     for shard in (fully_shard, torch_fully_shard):
@@ -359,14 +373,7 @@ def _dp_mesh_dims_parity():
         type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
     )
 
-    def backward(step):
-        batches = [_moe_batch(step, d) for d in range(dp_size)]
-        x, y = batches[dp_rank]
-        x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
-        _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
-        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
-
-    _train_like_both(ours, theirs, reference, STEPS, backward)
+    _train_like_both(ours, theirs, reference, STEPS, _spmd_backward(ours, theirs, reference, mesh))
 
 
 def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
@@ -378,7 +385,6 @@ def _dp_mesh_dims_replicate_only_parity():
     the full mesh with their placements (FSDP2's), and train as FSDP2's and the unsharded
     model's, gradients averaged over the replicas."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
-    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
     dims = DataParallelMeshDims(replicate="dp_replicate")
     reference = SpmdMLP()
     models = []
@@ -393,14 +399,7 @@ def _dp_mesh_dims_replicate_only_parity():
     with pytest.raises(ValueError, match=r"its parameter 'weight' is already sharded by fully_shard .* bottom-up"):
         fully_shard(ours.w2, mesh=mesh, dp_mesh_dims=dims)  # the root's unit already has it
 
-    def backward(step):
-        batches = [_moe_batch(step, d) for d in range(dp_size)]
-        x, y = batches[dp_rank]
-        x = DTensor.from_local(x, mesh, [Shard(0), Replicate()], run_check=False)
-        _backward_both_equal([F.mse_loss(m(x), y) for m in (ours, theirs)])
-        (sum(F.mse_loss(reference(bx), by) for bx, by in batches) / dp_size).backward()
-
-    _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
+    _train_like_both(ours, theirs, reference, 3, _spmd_backward(ours, theirs, reference, mesh), grads_at_step_0=True)
 
 
 def test_dp_mesh_dims_with_replicate_dims_only_matches_fsdp2_and_unsharded(dist_run):

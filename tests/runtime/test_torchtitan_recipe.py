@@ -84,6 +84,15 @@ def _assert_close(ours: dict, theirs: dict, tol: dict, what: str) -> None:
         torch.testing.assert_close(ours[name], theirs[name], **tol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
+def _assert_like_fsdp2_and_unsharded(runs: dict, expected_losses, reference: nn.Module) -> None:
+    """Ours against FSDP2 and the unsharded reference: losses and final parameters."""
+    (ours_losses, ours), (fsdp2_losses, fsdp2) = runs["vescale"], runs["torch"]
+    torch.testing.assert_close(ours_losses, fsdp2_losses, **TOL)
+    torch.testing.assert_close(ours_losses, expected_losses, **TOL)
+    _assert_close(ours, fsdp2, PARAM_TOL, "FSDP2")
+    _assert_close(ours, _parameters(reference), PARAM_TOL, "unsharded")
+
+
 def _train(model, optimizer, steps, loss_fn, clip: bool) -> list[torch.Tensor]:
     losses = []
     for step in steps:
@@ -218,11 +227,7 @@ def _llama_recipe_like_fsdp2_and_unsharded(path: str) -> None:
         return (loss / global_tokens).detach()
 
     expected_losses = _train(reference, adamw(reference), range(STEPS), reference_loss, True)
-    (ours_losses, ours), (fsdp2_losses, fsdp2) = runs["vescale"], runs["torch"]
-    torch.testing.assert_close(ours_losses, fsdp2_losses, **TOL)
-    torch.testing.assert_close(ours_losses, expected_losses, **TOL)
-    _assert_close(ours, fsdp2, PARAM_TOL, "FSDP2")
-    _assert_close(ours, _parameters(reference), PARAM_TOL, "unsharded")
+    _assert_like_fsdp2_and_unsharded(runs, expected_losses, reference)
 
 
 def test_llama_through_torchtitans_recipe_matches_fsdp2_and_unsharded(dist_run, tmp_path):
@@ -296,11 +301,7 @@ def _moe_recipe_like_fsdp2_and_unsharded(path: str) -> None:
         return loss.detach()
 
     expected_losses = _train(reference, adamw(reference), range(STEPS), reference_loss, False)
-    (ours_losses, ours), (fsdp2_losses, fsdp2) = runs["vescale"], runs["torch"]
-    torch.testing.assert_close(ours_losses, fsdp2_losses, **TOL)
-    torch.testing.assert_close(ours_losses, expected_losses, **TOL)
-    _assert_close(ours, fsdp2, PARAM_TOL, "FSDP2")
-    _assert_close(ours, _parameters(reference), PARAM_TOL, "unsharded")
+    _assert_like_fsdp2_and_unsharded(runs, expected_losses, reference)
 
 
 def test_moe_through_torchtitans_recipe_with_expert_meshes_matches_fsdp2_and_unsharded(dist_run, tmp_path):
