@@ -1,7 +1,8 @@
 """FSDP2's behaviour at the edges users rely on: tied weights across units, the gradient divide
 factor's scope, accumulation in the reduce dtype, a grouped head called per chunk, parameters
 replaced after ``fully_shard``, post-accumulate-grad hooks, 0-dim, non-contiguous and
-zero-size parameters, and ``reset_iter_state()`` after an exception.
+zero-size parameters, ``reset_iter_state()`` after an exception, two backwards through one
+forward, and a unit run again after its post-backward.
 
 Each case is checked against FSDP2 itself in the same body (and against an unsharded model
 where FSDP2 has no behaviour of its own to match).
@@ -445,3 +446,134 @@ def _two_backwards_through_one_forward():
 @pytest.mark.parametrize("world", [2, 3])
 def test_two_backwards_through_one_forward_accumulate_as_fsdp2(dist_run, world):
     dist_run(_two_backwards_through_one_forward, world, timeout=120)
+
+
+# ----------------------------------------------------------------------------------
+# a unit run again in forward after its post-backward can run (PyTorch's pre-2.13
+# test_fully_shard_compile.py nested model, run eagerly)
+# ----------------------------------------------------------------------------------
+
+
+class _Reused(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.param1 = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.param2 = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.relu(torch.matmul(x, self.param1) * self.param2)
+
+
+class _ReusingModel(nn.Module):
+    """Each layer twice in a row, then all layers twice: the first call of each layer takes
+    an input that needs no gradient only for the first layer, whose post-backward (reached
+    through its second call's inputs) therefore comes before its first call's backward."""
+
+    def __init__(self, dim: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Reused(dim) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(layer(x))
+        for _ in range(2):
+            for layer in self.layers:
+                x = layer(x)
+        return x
+
+
+def _unit_run_again_after_its_post_backward(reshard_after_forward):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = _ReusingModel()
+    models = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("ours", fully_shard)):
+        model = clone(reference)
+        for layer in model.layers:
+            shard(layer, reshard_after_forward=reshard_after_forward)
+        shard(model, reshard_after_forward=reshard_after_forward)
+        models[name] = (model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        losses = {}
+        for name, (model, _) in models.items():
+            losses[name] = model(x).sum()
+            losses[name].backward()
+        ref_loss = reference(x).sum()
+        ref_loss.backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        for name, (model, _) in models.items():
+            torch.testing.assert_close(losses[name], ref_loss, **TOL)
+            for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(_full(p.grad), q.grad, **TOL, msg=lambda m: f"{name} grad {pname}: {m}")
+        for optim in (ref_optim, *(optim for _, optim in models.values())):
+            optim.step()
+            optim.zero_grad()
+    for (pname, p), q in zip(models["ours"][0].named_parameters(), models["fsdp2"][0].parameters(), strict=True):
+        torch.testing.assert_close(_full(p), _full(q), **PARAM_TOL, msg=lambda m: f"param {pname}: {m}")
+
+
+@pytest.mark.parametrize(("world", "reshard_after_forward"), [(2, True), (3, False)])
+def test_unit_run_again_after_its_post_backward_matches_fsdp2_and_unsharded(dist_run, world, reshard_after_forward):
+    dist_run(_unit_run_again_after_its_post_backward, world, reshard_after_forward, timeout=120)
+
+
+class _Routed(nn.Module):
+    """One of two weights per call, as the parent routes it (different on each rank)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.b = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+        self.route = 0
+
+    def forward(self, x):
+        return torch.tanh(x @ (self.a if self.route == 0 else self.b))
+
+
+class _RoutedTwice(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.layer = _Routed(dim)
+
+    def forward(self, x):
+        route = dist.get_rank() % 2
+        self.layer.route = route
+        x = self.layer(x)
+        self.layer.route = 1 - route
+        return self.layer(x)
+
+
+def _routed_unit_run_again_after_its_post_backward():
+    """The unit's first reduction in backward carries, on each rank, one weight's gradient
+    from this rank and the other's from other ranks only; the second adds the rest. Checked
+    against the unsharded model (FSDP2 cannot route per rank: its reduce-scatter inputs
+    would differ in size between ranks)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    reference = _RoutedTwice()
+    model = clone(reference)
+    fully_shard(model.layer)
+    fully_shard(model)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(x).sum()
+        loss.backward()
+        ref_loss = reference(x).sum()
+        ref_loss.backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(_full(p.grad), q.grad, **TOL, msg=lambda m: f"grad {name}: {m}")
+        model.zero_grad()
+        reference.zero_grad()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_routed_unit_run_again_after_its_post_backward_matches_unsharded(dist_run, world):
+    dist_run(_routed_unit_run_again_after_its_post_backward, world, timeout=120)

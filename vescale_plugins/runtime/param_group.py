@@ -87,6 +87,8 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0  # _PostBackward nodes of this forward not yet run
         self._backward_prefetched = False
+        # This backward's post-backward already ran once (see _pre_backward_hook).
+        self._backward_again = False
         self._pending_unshard: list[GatherHandle] = []
         self._modules_run: set[int] = set()
         self.buffers: list[ShardedBuffer] = []
@@ -411,8 +413,15 @@ class FSDPParamGroup:
 
     @eager_hook
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state is TrainingState.PRE_BACKWARD:
             return
+        if self.training_state is TrainingState.POST_BACKWARD:
+            # Backward reaches another call of a unit that ran more than once in forward
+            # after its post-backward (that call's inputs needed no gradient, so nothing
+            # held the post-backward back): its backward reads the parameters again. Gather
+            # them again and reduce the new gradients at the end of backward, onto the first
+            # reduction's, as FSDP2 does.
+            self._backward_again = True
         self.training_state = TrainingState.PRE_BACKWARD
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
@@ -472,6 +481,7 @@ class FSDPParamGroup:
         if self.requires_gradient_sync:
             self._reduce_gradients()
         else:
+            self._backward_again = False  # nothing reduced: the gradients accumulate as usual
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_in(fsdp_param.dbuffer.reduce_dtype)
 
@@ -492,6 +502,14 @@ class FSDPParamGroup:
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
         root_state.wait_for_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+        if self._backward_again:
+            # The unit's second reduction in this backward adds to its first: that one lands
+            # first, and the gradients it gave only through other ranks are attached, so
+            # that no slot of it counts as empty below.
+            self._backward_again = False
+            root_state.wait_for_gradients()
+            if root_state.reduced_without_local_grad:
+                root_state._attach_remote_gradients()
         issued: list[ReduceScatterHandle] = []
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
@@ -551,6 +569,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0
         self._backward_prefetched = False
+        self._backward_again = False
         self._modules_run.clear()
         for fsdp_param in self.fsdp_params:
             fsdp_param.accumulated_grad = None
