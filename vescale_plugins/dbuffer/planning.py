@@ -9,10 +9,11 @@ padding at most FSDP2's for the same parameters.
 
 Parameters nothing asks rows of (``block_rows`` ``None``: no ``block_size_fn`` answer, not
 tensor-parallel, ...) are planned in rows of dim 0, as FSDP2's ``Shard(0)``, wherever that
-pads at most what FSDP2 pads for the same parameters plus the cap's slack; elsewhere (one
-buffer holding rows of several lengths at many ranks) they are planned element-wise (blocks
-of one element: the paper's RaggedShard over all dims, a 1-D local shard), which pads at
-most the 16-byte alignment, in the same buffers and collectives. The choice depends on the
+pads at most what FSDP2 pads for the same parameters plus the cap's slack, in one buffer;
+elsewhere (one buffer holding rows of several lengths at many ranks) they are planned
+element-wise (blocks of one element: the paper's RaggedShard over all dims, a 1-D local
+shard), which pads at most the 16-byte alignment, where that pads less, or as little in
+fewer buffers (collectives). The choice depends on the
 shapes, dtypes and world size only, so every rank makes the same.
 """
 
@@ -153,11 +154,21 @@ def plan_buffers(
     plans = _plan(shapes, rows, None, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
     cuttable = [r is None and is_elementwise(torch.Size(s), 1) for s, r in zip(shapes, block_rows)]
     if any(cuttable):
-        padding = sum(p.layout.padding for p in plans)
-        allowance = (alignment - 1) * (len(shapes) + len(plans) * world_size)
-        if padding > fsdp2 + slack + allowance:
+
+        def within(buffers: list[BufferPlan]) -> bool:
+            # The cap's criterion: FSDP2's padding, its slack, and the 16-byte alignment
+            # (a - 1 elements before each tensor and per rank at each buffer's end).
+            allowance = (alignment - 1) * (len(shapes) + len(buffers) * world_size)
+            return sum(p.layout.padding for p in buffers) <= fsdp2 + slack + allowance
+
+        rows_within = within(plans)
+        if not rows_within or len(plans) > 1:
             flat = _plan(shapes, rows, cuttable, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
-            if sum(p.layout.padding for p in flat) < padding:
+            if rows_within:  # rows pad little but take more collectives than cutting anywhere
+                better = within(flat) and len(flat) < len(plans)
+            else:
+                better = sum(p.layout.padding for p in flat) < sum(p.layout.padding for p in plans)
+            if better:
                 plans = flat
     return plans
 
