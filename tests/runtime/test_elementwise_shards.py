@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from tests.support.models import clone
-from tests.support.parity import PARAM_TOL, TOL, adamw, assert_matches, assert_sharded_views, full_params
+from tests.support.parity import TOL, adamw, assert_matches, assert_sharded_views, full_params
 from vescale_plugins import RaggedShard, fully_shard
 
 GLOBAL_BATCH = 12  # divides by 2 and 3: every rank the same share

@@ -143,9 +143,7 @@ def plan_buffers(
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
     # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
-    alignment = max(
-        ALIGNMENT_BYTES // itemsize, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size(), 1
-    )
+    alignment = max(ALIGNMENT_BYTES // itemsize, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size(), 1)
     rows = [1 if r is None else r for r in block_rows]
     # FSDP2's padding for these parameters in rows (its Shard(0)), and what the cap allows
     # above it: 512 bytes per rank, below the allocator's granularity.
