@@ -159,6 +159,26 @@ def _load(path: str) -> None:
     _assert_cut_elementwise(model)
 
 
+def _meta_init_matches_eager() -> None:
+    # Each rank draws its element-wise slice of what a draw of the full tensor gives.
+    torch.manual_seed(7)
+    eager = _TwoWidths()
+    with torch.device("meta"):
+        model = _TwoWidths()
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    _assert_cut_elementwise(model)
+    torch.manual_seed(7)
+    for linear in (model.a, model.b):
+        linear.reset_parameters()
+    assert_matches(model, eager, "param", dict(rtol=0, atol=0))
+    assert_sharded_views(model)
+
+
 def test_elementwise_checkpoint_saved_at_2_ranks_loads_at_3(dist_run, tmp_path):
     dist_run(_save, 2, str(tmp_path))
     dist_run(_load, 3, str(tmp_path))
+
+
+def test_elementwise_meta_init_matches_the_eager_model(dist_run):
+    dist_run(_meta_init_matches_eager, 3)
