@@ -69,8 +69,14 @@ def _adamw(model):
 def _multi_buffer_parity():
     world, rank = dist.get_world_size(), dist.get_rank()
     reference = SplitMLP()
-    # Split wherever it saves padding.
-    ours = _shard(copy.deepcopy(reference), fully_shard, buffer_split_cost=BufferSplitCost(alpha_s=0.0))
+    # Split wherever it saves padding. One-row blocks asked for: with none asked, one buffer
+    # cut element-wise pads as little (tests/runtime/test_elementwise_shards.py).
+    ours = _shard(
+        copy.deepcopy(reference),
+        fully_shard,
+        buffer_split_cost=BufferSplitCost(alpha_s=0.0),
+        block_size_fn=lambda name, p: 1,
+    )
     theirs = _shard(copy.deepcopy(reference), torch_fully_shard)
     unit = ours.block._vescale_fsdp_unit
     assert len(unit.dbuffers) == 2, [b.layout for b in unit.dbuffers]

@@ -1,8 +1,9 @@
 """Padding per rank against FSDP2's on every catalogue model at W = 64, 1024 and 8192.
 
-Ours: the buffers ``fully_shard`` plans (``plan_buffers``, bf16 parameters and collectives,
-the split cost with the padding cap on). FSDP2's: computed as FSDP2 computes it, with its own helper. No
-processes: the planner and meta tensors only.
+Ours: the buffers ``fully_shard`` plans (``plan_buffers``, bf16 parameters and collectives):
+by default (one buffer per unit, rows where they pad no more than FSDP2, else element-wise),
+and with the split cost's padding cap on. FSDP2's: computed as FSDP2 computes it, with its
+own helper. No processes: the planner and meta tensors only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 import pytest
 import torch
 
-from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers, planner_inputs
+from vescale_plugins.dbuffer.planning import BufferSplitCost, is_elementwise, plan_buffers, planner_inputs
 from vescale_plugins.planner import padding_lower_bound
 from vescale_plugins.tools.model_catalog import CATALOG, dim0_block_rows
 
@@ -37,29 +38,40 @@ def fsdp2_padding(shape: tuple[int, ...], world: int) -> int:
 CAPPED = BufferSplitCost(cap_at_fsdp2_padding=True)
 
 
-def plan(shapes: list[tuple[int, ...]], rows: int, world: int, cost: BufferSplitCost = CAPPED):
+def plan(shapes: list[tuple[int, ...]], rows: int | None, world: int, cost: BufferSplitCost = CAPPED):
+    """``rows`` None: no block_size_fn; 1: a block_size_fn answering one row for every
+    parameter (kept in rows); else the bench's ``--block-rows``."""
     sizes = [torch.Size(s) for s in shapes]
-    return plan_buffers(sizes, dim0_block_rows(shapes, rows), torch.bfloat16, torch.bfloat16, world, cost)
+    block_rows = [1] * len(shapes) if rows == 1 else dim0_block_rows(shapes, rows)
+    return plan_buffers(sizes, block_rows, torch.bfloat16, torch.bfloat16, world, cost)
 
 
-# The one cell where the planner finds no split into at most 4 buffers at FSDP2's padding
+# (One-row blocks asked for, the cap on.) The one cell where the planner finds no split into
+# at most 4 buffers at FSDP2's padding
 # (six buffers reach it; the bound on 4-buffer splits is 0): DeepSeek-V3's MoE layer at
 # W=64 pads 48896 elements (764 per rank, 0.0004 % of the layer) where FSDP2 pads none.
 PLANNER_GAPS = {("DeepSeek-V3-671B", "moe_decoder_layer", 64): 48896}
 
 
 @pytest.mark.parametrize("model", sorted(CATALOG))
-def test_padding_with_no_block_size_fn_is_at_most_fsdp2s(model):
+@pytest.mark.parametrize(
+    "rows, cost", [(None, BufferSplitCost()), (1, CAPPED)], ids=["default", "one-row-blocks-capped"]
+)
+def test_padding_with_no_block_size_fn_is_at_most_fsdp2s(model, rows, cost):
     # Per model: at most FSDP2's, plus the 16-byte alignment FSDP2 does not do (a - 1
     # elements before each tensor and per rank at each buffer's end) and 512 bytes per rank
-    # per unit (below the allocator's granularity); at most 1 % wherever FSDP2's is.
+    # per unit (below the allocator's granularity); at most 1 % wherever FSDP2's is. By
+    # default (no block_size_fn) in one buffer per unit: no more collectives than FSDP2's one
+    # per unit. With one-row blocks asked for (rows kept), the padding cap meets it by splits.
+    default = rows is None
     for world in WORLD_SIZES:
         payload = ours = theirs = allowance = 0
         for unit in CATALOG[model].units:
             shapes = [shape for _, shape in unit.params]
-            buffers = plan(shapes, 1, world)
+            buffers = plan(shapes, rows, world, cost)
+            assert not default or len(buffers) == 1, (model, unit.name, world, len(buffers))
             padding = sum(b.layout.padding for b in buffers)
-            gap = PLANNER_GAPS.get((model, unit.name, world), 0)
+            gap = 0 if default else PLANNER_GAPS.get((model, unit.name, world), 0)
             assert gap == 0 or padding == gap, (model, unit.name, world, padding)
             payload += unit.count * sum(math.prod(s) for s in shapes)
             ours += unit.count * (padding - gap)
@@ -70,13 +82,49 @@ def test_padding_with_no_block_size_fn_is_at_most_fsdp2s(model):
             assert ours <= 0.01 * payload, (model, world, ours / payload)
 
 
-def test_the_cap_is_what_splits_a_dense_block_at_1024_ranks():
-    # Llama-3-8B's block at W=1024: one buffer pads 6.8 % (a shard both row lengths tile);
-    # FSDP2 pads nothing; the cap splits it in three, time alone (the default) keeps one buffer.
+def _cut_elementwise(buffers, shapes) -> list[bool]:
+    """Per parameter (in the unit's order): whether the plan cut it element-wise."""
+    cut = [False] * len(shapes)
+    for b in buffers:
+        for slot, position in enumerate(b.positions):
+            cut[position] = is_elementwise(torch.Size(shapes[position]), b.layout.block_sizes[slot])
+    return cut
+
+
+def test_rows_stay_where_they_pad_no_more_than_fsdp2():
+    # Where one buffer of whole rows already pads at most FSDP2's (+ the slack), the default
+    # plan is today's row-wise one (2-D local shards, FSDP2's Shard(0) shapes); elsewhere the
+    # parameters nothing asks rows of are cut element-wise. Explicit block_size_fn answers
+    # (even 1 row) stay rows.
     shapes = [shape for _, shape in next(u for u in CATALOG["Llama-3-8B"].units if u.name == "decoder_layer").params]
+    sizes = [torch.Size(s) for s in shapes]
+    for world, elementwise in ((2, False), (1024, True)):
+        default = plan(shapes, None, world, BufferSplitCost())
+        rows = plan_buffers(sizes, [1] * len(sizes), torch.bfloat16, torch.bfloat16, world, BufferSplitCost())
+        assert not any(_cut_elementwise(rows, shapes))
+        assert _cut_elementwise(default, shapes) == [elementwise and len(s) >= 2 for s in shapes], world
+        if not elementwise:
+            assert [(b.positions, b.layout) for b in default] == [(b.positions, b.layout) for b in rows]
+    # The same in a mixed group: the 1-D norms and block-asked weights keep their rows.
+    asked = [16 if len(s) >= 2 and i % 2 else None for i, s in enumerate(shapes)]
+    mixed = plan_buffers(sizes, asked, torch.bfloat16, torch.bfloat16, 1024, BufferSplitCost())
+    cut = _cut_elementwise(mixed, shapes)
+    assert not any(c for c, r in zip(cut, asked) if r is not None)
+
+
+def test_a_dense_block_at_1024_ranks_is_cut_elementwise_in_one_buffer():
+    # Llama-3-8B's block at W=1024: one buffer of whole rows pads 6.8 % (a shard both row
+    # lengths tile); FSDP2 pads nothing. With no block_size_fn the default keeps one buffer
+    # and cuts the weights element-wise (the cap then has nothing to split); with one-row
+    # blocks asked for, the cap splits it in three.
+    shapes = [shape for _, shape in next(u for u in CATALOG["Llama-3-8B"].units if u.name == "decoder_layer").params]
+    sizes = [torch.Size(s) for s in shapes]
     assert sum(fsdp2_padding(s, 1024) for s in shapes) == 0
-    time_only = plan(shapes, 1, 1024, BufferSplitCost())
-    assert len(time_only) == 1 and time_only[0].layout.padding_ratio > 0.06
+    rows = plan_buffers(sizes, [1] * len(sizes), torch.bfloat16, torch.bfloat16, 1024, BufferSplitCost())
+    assert len(rows) == 1 and rows[0].layout.padding_ratio > 0.06
+    default = plan(shapes, None, 1024, BufferSplitCost())
+    assert len(default) == 1 and default[0].layout.padding <= 7 * (len(shapes) + 1024)
+    assert [(b.positions, b.layout) for b in plan(shapes, None, 1024)] == [(b.positions, b.layout) for b in default]
     capped = plan(shapes, 1, 1024)
     assert len(capped) == 3 and sum(b.layout.padding for b in capped) <= 7 * (len(shapes) + 3 * 1024)
 

@@ -35,7 +35,7 @@ from vescale_plugins.dbuffer.observer import (
     GRADIENT_RELEASE_REGION,
     REDUCE_SCATTER_REGION,
 )
-from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, row_numel
+from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, row_numel
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout
@@ -55,7 +55,11 @@ class BufferSlot:
     local_offset: int
     local_length: int
     local_units: UnitRuns  # units of every rank of the shard group
-    block_rows: int
+    block_rows: int | None
+    # The dims the ragged cut runs over: (0,) rows of dim 0 (a local shard of whole rows, as
+    # FSDP2's Shard(0)); all of them where the planner cut it element-wise (a 1-D local
+    # shard); () for a zero-size parameter (one empty unit).
+    dims: tuple[int, ...]
 
 
 class DBuffer:
@@ -64,7 +68,9 @@ class DBuffer:
     Args:
         shapes: parameter shapes, in the group's order.
         block_rows: rows of dim 0 that must stay on one rank, per parameter, counted from
-            row 0 (need not divide the rows: the last block is then shorter).
+            row 0 (need not divide the rows: the last block is then shorter); ``None``
+            where none were asked for. Whether a parameter is cut in rows or element-wise
+            is the layout's (a block shorter than a row: element-wise).
         dtype: of the sharded (and full-precision) parameters.
         device: where they are computed with (gathered, their gradients reduced); the sharded
             parameters and gradients live there too unless ``offload_to_cpu``.
@@ -83,7 +89,7 @@ class DBuffer:
     def __init__(
         self,
         shapes: Sequence[torch.Size],
-        block_rows: Sequence[int],
+        block_rows: Sequence[int | None],
         dtype: torch.dtype,
         device: torch.device,
         group: dist.ProcessGroup,
@@ -138,7 +144,7 @@ class DBuffer:
         self._grad_offload_event: Any = None  # the pinned copy of the reduced shard to host
         self.streams = comm_streams_for(self.device)
 
-    def _slot(self, index: int, shape: torch.Size, rows: int) -> BufferSlot:
+    def _slot(self, index: int, shape: torch.Size, rows: int | None) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
         numel = math.prod(shape)
         if numel == 0:
@@ -146,6 +152,7 @@ class DBuffer:
         # The last block shorter: RaggedShard needs equal units, so count rows.
         block = self.layout.block_sizes[index]
         unit = row_numel(shape) if numel and numel % block else block
+        elementwise = is_elementwise(shape, block)
         return BufferSlot(
             global_offset=self.layout.offsets[index],
             numel=numel,
@@ -154,6 +161,7 @@ class DBuffer:
             local_length=length,
             local_units=slot_units(self.layout, index, unit),
             block_rows=rows,
+            dims=tuple(range(len(shape))) if elementwise else (0,) if len(shape) and numel else (),
         )
 
     def sharded_padding(self) -> list[tuple[int, int]]:
@@ -190,16 +198,14 @@ class DBuffer:
         slot = self.slots[index]
         if slot.numel == 0:
             return self._local_view(flat, index)
-        shape = _local_shape(slot.shape, slot.local_length)
+        shape = _local_shape(slot)
         return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + slot.local_offset)
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
         if slot.numel == 0:  # the whole (empty) tensor is one unit: see RaggedShard(dims=())
             return flat[:0].view(ragged_layout(slot.shape, (), slot.local_units).slices[self.rank].local_shape)
-        return flat[slot.local_offset : slot.local_offset + slot.local_length].view(
-            _local_shape(slot.shape, slot.local_length)
-        )
+        return flat[slot.local_offset : slot.local_offset + slot.local_length].view(_local_shape(slot))
 
     def unsharded_view(self, index: int) -> torch.Tensor:
         """Parameter ``index`` in full: a view of the unsharded buffer (valid while allocated)."""
@@ -483,16 +489,20 @@ class DBuffer:
 class _GradTargets:
     """Where one parameter's gradient goes in the unsharded gradient buffer: the buffer's
     views (at most three, see :meth:`DBuffer._grad_pieces`) each shaped as the gradient rows
-    it takes, and those rows (rank boundaries fall between rows). One copy per view, plus
-    one split when there are several."""
+    it takes, and those rows (rank boundaries fall between rows); for a parameter cut
+    element-wise, the views as they are and their elements (the gradient is split flat).
+    One copy per view, plus one split (and one flattening view) when there are several."""
 
     views: tuple[torch.Tensor, ...]
     rows: tuple[int, ...]
+    flat: bool = False
 
     @classmethod
     def of(cls, slot: BufferSlot, pieces: list[torch.Tensor]) -> _GradTargets:
         if len(pieces) == 1 and pieces[0].dim() == 1:
             return cls((pieces[0].view(slot.shape),), ())
+        if len(slot.dims) > 1:
+            return cls(tuple(pieces), tuple(p.numel() for p in pieces), flat=True)
         per_row = row_numel(slot.shape)
         views = tuple(p.view(*p.shape[:-1], p.shape[-1] // per_row, *slot.shape[1:]) for p in pieces)
         return cls(views, tuple(p.numel() // per_row for p in pieces))
@@ -503,7 +513,10 @@ class _GradTargets:
             for view in self.views:
                 view.zero_()
             return
-        parts = grad.split(self.rows) if len(self.views) > 1 else (grad,)
+        if len(self.views) > 1:
+            parts = (grad.reshape(-1) if self.flat else grad).split(self.rows)
+        else:
+            parts = (grad,)
         for view, part in zip(self.views, parts):
             view.copy_(part if part.shape == view.shape else part.reshape(view.shape))
 
@@ -518,9 +531,12 @@ class _GradCopyPlan:
     flags: torch.Tensor
 
 
-def _local_shape(shape: torch.Size, length: int) -> tuple[int, ...]:
+def _local_shape(slot: BufferSlot) -> tuple[int, ...]:
+    shape, length = slot.shape, slot.local_length
     if len(shape) == 0:
         return tuple(shape) if length else (0,)
+    if len(slot.dims) > 1:  # cut element-wise: a 1-D run of elements
+        return (length,)
     return (length // row_numel(shape), *shape[1:])
 
 

@@ -6,6 +6,15 @@ collective model says the padding saved outweighs the extra collectives' latency
 (:func:`vescale_plugins.planner.choose_split`); with ``cap_at_fsdp2_padding``, where the user
 asked for no block structure (every block one row), also wherever that is what keeps its
 padding at most FSDP2's for the same parameters.
+
+Parameters nothing asks rows of (``block_rows`` ``None``: no ``block_size_fn`` answer, not
+tensor-parallel, ...) are planned in rows of dim 0, as FSDP2's ``Shard(0)``, wherever that
+pads at most what FSDP2 pads for the same parameters plus the cap's slack, in one buffer;
+elsewhere (one buffer holding rows of several lengths at many ranks) they are planned
+element-wise (blocks of one element: the paper's RaggedShard over all dims, a 1-D local
+shard), which pads at most the 16-byte alignment, where that pads less, or as little in
+fewer buffers (collectives). The choice depends on the
+shapes, dtypes and world size only, so every rank makes the same.
 """
 
 from __future__ import annotations
@@ -19,7 +28,15 @@ import torch
 from vescale_plugins.planner import CollectiveCost, Layout, choose_split
 from vescale_plugins.planner.baselines import fsdp2_padding
 
-__all__ = ["ALIGNMENT_BYTES", "BufferPlan", "BufferSplitCost", "plan_buffers", "planner_inputs", "row_numel"]
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "BufferPlan",
+    "BufferSplitCost",
+    "is_elementwise",
+    "plan_buffers",
+    "planner_inputs",
+    "row_numel",
+]
 
 # Collectives and vectorised kernels like 16-byte aligned buffers; offsets are in elements.
 ALIGNMENT_BYTES = 16
@@ -84,44 +101,104 @@ def row_numel(shape: torch.Size) -> int:
     return math.prod(shape[1:]) if len(shape) > 0 else 1
 
 
+def is_elementwise(shape: torch.Size, block: int) -> bool:
+    """Whether a parameter planned with blocks of ``block`` elements is cut element-wise (its
+    local shard a 1-D run of elements, ``RaggedShard(dims=all)``) rather than in rows of dim 0:
+    its block is shorter than a row."""
+    return len(shape) >= 2 and math.prod(shape) > 0 and block < row_numel(shape)
+
+
 def planner_inputs(
-    shapes: Sequence[torch.Size], block_rows: Sequence[int], dtype: torch.dtype
+    shapes: Sequence[torch.Size],
+    block_rows: Sequence[int | None],
+    dtype: torch.dtype,
+    elementwise: Sequence[bool] | None = None,
 ) -> tuple[list[int], list[int], int]:
     """What the planner is asked for these parameters: numels, block sizes and alignment, in
     elements (``ALIGNMENT_BYTES`` of ``dtype``). A zero-size parameter (FSDP2 accepts them)
-    is planned as one element that holds nothing."""
+    is planned as one element that holds nothing. ``block_rows`` ``None`` is one row, or one
+    element where ``elementwise`` says so."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     numels = [max(1, math.prod(s)) for s in shapes]
-    blocks = [rows * row_numel(s) if len(s) and math.prod(s) else 1 for s, rows in zip(shapes, block_rows)]
+    cut = elementwise or [False] * len(shapes)
+    blocks = [
+        1 if flat or not (len(s) and math.prod(s)) else (rows or 1) * row_numel(s)
+        for s, rows, flat in zip(shapes, block_rows, cut)
+    ]
     return numels, blocks, max(1, ALIGNMENT_BYTES // itemsize)
 
 
 def plan_buffers(
     shapes: Sequence[torch.Size],
-    block_rows: Sequence[int],
+    block_rows: Sequence[int | None],
     dtype: torch.dtype,
     comm_dtype: torch.dtype,
     world_size: int,
     cost: BufferSplitCost = BufferSplitCost(),
 ) -> list[BufferPlan]:
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
-    collectives move (the cost model counts its bytes)."""
-    # FSDP2 pads dim 0 of each parameter to a multiple of the world size: torch.chunk gives
-    # every rank ceil(dim0 / W) rows and the sharded parameter is padded to chunk 0's size
-    # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param:
-    # ``padded_sharded_size = chunks[0].size()  # 0th always padded``, line 304 in torch 2.13).
-    numels, blocks, alignment = planner_inputs(shapes, block_rows, dtype)
-    cap = None
-    if cost.cap_at_fsdp2_padding and all(rows == 1 for rows in block_rows):
-        rows_shapes = [tuple(s) if len(s) else (1,) for s in shapes if math.prod(s)]
-        fsdp2 = fsdp2_padding(rows_shapes, [row_numel(torch.Size(s)) for s in rows_shapes], world_size)
-        # Where FSDP2 itself pads more (tensors with fewer rows than ranks), its padding is
-        # no bar worth extra collectives: time alone decides.
-        slack = world_size * (CAP_SLACK_BYTES_PER_RANK // torch.empty((), dtype=dtype).element_size())
-        cap = fsdp2 + slack if fsdp2 <= FSDP2_CAP_UP_TO * sum(numels) else None
+    collectives move (the cost model counts its bytes). ``block_rows[i]`` ``None``: nothing
+    asks rows of parameter ``i``; it is planned in rows where that pads at most FSDP2's (plus
+    the cap's slack), else element-wise (module docstring)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
     # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
-    alignment = max(alignment, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size())
+    alignment = max(ALIGNMENT_BYTES // itemsize, ALIGNMENT_BYTES // torch.empty((), dtype=comm_dtype).element_size(), 1)
+    rows = [1 if r is None else r for r in block_rows]
+    # FSDP2's padding for these parameters in rows (its Shard(0)), and what the cap allows
+    # above it: 512 bytes per rank, below the allocator's granularity.
+    fsdp2 = _fsdp2_padding(shapes, rows, world_size)
+    slack = world_size * (CAP_SLACK_BYTES_PER_RANK // itemsize)
+    plans = _plan(shapes, rows, None, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
+    cuttable = [r is None and is_elementwise(torch.Size(s), 1) for s, r in zip(shapes, block_rows)]
+    if any(cuttable):
+
+        def within(buffers: list[BufferPlan]) -> bool:
+            # The cap's criterion: FSDP2's padding, its slack, and the 16-byte alignment
+            # (a - 1 elements before each tensor and per rank at each buffer's end).
+            allowance = (alignment - 1) * (len(shapes) + len(buffers) * world_size)
+            return sum(p.layout.padding for p in buffers) <= fsdp2 + slack + allowance
+
+        rows_within = within(plans)
+        if not rows_within or len(plans) > 1:
+            flat = _plan(shapes, rows, cuttable, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
+            if rows_within:  # rows pad little but take more collectives than cutting anywhere
+                better = within(flat) and len(flat) < len(plans)
+            else:
+                better = sum(p.layout.padding for p in flat) < sum(p.layout.padding for p in plans)
+            if better:
+                plans = flat
+    return plans
+
+
+def _fsdp2_padding(shapes: Sequence[torch.Size], rows: Sequence[int], world_size: int) -> int:
+    """FSDP2 pads dim 0 of each parameter to a multiple of the world size: torch.chunk gives
+    every rank ceil(dim0 / W) rows and the sharded parameter is padded to chunk 0's size
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param:
+    ``padded_sharded_size = chunks[0].size()  # 0th always padded``, line 304 in torch 2.13);
+    with blocks of ``rows`` rows, to whole blocks per rank."""
+    kept = [(tuple(s) if len(s) else (1,), r) for s, r in zip(shapes, rows) if math.prod(s)]
+    return fsdp2_padding([s for s, _ in kept], [r * row_numel(torch.Size(s)) for s, r in kept], world_size)
+
+
+def _plan(
+    shapes: Sequence[torch.Size],
+    rows: Sequence[int],
+    elementwise: Sequence[bool] | None,
+    dtype: torch.dtype,
+    comm_dtype: torch.dtype,
+    world_size: int,
+    cost: BufferSplitCost,
+    alignment: int,
+    fsdp2: int,
+    slack: int,
+) -> list[BufferPlan]:
+    numels, blocks, _ = planner_inputs(shapes, rows, dtype, elementwise)
+    cap = None
+    if cost.cap_at_fsdp2_padding and all(r == 1 for r in rows):
+        # Where FSDP2 itself pads more (tensors with fewer rows than ranks), its padding is
+        # no bar worth extra collectives: time alone decides.
+        cap = fsdp2 + slack if fsdp2 <= FSDP2_CAP_UP_TO * sum(numels) else None
     plan = choose_split(
         numels,
         blocks,

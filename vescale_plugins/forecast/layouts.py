@@ -2,8 +2,8 @@
 
 veScale-FSDP: the buffers :func:`vescale_plugins.dbuffer.planning.plan_buffers` gives the
 unit, asked exactly as ``fully_shard`` asks (one group: every parameter here is floating point
-and trainable; blocks of ``block_rows`` dim-0 rows where they divide dim 0; the default split
-cost). FSDP2: its ``Shard(0)`` rule, every parameter padded to ``ceil(dim0 / n)`` rows per
+and trainable; blocks of ``block_rows`` dim-0 rows where they divide dim 0, elsewhere no block
+asked, so rows or element-wise as ``plan_buffers`` decides; the default split cost). FSDP2: its ``Shard(0)`` rule, every parameter padded to ``ceil(dim0 / n)`` rows per
 rank (:func:`vescale_plugins.planner.baselines.fsdp2_padding`). Sizes in elements.
 
 Identical units share one plan: a model's layers are planned once per group size.

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
@@ -40,10 +39,11 @@ class UnitMesh:
             mesh.get_group(0) if mesh.ndim == 2 else None,
         )
 
-    def placements(self, shape: torch.Size, numel: int, local_units: Sequence[int]) -> list[Placement]:
-        """The DTensor placements of a parameter whose shard-group layout is ``local_units``."""
-        # A zero-size parameter is one (empty) unit: dims=() (see DBuffer's zero-size slots).
-        ragged = RaggedShard((0,) if len(shape) and numel else (), local_units)
+    def placements(self, dims: tuple[int, ...], local_units: Sequence[int]) -> list[Placement]:
+        """The DTensor placements of a parameter whose shard-group layout is ``local_units``
+        of the dims ``dims`` (``BufferSlot.dims``: rows of dim 0, every dim where it is cut
+        element-wise, none for a zero-size parameter)."""
+        ragged = RaggedShard(dims, local_units)
         return [Replicate(), ragged] if self.replicate_group is not None else [ragged]
 
 

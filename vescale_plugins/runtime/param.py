@@ -111,7 +111,7 @@ class FSDPParam:
 
     def placements(self) -> list[Placement]:
         slot = self.dbuffer.slots[self.slot]
-        return self.buffer.mesh.placements(slot.shape, slot.numel, slot.local_units)
+        return self.buffer.mesh.placements(slot.dims, slot.local_units)
 
     def slice_start(self) -> int:
         """Where this rank's part starts in the flattened (local TP) parameter."""

@@ -140,7 +140,7 @@ class FSDPParamGroup:
     def _new_dbuffer(
         self,
         shapes: list[torch.Size],
-        block_rows: list[int],
+        block_rows: list[int | None],
         dtype: torch.dtype,
         device: torch.device,
         group: Any,

@@ -61,7 +61,7 @@ __all__ = [
 
 T = TypeVar("T")
 BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
-PlanEntry = tuple[str, tuple[int, ...], str, int]  # (name, shape, dtype, block rows)
+PlanEntry = tuple[str, tuple[int, ...], str, int | None]  # (name, shape, dtype, block rows or None)
 
 
 class PlanMismatchError(ValueError):
@@ -83,7 +83,10 @@ class ParamSpec:
     """One parameter a unit will manage, as set-up found it.
 
     ``owners`` are the ``(module, attribute)`` slots that hold it (more than one when tied
-    within the unit); ``block_rows`` the rows of dim 0 that must stay on one rank;
+    within the unit); ``block_rows`` the rows of dim 0 that must stay on one rank, or ``None``
+    where nothing asks for rows (no ``block_size_fn`` answer, no ``shard_placement_fn``
+    answer, not tensor-parallel, no all-gather extension): the planner may then cut it
+    anywhere (element-wise, see :func:`.dbuffer.planning.plan_buffers`);
     ``parallel`` how it is distributed besides FSDP (TP/EP/SPMD DTensor) or ``None``;
     ``mesh`` the mesh ``shard_placement_fn`` gave it, or ``None`` for the unit's.
     """
@@ -91,7 +94,7 @@ class ParamSpec:
     fqn: str
     owners: tuple[tuple[nn.Module, str], ...]
     param: nn.Parameter
-    block_rows: int
+    block_rows: int | None
     parallel: ParallelSpec | None
     mesh: DeviceMesh | None
 
@@ -137,22 +140,24 @@ def plan_unit_setup(
         params, shared = _collect_params(modules, ignored)
         _check_not_already_sharded(modules[0], params)
         _check_dtensors_on(device, params)
-        own_mesh = (
-            _check_shard_placements(params, shard_placement_fn, mesh, device) if shard_placement_fn is not None else {}
+        own_mesh, placed = (
+            _check_shard_placements(params, shard_placement_fn, mesh, device)
+            if shard_placement_fn is not None
+            else ({}, set())
         )
         if own_mesh:
             refuse_with_parameter_meshes(next(iter(own_mesh)), reshard_after_forward)
-        specs = [
-            ParamSpec(
-                fqn,
-                tuple(owners),
-                p,
-                _block_rows(fqn, p, block_size_fn),
-                parallel_spec_for(fqn, p, *own_mesh.get(fqn, (mesh, spmd))),
-                own_mesh[fqn][0] if fqn in own_mesh else None,
+        specs = []
+        for fqn, owners, p in params:
+            parallel = parallel_spec_for(fqn, p, *own_mesh.get(fqn, (mesh, spmd)))
+            rows = _block_rows(fqn, p, block_size_fn)
+            if rows is None and (parallel is not None or fqn in placed or defines_extension(p)):
+                # Rows assumed: tensor parallelism's strided shards, FSDP2's dim-0 placement
+                # the user asked for, an extension's fsdp_pre_all_gather (FSDP2's 2-D shard).
+                rows = 1
+            specs.append(
+                ParamSpec(fqn, tuple(owners), p, rows, parallel, own_mesh[fqn][0] if fqn in own_mesh else None)
             )
-            for fqn, owners, p in params
-        ]
         if shared:
             raise ValueError(
                 "parameters shared between this unit and a unit inside it: "
@@ -227,10 +232,10 @@ def normalise_reshard_after_forward(value: bool | int | None, mesh: DeviceMesh) 
     return False if value == 1 else True if value == shard_size else value
 
 
-def _block_rows(fqn: str, param: nn.Parameter, block_size_fn: BlockSizeFn | None) -> int:
+def _block_rows(fqn: str, param: nn.Parameter, block_size_fn: BlockSizeFn | None) -> int | None:
     rows = block_size_fn(fqn, param) if block_size_fn is not None else None
     if rows is None:
-        return 1
+        return None
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"block_size_fn({fqn!r}) returned {rows!r}; it must return None or a positive int (rows)")
     return rows
@@ -411,9 +416,9 @@ def _check_shard_placements(
     shard_placement_fn: Callable[[nn.Parameter], Any],
     mesh: DeviceMesh,
     device: torch.device,
-) -> dict[str, tuple[DeviceMesh, SpmdMesh | None]]:
+) -> tuple[dict[str, tuple[DeviceMesh, SpmdMesh | None]], set[str]]:
     """FSDP2's ``shard_placement_fn``, checked as FSDP2 checks it; returns the parameters it
-    puts on another mesh than the unit's.
+    puts on another mesh than the unit's, and those it gave a placement (kept in rows).
 
     ``None`` and ``Shard(0)`` are what veScale-FSDP does. ``Shard(d)`` for another dim
     (torchtitan asks it for experts with fewer rows than ranks) is accepted and trains the
@@ -425,7 +430,7 @@ def _check_shard_placements(
     and where that mesh info was built with ``dp_mesh_dims`` the parameter is a DTensor on its
     full SPMD mesh (torchtitan's experts on the sparse mesh).
     """
-    other_dims, own_mesh = [], {}
+    other_dims, own_mesh, placed = [], {}, set()
     for fqn, _, param in params:
         placement = shard_placement_fn(param)
         if isinstance(placement, ShardPlacementResult):
@@ -433,8 +438,11 @@ def _check_shard_placements(
             if param_mesh != mesh:
                 own_mesh[fqn] = (param_mesh, spmd_mesh_of(placement.mesh_info))
             placement = placement.placement
+        if fqn in own_mesh:
+            placed.add(fqn)
         if placement is None:
             continue
+        placed.add(fqn)
         if not isinstance(placement, Shard):
             raise ValueError(
                 f"Invalid shard_placement_fn result: {placement} ({placement!r} for {fqn!r}); return a Shard, a "
@@ -459,7 +467,7 @@ def _check_shard_placements(
             "(Warned once per process.)",
             stacklevel=6,  # the user's fully_shard call (via plan_unit_setup, agree_on_plan, plan)
         )
-    return own_mesh
+    return own_mesh, placed
 
 
 # One warning per process for Shard(d > 0) answers (a model asks it for every layer).

@@ -126,12 +126,14 @@ def block_size(shape: Shape, rows_per_block: int) -> int:
     return math.gcd(rows_per_block, row_count(shape)) * row_length(shape)
 
 
-def dim0_block_rows(shapes: Sequence[Shape], rows_per_block: int | None) -> list[int]:
+def dim0_block_rows(shapes: Sequence[Shape], rows_per_block: int | None) -> list[int | None]:
     """``block_size_fn``'s answer per parameter as the bench's ``--block-rows`` gives it:
     ``rows_per_block`` dim-0 rows for a tensor of 2 or more dims whose dim 0 it divides,
-    else one row (``fully_shard`` counts blocks in dim-0 rows, not in the rows above)."""
-    rows = rows_per_block or 1
-    return [rows if len(shape) >= 2 and shape[0] % rows == 0 else 1 for shape in shapes]
+    else ``None`` (no block structure: ``fully_shard`` may cut it anywhere). ``None`` or 1
+    rows per block: no ``block_size_fn`` at all (``None`` for every parameter)."""
+    if rows_per_block is None or rows_per_block == 1:
+        return [None] * len(shapes)
+    return [rows_per_block if len(shape) >= 2 and shape[0] % rows_per_block == 0 else None for shape in shapes]
 
 
 def planner_inputs(unit: Unit, rows_per_block: int) -> tuple[list[int], list[int]]:

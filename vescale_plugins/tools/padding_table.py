@@ -7,9 +7,10 @@ norm + head).
 
 1. **Ours against FSDP2** (:func:`fsdp2_rows`), for every catalogue model and ``W`` in
    ``FSDP2_WORLD_SIZES``: the layout ``fully_shard`` plans (:func:`.dbuffer.planning.plan_buffers`,
-   bf16 parameters and collectives, its default cost) with no ``block_size_fn`` (one dim-0
-   row per block) and with ``block_size_fn`` giving 16 or 128 rows to every parameter of 2
-   or more dims whose dim 0 they divide; FSDP2's padding (every parameter's dim 0 padded to
+   bf16 parameters and collectives, its default cost) with no ``block_size_fn`` (rows of dim
+   0 where they pad at most FSDP2's, else element-wise) and with ``block_size_fn`` giving 16
+   or 128 rows to every parameter of 2 or more dims whose dim 0 they divide; the padding cap
+   (``BufferSplitCost(cap_at_fsdp2_padding=True)``) where one-row blocks are asked for; FSDP2's padding (every parameter's dim 0 padded to
    a multiple of ``W``); the planner's lower bound for one buffer per unit; and the modelled
    all-gather time of one forward over every unit (NCCL's model, one collective per buffer,
    FSDP2 one per unit).
@@ -80,7 +81,9 @@ def fsdp2_rows(
                     shapes = [torch.Size(shape) for _, shape in unit.params]
                     block_rows = dim0_block_rows([s for _, s in unit.params], rows)
                     plans = plan_buffers(shapes, block_rows, torch.bfloat16, torch.bfloat16, world, BufferSplitCost())
-                    capped = plan_buffers(shapes, block_rows, torch.bfloat16, torch.bfloat16, world, CAPPED)
+                    # The cap where rows are kept: a block_size_fn answering one row each.
+                    kept = [1] * len(shapes) if rows == 1 else block_rows
+                    capped = plan_buffers(shapes, kept, torch.bfloat16, torch.bfloat16, world, CAPPED)
                     numels, blocks, alignment = dbuffer_inputs(shapes, block_rows, torch.bfloat16)
                     padding = sum(p.layout.padding for p in plans)
                     theirs = fsdp2_padding(shapes, [n // s[0] for n, s in zip(numels, shapes)], world)
@@ -125,16 +128,18 @@ def fsdp2_markdown(rows: list[dict]) -> str:
     lines = [
         "Padding per rank as % of the payload, every unit of the model, bf16 parameters and "
         f"collectives ({ALIGNMENT_BYTES}-byte aligned: 8 elements). Ours: the layout `fully_shard` "
-        "plans (buffers: the most one unit gets). FSDP2: every parameter's dim 0 padded to a "
+        "plans (buffers: the most one unit gets; with no blocks, rows of dim 0 where they pad at most "
+        "FSDP2's plus 512 bytes per rank, else cut element-wise). FSDP2: every parameter's dim 0 padded to a "
         "multiple of W (FSDP2 cannot keep blocks whole; its figure is the same for every "
         "granularity). Bound: the least padding of one buffer per unit with those blocks. "
         "All-gather ms: one forward's all-gathers over every unit under NCCL's model "
         f"(`CollectiveCost()`: {cost.gpus_per_node} GPUs per node, ring), ours one per buffer, "
-        "FSDP2 one per unit. Capped: `BufferSplitCost(cap_at_fsdp2_padding=True)`, splitting "
-        "units with no blocks where that keeps their padding at most FSDP2's.",
+        "FSDP2 one per unit. Capped: one-row blocks asked for (`block_size_fn` answering 1: rows "
+        "kept) with `BufferSplitCost(cap_at_fsdp2_padding=True)`, splitting units where that keeps "
+        "their padding at most FSDP2's.",
         "",
         "| model | W | FSDP2 % | ours, no blocks % (buffers) | all-gather ms, ours / FSDP2 | "
-        "capped % (buffers) / all-gather ms | "
+        "one-row blocks capped % (buffers) / all-gather ms | "
         + " | ".join(f"ours, {g}-row % (buffers) / bound %" for g in blocked)
         + " |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(blocked),
