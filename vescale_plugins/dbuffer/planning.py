@@ -9,12 +9,13 @@ padding at most FSDP2's for the same parameters.
 
 Parameters nothing asks rows of (``block_rows`` ``None``: no ``block_size_fn`` answer, not
 tensor-parallel, ...) are planned in rows of dim 0, as FSDP2's ``Shard(0)``, wherever that
-pads at most what FSDP2 pads for the same parameters plus the cap's slack, in one buffer;
-elsewhere (one buffer holding rows of several lengths at many ranks) they are planned
+pads at most what FSDP2 pads for the same parameters plus the cap's slack, in one buffer,
+and wastes no memory worth having back (``ROWS_WASTE_*``); elsewhere (one buffer holding
+rows of several lengths at many ranks, tensors with fewer rows than ranks) they are planned
 element-wise (blocks of one element: the paper's RaggedShard over all dims, a 1-D local
 shard), which pads at most the 16-byte alignment, where that pads less, or as little in
-fewer buffers (collectives). The choice depends on the
-shapes, dtypes and world size only, so every rank makes the same.
+fewer buffers (collectives). The choice depends on the shapes, dtypes and world size only,
+so every rank makes the same.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ FSDP2_CAP_UP_TO = 0.01
 # every block to 512 bytes (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize), so less is
 # below the granularity memory is handed out in, and not worth a collective.
 CAP_SLACK_BYTES_PER_RANK = 512
+# Rows are also given up (for an element-wise cut) where they pad more than this share of the
+# group's parameters and more than this many bytes over all ranks: memory worth having back,
+# never the few rows a small model pads at a few ranks (those keep FSDP2's 2-D local shapes).
+ROWS_WASTE_SHARE = 0.01
+ROWS_WASTE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ def plan_buffers(
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
     collectives move (the cost model counts its bytes). ``block_rows[i]`` ``None``: nothing
     asks rows of parameter ``i``; it is planned in rows where that pads at most FSDP2's (plus
-    the cap's slack), else element-wise (module docstring)."""
+    the cap's slack) and little, else element-wise (module docstring)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
     # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
@@ -160,12 +166,19 @@ def plan_buffers(
             return sum(p.layout.padding for p in buffers) <= fsdp2 + slack + allowance
 
         rows_within = within(plans)
-        if not rows_within or len(plans) > 1:
+        rows_padding = sum(p.layout.padding for p in plans)
+        # Rows that beat FSDP2 may still waste real memory (tensors with fewer rows than
+        # ranks, such as fused experts at 1,024 ranks, where FSDP2 wastes more): then too.
+        wasteful = (
+            rows_padding > ROWS_WASTE_SHARE * sum(math.prod(s) for s in shapes)
+            and rows_padding * itemsize > ROWS_WASTE_BYTES
+        )
+        if not rows_within or wasteful or len(plans) > 1:
             flat = _plan(shapes, rows, cuttable, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
-            if rows_within:  # rows pad little but take more collectives than cutting anywhere
+            if rows_within and not wasteful:  # rows pad little but take more collectives
                 better = within(flat) and len(flat) < len(plans)
             else:
-                better = sum(p.layout.padding for p in flat) < sum(p.layout.padding for p in plans)
+                better = sum(p.layout.padding for p in flat) < rows_padding and len(flat) <= len(plans)
             if better:
                 plans = flat
     return plans
