@@ -12,6 +12,7 @@ all-reduce across replicas). State shared by every unit under one root lives in
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
-from vescale_plugins.runtime.dynamo import eager_hook
+from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
@@ -86,6 +87,8 @@ class FSDPParamGroup:
         self.root_state: RootState | None = None
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0  # _PostBackward nodes of this forward not yet run
+        # Those nodes, weakly (whether a backward will run them, under compiled autograd).
+        self.post_backward_nodes: list[weakref.ref[Any]] = []
         self._backward_prefetched = False
         self._pending_unshard: list[GatherHandle] = []
         self._modules_run: set[int] = set()
@@ -406,7 +409,9 @@ class FSDPParamGroup:
             return inputs
         self._pending_post_backward += 1
         outs = _PostBackward.apply(self, *tensors)
-        replacements = iter(outs if isinstance(outs, tuple) else (outs,))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        self.post_backward_nodes.append(weakref.ref(outs[0].grad_fn))
+        replacements = iter(outs)
         return map_grad_tensors(inputs, lambda t: next(replacements))
 
     @eager_hook
@@ -418,7 +423,10 @@ class FSDPParamGroup:
         assert root_state is not None  # set at the first forward (RootState.init_under)
         if not root_state.callback_queued:
             root_state.callback_queued = True
-            Variable._execution_engine.queue_callback(root_state.final_callback)
+            if in_compiled_autograd():
+                root_state.end_after_counted_events()
+            else:
+                Variable._execution_engine.queue_callback(root_state.final_callback)
         if self.unshard_in_backward:
             # Else (FSDP2's set_unshard_in_backward(False)) the unit's backward reads no
             # parameter (an embedding's): its gradients reach the unsharded parameters the
@@ -428,6 +436,7 @@ class FSDPParamGroup:
         if not any(p.sharded.requires_grad for p in self.fsdp_params):
             self._prefetch_for_backward()
 
+    @eager_hook
     def _after_gradient(self, param: nn.Parameter) -> None:
         """At the unit's first gradient: start gathering the unit whose backward comes next.
 
@@ -435,6 +444,8 @@ class FSDPParamGroup:
         is waited for at this unit's post-backward (FSDP2's place, see ``_reduce_gradients``).
         """
         self._prefetch_for_backward()
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
+        self.root_state.count_backward_event()
 
     def _prefetch_for_backward(self) -> None:
         """Start gathering the unit(s) whose backward comes next.
@@ -452,10 +463,13 @@ class FSDPParamGroup:
             if group.unshard_in_backward:
                 group.unshard(async_op=True)
 
+    @eager_hook
     def _post_backward_from_inputs(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
+        self.root_state.count_backward_event()
 
     @eager_hook
     def post_backward(self) -> None:
@@ -550,6 +564,7 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0
+        self.post_backward_nodes = []
         self._backward_prefetched = False
         self._modules_run.clear()
         for fsdp_param in self.fsdp_params:
