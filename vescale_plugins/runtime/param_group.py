@@ -421,9 +421,10 @@ class FSDPParamGroup:
         self.training_state = TrainingState.PRE_BACKWARD
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
+        compiled_autograd = in_compiled_autograd()
         if not root_state.callback_queued:
             root_state.callback_queued = True
-            if in_compiled_autograd():
+            if compiled_autograd:
                 root_state.end_after_counted_events()
             else:
                 Variable._execution_engine.queue_callback(root_state.final_callback)
@@ -433,20 +434,27 @@ class FSDPParamGroup:
             # forward used, whose storage is not needed.
             self.use_unsharded_params()
         self._backward_prefetched = False
-        if not any(p.sharded.requires_grad for p in self.fsdp_params):
+        if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
+            # Under compiled autograd at FSDP2's place: each eager call splits the compiled
+            # backward, and _after_gradient then has nothing eager to do (see there).
             self._prefetch_for_backward()
 
-    @eager_hook
     def _after_gradient(self, param: nn.Parameter) -> None:
         """At the unit's first gradient: start gathering the unit whose backward comes next.
 
         The previous unit's reduce-scatter goes on overlapping this unit's whole backward; it
         is waited for at this unit's post-backward (FSDP2's place, see ``_reduce_gradients``).
+
+        Not run outside Dynamo as a whole: compiled autograd traces it for every parameter,
+        where it only counts (the prefetch was done at the pre-backward), and an eager call
+        per parameter would split its graph there.
         """
-        self._prefetch_for_backward()
+        if not self._backward_prefetched:
+            self._prefetch_for_backward()
         assert self.root_state is not None  # set at the first forward (RootState.init_under)
         self.root_state.count_backward_event()
 
+    @eager_hook
     def _prefetch_for_backward(self) -> None:
         """Start gathering the unit(s) whose backward comes next.
 
