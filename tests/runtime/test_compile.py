@@ -128,7 +128,11 @@ def test_compiled_training_matches_fsdp2(dist_run, mode, backend):
 # output's pre-backward hook, each unit's post-backward node, and the end of backward, which
 # compiled autograd gives no callback for). A break inside the runtime (a collective traced,
 # a hook inlined down to bookkeeping Dynamo refuses) names none of them.
-_EAGER_BACKWARD_HOOKS = ("FSDPParamGroup._pre_backward_hook", "FSDPParamGroup._post_backward_from_inputs", "RootState.final_callback")
+_EAGER_BACKWARD_HOOKS = (
+    "FSDPParamGroup._pre_backward_hook",
+    "FSDPParamGroup._post_backward_from_inputs",
+    "RootState.final_callback",
+)
 
 
 def _compiled_autograd_trains(mode: str, backend: str, count_fsdp2_graphs: bool) -> None:

@@ -96,6 +96,7 @@ class RootState:
 
     def start_forward(self) -> None:
         """(At the root's pre-forward) The last forward's order becomes the prefetch order."""
+        self.backward_events = 0  # any backward since the last one that ended ran no unit
         if self.forward_order:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.post_forward_order = []
@@ -165,8 +166,8 @@ class RootState:
         """(At the first pre-backward hook under compiled autograd) Run the final callback at
         the last of this backward's gradient events instead of queueing it.
 
-        Compiled autograd runs the hooks' callbacks queued eagerly never (FSDP2 loses its
-        final callback there: units no post-backward node reaches keep unreduced gradients).
+        Compiled autograd never runs a callback an eager hook queues (FSDP2 loses its final
+        callback there: units no post-backward node reaches keep unreduced gradients).
         Autograd says which nodes this backward will run: the accumulation of each managed
         parameter's gradient (each fires ``_after_gradient``) and each unit's
         ``_PostBackward``. After the last of them, no node left in the graph reads a unit's
