@@ -8,8 +8,8 @@ graph break, as many graphs as FSDP2's, and the same losses and parameters.
 Compiled autograd over the backward: FSDP2 (torch 2.13) trains wrongly there, as compiled
 autograd drops the final callback its pre-backward hook queues (the root and the first block,
 whose inputs need no gradient, never reduce-scatter); ours is held to FSDP2 with an eager
-backward (bit-equal), to the unsharded model under compiled autograd, and to FSDP2's graph
-count under compiled autograd.
+backward, to the unsharded model under compiled autograd, and to FSDP2's graph count under
+compiled autograd.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _train_compiled(impl: str, mode: str, backend: str, compiled_autograd: bool 
     """``steps`` steps of SGD, ``impl`` "torch", "vescale" or "unsharded" (the global batch of
     every rank, its loss divided by the world size); with ``compiled_autograd``, each forward
     and backward under compiled autograd (compiled by ``backend``, as PyTorch's FSDP2 compile
-    tests use it)."""
+    tests use it). A ``mode`` other than the three orders compiles no forward."""
     from torch._dynamo import compiled_autograd as ca
     from torch._dynamo.utils import counters
 
