@@ -12,6 +12,7 @@ all-reduce across replicas). State shared by every unit under one root lives in
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
-from vescale_plugins.runtime.dynamo import eager_hook
+from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
@@ -86,6 +87,8 @@ class FSDPParamGroup:
         self.root_state: RootState | None = None
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0  # _PostBackward nodes of this forward not yet run
+        # Those nodes, weakly (whether a backward will run them, under compiled autograd).
+        self.post_backward_nodes: list[weakref.ref[Any]] = []
         self._backward_prefetched = False
         # This backward's post-backward already ran once (see _pre_backward_hook).
         self._backward_again = False
@@ -408,7 +411,9 @@ class FSDPParamGroup:
             return inputs
         self._pending_post_backward += 1
         outs = _PostBackward.apply(self, *tensors)
-        replacements = iter(outs if isinstance(outs, tuple) else (outs,))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        self.post_backward_nodes.append(weakref.ref(outs[0].grad_fn))
+        replacements = iter(outs)
         return map_grad_tensors(inputs, lambda t: next(replacements))
 
     @eager_hook
@@ -425,16 +430,22 @@ class FSDPParamGroup:
         self.training_state = TrainingState.PRE_BACKWARD
         root_state = self.root_state
         assert root_state is not None  # set at the first forward (RootState.init_under)
+        compiled_autograd = in_compiled_autograd()
         if not root_state.callback_queued:
             root_state.callback_queued = True
-            Variable._execution_engine.queue_callback(root_state.final_callback)
+            if compiled_autograd:
+                root_state.end_after_counted_events()
+            else:
+                Variable._execution_engine.queue_callback(root_state.final_callback)
         if self.unshard_in_backward:
             # Else (FSDP2's set_unshard_in_backward(False)) the unit's backward reads no
             # parameter (an embedding's): its gradients reach the unsharded parameters the
             # forward used, whose storage is not needed.
             self.use_unsharded_params()
         self._backward_prefetched = False
-        if not any(p.sharded.requires_grad for p in self.fsdp_params):
+        if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
+            # Under compiled autograd at FSDP2's place: each eager call splits the compiled
+            # backward, and _after_gradient then has nothing eager to do (see there).
             self._prefetch_for_backward()
 
     def _after_gradient(self, param: nn.Parameter) -> None:
@@ -442,9 +453,17 @@ class FSDPParamGroup:
 
         The previous unit's reduce-scatter goes on overlapping this unit's whole backward; it
         is waited for at this unit's post-backward (FSDP2's place, see ``_reduce_gradients``).
-        """
-        self._prefetch_for_backward()
 
+        Not run outside Dynamo as a whole: compiled autograd traces it for every parameter,
+        where it only counts (the prefetch was done at the pre-backward), and an eager call
+        per parameter would split its graph there.
+        """
+        if not self._backward_prefetched:
+            self._prefetch_for_backward()
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
+        self.root_state.count_backward_event()
+
+    @eager_hook
     def _prefetch_for_backward(self) -> None:
         """Start gathering the unit(s) whose backward comes next.
 
@@ -461,10 +480,13 @@ class FSDPParamGroup:
             if group.unshard_in_backward:
                 group.unshard(async_op=True)
 
+    @eager_hook
     def _post_backward_from_inputs(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
             self.post_backward()
+        assert self.root_state is not None  # set at the first forward (RootState.init_under)
+        self.root_state.count_backward_event()
 
     @eager_hook
     def post_backward(self) -> None:
@@ -568,6 +590,7 @@ class FSDPParamGroup:
         self.wait_for_unshard()
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0
+        self.post_backward_nodes = []
         self._backward_prefetched = False
         self._backward_again = False
         self._modules_run.clear()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from vescale_plugins.dbuffer.handles import ReduceScatterHandle
 from vescale_plugins.runtime.dynamo import eager_hook
@@ -65,6 +66,11 @@ class RootState:
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
         self.callback_queued = False
+        # Under compiled autograd (which drops the final callback): the gradient events (a
+        # parameter's gradient accumulated, a unit's _PostBackward run) seen since the last
+        # backward ended, and how many more end the one in progress (None: not counting).
+        self.backward_events = 0
+        self.events_to_end: int | None = None
 
     @staticmethod
     def init_under(root: FSDPParamGroup) -> None:
@@ -90,6 +96,7 @@ class RootState:
 
     def start_forward(self) -> None:
         """(At the root's pre-forward) The last forward's order becomes the prefetch order."""
+        self.backward_events = 0  # any backward since the last one that ended ran no unit
         if self.forward_order:
             self.previous_forward_order, self.forward_order = self.forward_order, []
             self.post_forward_order = []
@@ -155,17 +162,59 @@ class RootState:
         for handle in landing:
             handle.wait()
 
+    def end_after_counted_events(self) -> None:
+        """(At the first pre-backward hook under compiled autograd) Run the final callback at
+        the last of this backward's gradient events instead of queueing it.
+
+        Compiled autograd never runs a callback an eager hook queues (FSDP2 loses its final
+        callback there: units no post-backward node reaches keep unreduced gradients).
+        Autograd says which nodes this backward will run: the accumulation of each managed
+        parameter's gradient (each fires ``_after_gradient``) and each unit's
+        ``_PostBackward``. After the last of them, no node left in the graph reads a unit's
+        parameters or writes their gradients.
+        """
+        will_run = torch._C._will_engine_execute_node
+        expected = 0
+        for group in self.groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = fsdp_param.unsharded
+                if unsharded is not None and unsharded.requires_grad:
+                    expected += bool(will_run(get_gradient_edge(unsharded).node))
+            for ref in group.post_backward_nodes:
+                node = ref()
+                expected += node is not None and bool(will_run(node))
+        remaining = expected - self.backward_events
+        if remaining <= 0:
+            raise RuntimeError(
+                "fully_shard under compiled autograd: this backward reaches no managed parameter and no unit's "
+                "inputs, so its end cannot be found (compiled autograd drops autograd's final callbacks); run "
+                "this backward without compiled autograd"
+            )
+        self.events_to_end = remaining
+
+    def count_backward_event(self) -> None:
+        """A managed parameter's gradient accumulated or a unit's ``_PostBackward`` ran: under
+        compiled autograd, the last one this backward will run ends it."""
+        self.backward_events += 1
+        if self.events_to_end is not None:
+            self.events_to_end -= 1
+            if self.events_to_end == 0:
+                self.final_callback()
+
     @eager_hook
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
         every reduce-scatter (gradients are final when ``backward()`` returns), reshard every
         unit (those no backward reached too), reset state."""
         self.callback_queued = False
+        self.backward_events = 0
+        self.events_to_end = None
         for group in reversed(self.groups):
             group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if group.training_state is TrainingState.PRE_BACKWARD:
                 group.post_backward()
             group._pending_post_backward = 0
+            group.post_backward_nodes = []
             # FORWARD: no backward reached the unit (a frozen embedding), though it may have
             # been prefetched for one; it reshards below, as FSDP2's final callback does.
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
@@ -219,6 +268,8 @@ class RootState:
         self.wait_for_gradients()
         self.reduced_without_local_grad = []
         self.callback_queued = False
+        self.backward_events = 0
+        self.events_to_end = None
         self.forward_order = []
         self.post_forward_order = []
         for group in self.groups:
