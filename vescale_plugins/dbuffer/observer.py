@@ -93,4 +93,4 @@ def region(name: str) -> Any:
 
 def scope(name: str) -> Any:
     """A profiler scope while observed (the record's memory split reads them), else nothing."""
-    return torch.profiler.record_function(name) if _CURRENT is not None else contextlib.nullcontext()
+    return torch.profiler.record_function(name) if _CURRENT is not None else _NO_SCOPE
