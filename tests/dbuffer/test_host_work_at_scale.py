@@ -1,6 +1,7 @@
 """Host work per step does not grow with the world size (torch's fake process group: one
 process plays rank 0 of a W-rank job, collectives move no data)."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -33,7 +34,17 @@ class _Block(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+@functools.cache
 def _ops_per_step(world_size):
+    """Ops of one forward and backward at ``world_size`` (the parameters' gradients accumulate
+    from the steps before), counted once per world size for every test here."""
+    return _step_at(world_size)[0]
+
+
+@functools.cache
+def _step_at(world_size):
+    """(ops of a steady-state forward and backward, whether every sharded gradient is a
+    DTensor over its parameter's own spec) at ``world_size``."""
     with fake_world(world_size) as mesh:
         torch.manual_seed(0)
         model = nn.Sequential(_Block(), _Block())
@@ -47,7 +58,8 @@ def _ops_per_step(world_size):
         counter = _Ops()
         with counter:
             (model(x) * model.scale).sum().backward()
-        return counter.counts
+        shared_specs = [p.grad is not None and p.grad._spec is p._spec for p in model.parameters()]
+        return counter.counts, shared_specs
 
 
 @pytest.mark.distributed
@@ -60,3 +72,21 @@ def test_gradient_copy_in_is_a_few_ops_per_parameter_at_any_world_size():
 def test_presence_flags_are_filled_on_the_device_not_copied_from_the_host():
     counts = _ops_per_step(8)
     assert "aten::lift_fresh" not in counts and "aten::_to_copy" not in counts, counts
+
+
+@pytest.mark.distributed
+def test_gradient_release_issues_one_copy_per_buffer_and_no_profiler_scopes():
+    # Two blocks and the root: three gradient buffers, each filled by one _foreach_copy_ of
+    # every gradient piece (one launch per buffer, as FSDP2's one chunk-cat per unit), not one
+    # copy_ per piece. With no profiler running, the library's scopes dispatch nothing.
+    counts = _ops_per_step(1024)
+    assert counts["aten::_foreach_copy_"] == 3, counts
+    assert not [op for op in counts if op.startswith("profiler::")], counts
+
+
+@pytest.mark.distributed
+def test_sharded_gradients_reuse_their_parameters_dtensor_spec():
+    # As FSDP2 builds its gradients from the parameter's cached sharding spec: no DTensorSpec
+    # (placements, tensor meta, hash) made per gradient per step.
+    _, shared = _step_at(1024)
+    assert shared and all(shared), shared

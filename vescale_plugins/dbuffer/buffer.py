@@ -133,6 +133,9 @@ class DBuffer:
         )
         self._padding = _gaps([(s.global_offset, s.global_offset + s.numel) for s in self.slots], layout.buffer_size)
         self._grad_copy: _GradCopyPlan | None = None  # cut at the first allocation
+        # Each slot's gradient shard as (shape, strides, offset) in the sharded gradient buffer,
+        # worked out once: every step cuts the views anew from these.
+        self._grad_view_geometry = tuple(self._sharded_view_geometry(i) for i in range(len(self.slots)))
         # Held weakly: the gradients' DTensor views keep it alive, so zero_grad(set_to_none=True)
         # frees it before the next forward, as FSDP2's per-parameter gradients are freed.
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
@@ -195,11 +198,20 @@ class DBuffer:
         """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer (one
         ``as_strided``, as FSDP2 cuts its gradient shards: every step cuts them anew)."""
         flat = self._sharded_grad_for_reduce()
+        geometry = self._grad_view_geometry[index]
+        if geometry is None:
+            return self._local_view(flat, index)
+        shape, strides, offset = geometry
+        return flat.as_strided(shape, strides, flat.storage_offset() + offset)
+
+    def _sharded_view_geometry(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """Slot ``index``'s local shard in a flat sharded buffer: (shape, strides, offset);
+        ``None`` for an empty tensor (see :meth:`_local_view`)."""
         slot = self.slots[index]
         if slot.numel == 0:
-            return self._local_view(flat, index)
+            return None
         shape = _local_shape(slot)
-        return flat.as_strided(shape, _contiguous_strides(shape), flat.storage_offset() + slot.local_offset)
+        return shape, _contiguous_strides(shape), slot.local_offset
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
@@ -268,7 +280,7 @@ class DBuffer:
         Returns a handle to ``wait()`` on (already complete unless ``async_op``).
         """
         streams = self.streams
-        with torch.profiler.record_function(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
+        with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             version = unsharded._version
             group = self._post_forward_group
@@ -359,12 +371,23 @@ class DBuffer:
         present = [False] * len(self.slots)
         for index, grad in grads.items():
             present[index] = grad is not None
-        # Always marked (once per buffer per step): profiles count this copy by its scope.
-        with torch.profiler.record_function(GRADIENT_RELEASE_REGION):
+        # Marked (once per buffer per step) while a profiler runs: profiles count this copy by
+        # its scope.
+        with observer.region(GRADIENT_RELEASE_REGION):
+            # Every gradient in one ``_foreach_copy_`` (one op per buffer, as FSDP2's one
+            # chunk-cat per unit; a multi-tensor kernel where the device has one), plain
+            # ``copy_`` per piece for a gradient that is a tensor subclass.
+            targets: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
             while grads:
                 index, grad = grads.popitem()
-                plan.targets[index].write(grad)
+                plan.targets[index].collect(grad, targets, sources)
                 del grad
+            if sources:
+                torch._foreach_copy_(targets, sources)
+            # Only these lists held the gradients (``grads`` is empty): they are freed here,
+            # before the reduce-scatter allocates.
+            del targets, sources
             # Filled on the device, one fill per run of equal flags (one in all when every
             # gradient came, the alignment's tail with the last run: reduced, never read):
             # no host-to-device copy.
@@ -399,7 +422,7 @@ class DBuffer:
         to the partial buffer.
         """
         streams = self.streams
-        with torch.profiler.record_function(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
+        with observer.region(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
             in_place = (
                 not accumulate
@@ -491,7 +514,8 @@ class _GradTargets:
     views (at most three, see :meth:`DBuffer._grad_pieces`) each shaped as the gradient rows
     it takes, and those rows (rank boundaries fall between rows); for a parameter cut
     element-wise, the views as they are and their elements (the gradient is split flat).
-    One copy per view, plus one split (and one flattening view) when there are several."""
+    One split (and one flattening view) when there are several views; the copies are the
+    buffer's one ``_foreach_copy_``."""
 
     views: tuple[torch.Tensor, ...]
     rows: tuple[int, ...]
@@ -507,8 +531,10 @@ class _GradTargets:
         views = tuple(p.view(*p.shape[:-1], p.shape[-1] // per_row, *slot.shape[1:]) for p in pieces)
         return cls(views, tuple(p.numel() // per_row for p in pieces))
 
-    def write(self, grad: torch.Tensor | None) -> None:
-        """Copy ``grad`` in (cast to the buffer's dtype), or zeros for ``None``."""
+    def collect(self, grad: torch.Tensor | None, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        """Add ``grad``'s pieces and the views they are copied to (cast to the buffer's dtype)
+        to ``sources`` and ``targets``; zero the views now for ``None``, copy now for a
+        tensor subclass (which need not implement ``_foreach_copy_``)."""
         if grad is None:
             for view in self.views:
                 view.zero_()
@@ -517,8 +543,14 @@ class _GradTargets:
             parts = (grad.reshape(-1) if self.flat else grad).split(self.rows)
         else:
             parts = (grad,)
+        plain = type(grad) is torch.Tensor
         for view, part in zip(self.views, parts):
-            view.copy_(part if part.shape == view.shape else part.reshape(view.shape))
+            part = part if part.shape == view.shape else part.reshape(view.shape)
+            if plain:
+                targets.append(view)
+                sources.append(part)
+            else:
+                view.copy_(part)
 
 
 @dataclass(frozen=True)

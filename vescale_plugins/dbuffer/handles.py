@@ -142,7 +142,7 @@ class ReduceScatterHandle:
         if not self.reduce_scatter_done:
             assert self._out is not None
             wait_started = _wait_started(self._token, self._work, self._dbuffer.streams)
-            with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+            with observer.region(REDUCE_SCATTER_REGION):
                 if self._work is not None:
                     wait_collective(self._work)
                     self._work = None
@@ -163,7 +163,7 @@ class ReduceScatterHandle:
         self._complete_reduce_scatter()
         out = self._out
         assert out is not None
-        with torch.profiler.record_function(REDUCE_SCATTER_REGION):
+        with observer.region(REDUCE_SCATTER_REGION):
             if self._after is not None:
                 if self._after_work is not None:
                     wait_collective(self._after_work)

@@ -106,7 +106,7 @@ class InputBuffer:
         """Gather the sharded inputs into the unsharded buffer, in place, as bytes (any dtype
         on any backend: gloo has no float8)."""
         dbuffer, streams = self.dbuffer, self.dbuffer.streams
-        with torch.profiler.record_function(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
+        with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             version = unsharded._version
             watcher = observer.current()

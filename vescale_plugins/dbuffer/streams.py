@@ -31,6 +31,8 @@ import torch
 
 __all__ = ["CommStreams", "comm_streams_for"]
 
+_NOTHING = contextlib.nullcontext()
+
 # Collectives go first when the GPU has both kinds of work ready (FSDP2 does the same).
 _HIGH_PRIORITY = -1
 
@@ -62,13 +64,14 @@ class CommStreams:
         if self.enabled:
             self._post_optim_event = event
 
-    @contextlib.contextmanager
-    def issue_on(self, stream: Any, after: Any = None) -> Iterator[None]:
+    def issue_on(self, stream: Any, after: Any = None) -> contextlib.AbstractContextManager[None]:
         """Make ``stream`` current for the block, after it waits for the compute stream (or
-        only for the event ``after``: the work it follows on another side stream)."""
-        if not self.enabled:
-            yield
-            return
+        only for the event ``after``: the work it follows on another side stream). Nothing
+        off CUDA (a shared no-op context: no generator per collective)."""
+        return self._issue_on(stream, after) if self.enabled else _NOTHING
+
+    @contextlib.contextmanager
+    def _issue_on(self, stream: Any, after: Any) -> Iterator[None]:
         if after is not None:
             stream.wait_event(after)
         elif stream is self.all_gather and self._post_optim_event is not None:

@@ -283,7 +283,14 @@ class FSDPParam:
         """``.grad`` of the sharded face: a DTensor view of the sharded gradient buffer."""
         local = self.dbuffer.sharded_grad_view(self.slot)
         sharded = self.sharded
-        sharded.grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
+        spec = sharded._spec
+        if spec.tensor_meta is not None and spec.tensor_meta.dtype == local.dtype:
+            # The parameter's own spec (mesh, placements, shape, stride, dtype: the gradient's
+            # too), as FSDP2 builds its gradients from its cached sharding spec: no new spec
+            # per gradient per step.
+            sharded.grad = DTensor(local, spec, requires_grad=False)
+        else:
+            sharded.grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
 
     def run_post_accumulate_grad_hooks(self) -> None:
         """Hooks users registered on the sharded face run once its reduced gradient is final

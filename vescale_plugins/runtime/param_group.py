@@ -255,7 +255,7 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
-        if self.is_unsharded or self._pending_unshard:
+        if self._pending_unshard or self.is_unsharded:
             return
         self.check_materialized()
         with outside_functorch():

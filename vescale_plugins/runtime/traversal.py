@@ -14,11 +14,13 @@ from torch.utils import _pytree as pytree
 
 __all__ = ["cast_floating", "map_grad_tensors", "outside_functorch", "register_on_tensors", "tensors_requiring_grad"]
 
+_NOTHING = contextlib.nullcontext()
+
 
 def outside_functorch() -> Any:
     """The buffers' in-place refills are the runtime's, not the traced function's: hide them
     from an active ``torch.func`` transform (``jvp``, ``vmap``), as FSDP2 does."""
-    return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else contextlib.nullcontext()
+    return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else _NOTHING
 
 
 def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -29,6 +31,10 @@ def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
     (Not ``torch.distributed.utils._apply_to_tensors``: the way it rebuilds containers keeps
     extra tensors alive and raises peak memory.)
     """
+    try:
+        return _map_plain(tree, fn)
+    except _NotPlain:
+        pass
     flat, spec = pytree.tree_flatten(tree)
     for i, leaf in enumerate(flat):
         if torch.is_tensor(leaf):
@@ -38,6 +44,45 @@ def map_grad_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> A
             fields = {f.name: map_grad_tensors(getattr(leaf, f.name), fn) for f in dataclasses.fields(leaf) if f.init}
             flat[i] = dataclasses.replace(leaf, **fields)
     return pytree.tree_unflatten(flat, spec)
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, str)
+
+
+def _map_plain(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """:func:`map_grad_tensors` over plain tensors in (nested) tuples, lists and dicts, as
+    pytree would map them (the same containers rebuilt, in pytree's order), without pytree's
+    cost: a module's usual inputs and outputs. Raises ``_NotPlain`` on anything else
+    (before ``fn`` has run on any tensor, so the caller can start over with pytree)."""
+    _check_plain(tree)
+    return _map_checked(tree, fn)
+
+
+def _check_plain(tree: Any) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _check_plain(item)
+    elif kind is dict:
+        for item in tree.values():
+            _check_plain(item)
+    elif kind is not torch.Tensor and kind not in _PLAIN_LEAVES:
+        raise _NotPlain
+
+
+def _map_checked(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    kind = type(tree)
+    if kind is torch.Tensor:
+        return fn(tree) if tree.requires_grad else tree
+    if kind is tuple or kind is list:
+        return kind(_map_checked(item, fn) for item in tree)
+    if kind is dict:
+        return {key: _map_checked(value, fn) for key, value in tree.items()}
+    return tree
 
 
 def tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
