@@ -328,16 +328,24 @@ class FSDPParamGroup:
 
     @eager_hook
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self._recomputing():
             # Activation checkpointing recomputes this forward inside the unit's backward: the
             # backward owns the parameters' state, so only make sure they are unsharded (an
             # earlier post-backward of a unit run twice may have resharded them), as FSDP2.
             self.use_unsharded_params()
             return self._cast_forward_inputs(args, kwargs)
-        if self._modules_run:
+        if self.training_state is TrainingState.POST_BACKWARD:
+            # A forward after this unit's own backward (a chunked loss calls the head, runs
+            # that chunk's backward, then calls it again): what that backward reduced or
+            # accumulated is final; this forward's backward adds to it.
+            self._backward_again = True
+            self._modules_run.clear()
+        if self._modules_run and id(module) not in self._modules_run:
             self._modules_run.add(id(module))
             return self._cast_forward_inputs(args, kwargs)  # every module of a grouped unit
-        self._modules_run.add(id(module))
+        # A module of a grouped unit run again before the others ran (a head called per chunk
+        # of a chunked loss) starts a new forward of the unit, with its own post-backward.
+        self._modules_run = {id(module)}
         if self.root_state is None:
             RootState.init_under(self)
         root_state = self.root_state
@@ -458,8 +466,8 @@ class FSDPParamGroup:
         where it only counts (the prefetch was done at the pre-backward), and an eager call
         per parameter would split its graph there.
         """
-        if not self._backward_prefetched:
-            self._prefetch_for_backward()
+        if not self._backward_prefetched and self.training_state is not TrainingState.FORWARD:
+            self._prefetch_for_backward()  # (FORWARD: see post_backward)
         assert self.root_state is not None  # set at the first forward (RootState.init_under)
         self.root_state.count_backward_event()
 
@@ -480,13 +488,37 @@ class FSDPParamGroup:
             if group.unshard_in_backward:
                 group.unshard(async_op=True)
 
+    def _recomputing(self) -> bool:
+        """Whether a forward starting now recomputes one inside the unit's backward."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return True
+        return self.training_state is TrainingState.POST_BACKWARD and torch._C._current_graph_task_id() != -1
+
     @eager_hook
-    def _post_backward_from_inputs(self) -> None:
+    def _post_backward_from_inputs(self, node: Any) -> None:
         self._pending_post_backward -= 1
-        if self._pending_post_backward <= 0 and self.training_state is TrainingState.PRE_BACKWARD:
+        self.post_backward_nodes = [ref for ref in self.post_backward_nodes if ref() not in (None, node)]
+        if self.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and self._backward_done():
             self.post_backward()
         assert self.root_state is not None  # set at the first forward (RootState.init_under)
         self.root_state.count_backward_event()
+
+    def _backward_done(self) -> bool:
+        """(At a ``_PostBackward``) Whether the backward running now reaches no other forward
+        of this unit: then its gradients are complete for this backward.
+
+        A forward whose backward comes in a later ``backward()`` call (a head called per chunk
+        of a chunked loss after the decoder's forward, pipeline micro-batches) is not waited
+        for: FSDP2 runs its post-backward at each backward too, so that gradients of no-sync
+        backwards are summed in the reduce dtype, not by autograd in the parameter dtype.
+        Compiled autograd is asked nothing: it counts on every forward of this backward.
+        """
+        if self._pending_post_backward <= 0:
+            return True
+        if in_compiled_autograd():
+            return False
+        will_run = torch._C._will_engine_execute_node
+        return not any(node is not None and will_run(node) for node in (ref() for ref in self.post_backward_nodes))
 
     @eager_hook
     def post_backward(self) -> None:
@@ -496,8 +528,12 @@ class FSDPParamGroup:
         """
         if self.training_state not in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
             return
+        # FORWARD: no pre-backward ran (a grouped unit's partial forward, a head called per
+        # chunk): its backward is not the model's, which prefetches when it comes.
+        in_models_backward = self.training_state is TrainingState.PRE_BACKWARD
         self.training_state = TrainingState.POST_BACKWARD
-        self._prefetch_for_backward()  # if no gradient reached this unit
+        if in_models_backward:
+            self._prefetch_for_backward()  # if no gradient reached this unit
         if self.reshard_after_backward:
             self.reshard()
         if self.requires_gradient_sync:
@@ -626,5 +662,5 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.group._post_backward_from_inputs()
+        ctx.group._post_backward_from_inputs(ctx)  # ctx is this autograd node
         return (None, *grads)

@@ -1,0 +1,271 @@
+"""Gradients are summed, cast and scaled in the dtypes and order FSDP2 uses, bit for bit.
+
+Every body builds the same model twice in one launch, once under FSDP2's ``fully_shard`` and
+once under ours, runs the same backwards and compares every full gradient (and the losses)
+with ``torch.equal``: mixed precision makes any difference in where a sum happens visible
+(bf16 addition rounds to 8 bits), so equal bits mean the same dtype and the same order.
+
+What is pinned: gradients of backwards without sync accumulate in the reduce dtype (FSDP2's
+``FSDPParam.to_accumulated_grad_if_needed``), across a chunked loss's per-chunk backwards
+(torchtitan calls its grouped ``[norm, head]`` unit once per chunk with sync off on all but
+the last) and across ``no_sync``-style micro-batches, for every mixed-precision policy, with
+HSDP, a unit kept unsharded between micro-batches, divide factors, sum reduction, frozen
+parameters, ``recurse=False`` and compiled autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from vescale_plugins import fully_shard
+
+ENGINES = {"torch": torch_fully_shard, "vescale": fully_shard}
+DIM, HIDDEN, VOCAB, LAYERS = 13, 22, 37, 2  # uneven: nothing divides by 2, 3 or 4
+TOKENS = 32  # per rank and micro-batch
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Model(nn.Module):
+    """Blocks, then a norm and an output head (torchtitan's layout: the forward can stop
+    before the head, which a chunked loss then calls once per chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(LAYERS)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        return x if skip_head else self.head(x)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How both engines shard and run the model."""
+
+    mp_policy: MixedPrecisionPolicy = BF16_FP32
+    hsdp: bool = False
+    group_head_with_norm: bool = True  # torchtitan's fully_shard([norm, head])
+    divide_factor: float | None = None
+    force_sum: bool = False
+    frozen: tuple[str, ...] = ()
+    loss_scale: float = 1.0  # fp16's static loss scale
+
+
+def _build(shard, setup: Setup) -> Model:
+    torch.manual_seed(0)
+    model = Model()
+    for name in setup.frozen:
+        model.get_parameter(name).requires_grad_(False)
+    kwargs: dict = {"mp_policy": setup.mp_policy}
+    if setup.hsdp:
+        kwargs["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("rep", "shard"))
+    shard(model.inp, **kwargs)
+    for layer in model.layers:
+        shard(layer, **kwargs)
+    if setup.group_head_with_norm:
+        shard([model.norm, model.head], **kwargs)
+    else:
+        shard(model.head, **kwargs)
+    shard(model, **kwargs)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor") and setup.divide_factor is not None:
+            module.set_gradient_divide_factor(setup.divide_factor)
+        if hasattr(module, "set_force_sum_reduction_for_comms") and setup.force_sum:
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _batch(micro: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * micro + (dist.get_rank() if rank is None else rank))
+    return torch.randn(TOKENS, DIM, generator=g), torch.randint(0, VOCAB, (TOKENS,), generator=g)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _assert_equal(ours: dict, theirs: dict, what: str) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        a, b = ours[name], theirs[name]
+        assert (a is None) == (b is None), f"{what} {name}: ours {a is None}, FSDP2 {b is None}"
+        if a is not None:
+            assert a.dtype == b.dtype, f"{what} {name}: {a.dtype} vs FSDP2's {b.dtype}"
+            assert torch.equal(a, b), f"{what} {name}: max |ours - FSDP2| {(a.float() - b.float()).abs().max():.3e}"
+
+
+# -- a chunked loss over a grouped [norm, head] unit: torchtitan's ChunkedLossWrapper --------
+
+
+class _DecoderGradient(torch.autograd.Function):
+    """torchtitan's ``_DecoderOutputGradientBackProp``: the loss, whose backward hands the
+    hidden states' accumulated gradient to the decoder."""
+
+    @staticmethod
+    def forward(ctx, hidden, grad, loss):
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, _):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+
+def chunked_loss(model: Model, x: torch.Tensor, y: torch.Tensor, chunks: int, per_chunk: list | None = None):
+    """torchtitan's chunked loss (``ChunkedLossWrapper``) with its FSDP calls on the head: kept
+    unsharded across chunks, sync off for every chunk's backward but the last. Appends each
+    chunk's input to ``per_chunk`` when given. Returns the loss whose backward runs the
+    decoder's."""
+    hidden = model(x, skip_head=True)
+    head = model.head
+    pieces = [c.detach().requires_grad_() for c in hidden.chunk(chunks)]
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    total = torch.zeros((), dtype=torch.float32)
+    for i, (piece, target) in enumerate(zip(pieces, y.chunk(chunks))):
+        if i == chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        loss = F.cross_entropy(head(piece).float(), target, reduction="sum") / (TOKENS * dist.get_world_size())
+        loss.backward()
+        total = total + loss.detach()
+        if per_chunk is not None:
+            per_chunk.append(piece.detach())
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    head.set_requires_gradient_sync(True, recurse=False)
+    head.reshard()
+    grad = torch.cat([p.grad.float() for p in pieces]).to(hidden.dtype)
+    return _DecoderGradient.apply(hidden, grad, total)
+
+
+def _chunked_head_like_fsdp2(chunks: int, setup: Setup) -> None:
+    grads, inputs = {}, {}
+    for engine, shard in ENGINES.items():
+        model = _build(shard, setup)
+        inputs[engine] = []
+        chunked_loss(model, *_batch(0), chunks, inputs[engine]).backward()
+        grads[engine] = _grads(model)
+        head_weight = model.head.weight.full_tensor()
+    _assert_equal(grads["vescale"], grads["torch"], "gradient")
+    # Both are the reduce-dtype sum of the per-chunk gradients (each in the parameter dtype,
+    # as autograd computes it), averaged over ranks.
+    _, y = _batch(0)
+    param_dtype = setup.mp_policy.param_dtype or torch.float32
+    weight = head_weight.to(param_dtype).requires_grad_()
+    local = torch.zeros(VOCAB, DIM, dtype=torch.float32)
+    for piece, target in zip(inputs["torch"], y.chunk(chunks)):
+        loss = F.cross_entropy(F.linear(piece, weight).float(), target, reduction="sum") / (TOKENS * dist.get_world_size())
+        (chunk_grad,) = torch.autograd.grad(loss, weight)
+        assert chunk_grad.dtype == param_dtype
+        local += chunk_grad
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
+    expected = torch.stack(every).sum(0) / dist.get_world_size()
+    torch.testing.assert_close(grads["vescale"]["head.weight"], expected, rtol=1e-6, atol=1e-9)
+    # Summed by autograd in bf16 instead, the error is orders of magnitude larger.
+    in_param_dtype = sum_in_param_dtype = None
+    del in_param_dtype, sum_in_param_dtype
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunked_head_accumulates_in_the_reduce_dtype_like_fsdp2(dist_run, world):
+    dist_run(_chunked_head_like_fsdp2, world, 8, Setup())
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        Setup(group_head_with_norm=False),
+        Setup(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)),
+    ],
+    ids=["head-alone", "fp16-params"],
+)
+def test_chunked_head_variants_like_fsdp2(dist_run, setup):
+    dist_run(_chunked_head_like_fsdp2, 2, 8, setup)
+
+
+# -- no_sync-style micro-batches over the whole model ------------------------------------------
+
+
+def _micro_batches_like_fsdp2(setup: Setup, micro_batches: int, keep_unsharded: bool, recurse: bool) -> None:
+    grads, losses = {}, {}
+    for engine, shard in ENGINES.items():
+        model = _build(shard, setup)
+        losses[engine] = []
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            if recurse:
+                model.set_requires_gradient_sync(last)
+            else:  # one unit alone accumulates; the others sync every micro-batch
+                model.layers[0].set_requires_gradient_sync(last, recurse=False)
+            if keep_unsharded:
+                model.set_reshard_after_backward(last)
+            x, y = _batch(micro)
+            loss = F.cross_entropy(model(x).float(), y) / micro_batches
+            (loss * setup.loss_scale).backward()
+            losses[engine].append(loss.detach())
+        grads[engine] = _grads(model)
+    assert torch.equal(torch.stack(losses["vescale"]), torch.stack(losses["torch"]))
+    _assert_equal(grads["vescale"], grads["torch"], "gradient")
+
+
+MICRO_BATCH_SETUPS = {
+    "bf16-fp32": Setup(),
+    "fp16-fp32-scaled": Setup(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32), loss_scale=1024.0
+    ),
+    "bf16-bf16": Setup(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    "bf16-only": Setup(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    "fp32": Setup(mp_policy=MixedPrecisionPolicy()),
+    "divide-factor": Setup(divide_factor=3.0),
+    "sum-reduction": Setup(divide_factor=1.0, force_sum=True),
+    "frozen-mix": Setup(frozen=("layers.0.up.weight", "norm.bias", "inp.bias")),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("setup", list(MICRO_BATCH_SETUPS), ids=list(MICRO_BATCH_SETUPS))
+def test_no_sync_micro_batches_like_fsdp2(dist_run, setup, world):
+    dist_run(_micro_batches_like_fsdp2, world, MICRO_BATCH_SETUPS[setup], 4, False, True)
+
+
+@pytest.mark.parametrize("setup", ["bf16-fp32", "bf16-bf16"])
+def test_no_sync_micro_batches_with_hsdp_2x2_like_fsdp2(dist_run, setup):
+    dist_run(_micro_batches_like_fsdp2, 4, replace(MICRO_BATCH_SETUPS[setup], hsdp=True), 4, False, True)
+
+
+def test_no_sync_micro_batches_kept_unsharded_like_fsdp2(dist_run):
+    dist_run(_micro_batches_like_fsdp2, 3, Setup(), 4, True, True)
+
+
+def test_no_sync_on_one_unit_without_recursion_like_fsdp2(dist_run):
+    dist_run(_micro_batches_like_fsdp2, 3, Setup(), 4, False, False)
