@@ -14,6 +14,7 @@ from tests.support.parity import TOL, assert_matches, reference_and_ours, sharde
 from tests.support.streams import FakeStreamAPI, stand_in_streams
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.planning import plan_buffers
+from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.streams import CommStreams
 
 
@@ -58,7 +59,7 @@ def _protocol_of_one_gather_and_reduce():
 
         api.log.clear()
         dbuffer.fill_unsharded_grad({index: tensor * (rank + 1) for index, tensor in enumerate(full)})
-        reduce = dbuffer.reduce_scatter(divide_factor=world, accumulate=False, async_op=True)
+        reduce = dbuffer.reduce_scatter(GradientReduction(reduce_scatter_average=True), accumulate=False, async_op=True)
         assert api.log == [
             ("allocate", "compute"),
             ("wait_stream", "reduce_scatter", "compute"),

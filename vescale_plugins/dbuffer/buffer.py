@@ -28,6 +28,7 @@ import torch.distributed as dist
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
+from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.observer import (
     ALL_GATHER_REGION,
     COMM_BUFFER_REGION,
@@ -402,7 +403,7 @@ class DBuffer:
 
     def reduce_scatter(
         self,
-        divide_factor: float,
+        reduction: GradientReduction,
         accumulate: bool,
         async_op: bool = False,
         after: AfterReduceScatter | None = None,
@@ -410,16 +411,16 @@ class DBuffer:
     ) -> ReduceScatterHandle:
         """Reduce-scatter the unsharded gradients into the sharded gradient buffer.
 
-        Sums over the group (gloo has no AVG) and divides by ``divide_factor`` once for the
-        whole buffer. With ``accumulate`` the result is added to the existing sharded
-        gradients (accumulation across optimizer steps without ``zero_grad``); otherwise it
-        lands straight in the sharded gradient buffer. With ``async_op`` the caller must
-        ``wait()`` on the handle before reading the gradients.
+        ``reduction`` scales the sum as FSDP2 does (:mod:`.reduction`). With ``accumulate``
+        the result is added to the existing sharded gradients (accumulation across optimizer
+        steps without ``zero_grad``); otherwise it lands straight in the sharded gradient
+        buffer. With ``async_op`` the caller must ``wait()`` on the handle before reading the
+        gradients.
 
         ``after``: what follows the reduce-scatter on the all-reduce stream before the
-        division (HSDP's all-reduce across replicas, adding what ``partial`` reduce-scatters
-        kept back; the all-reduce hook). With ``partial`` the shard group's sum is only added
-        to the partial buffer.
+        post-divide (HSDP's all-reduce across replicas, adding what ``partial``
+        reduce-scatters kept back; the all-reduce hook). With ``partial`` the shard group's
+        reduction is only added to the partial buffer.
         """
         streams = self.streams
         with observer.region(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
@@ -444,13 +445,16 @@ class DBuffer:
                 token = watcher.collective_issued(
                     "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
                 )
-            if self.reduce_dtype == torch.float16 and divide_factor != 1:
-                # fp16's range: divide by about sqrt(factor) before the sum and the rest after,
-                # as FSDP2 does (bf16 and fp32 are divided once, after).
-                pre_factor = _fp16_pre_divide_factor(divide_factor)
-                full.div_(pre_factor)
-                divide_factor /= pre_factor
-            work = reduce_scatter_into(out, full, self.group, async_op=async_op and not streams.enabled)
+            if reduction.pre_divide is not None and reduction.pre_divide != 1:
+                full.div_(reduction.pre_divide)
+            work = reduce_scatter_into(
+                out,
+                full,
+                self.group,
+                average=reduction.reduce_scatter_average,
+                premul_divide=reduction.premul_divide,
+                async_op=async_op and not streams.enabled,
+            )
             if watcher is not None:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
@@ -459,7 +463,7 @@ class DBuffer:
             work,
             out,
             sharded_grad,
-            divide_factor,
+            reduction,
             accumulate,
             in_place,
             token,
@@ -624,11 +628,3 @@ def _gaps(intervals: Sequence[tuple[int, int]], size: int) -> list[tuple[int, in
     if covered < size:
         gaps.append((covered, size))
     return gaps
-
-
-def _fp16_pre_divide_factor(factor: float) -> float:
-    """The power of two FSDP2 divides fp16 gradients by before reducing (about sqrt(factor))."""
-    pre = 1
-    while factor % pre == 0 and factor / pre > pre:
-        pre *= 2
-    return float(pre)

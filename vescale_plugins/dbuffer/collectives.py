@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from vescale_plugins.planner.bounds import round_up
 from vescale_plugins.ragged.collectives import _all_gather_single, _reduce_scatter_single
 
-__all__ = ["all_gather_into", "reduce_scatter_into", "uses_point_to_point", "POINT_TO_POINT_SCOPE"]
+__all__ = ["all_gather_into", "gloo_sum_orders", "reduce_scatter_into", "uses_point_to_point", "POINT_TO_POINT_SCOPE"]
 
 # Profiler scope of these collectives: what runs inside is the collective's own work (its
 # local write and sums), as what gloo or NCCL do inside theirs.
@@ -137,36 +138,100 @@ def all_gather_into(
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    average: bool = False,
+    premul_divide: float | None = None,
+    async_op: bool = False,
 ) -> dist.Work | PointToPointWork | None:
     """``output`` = the sum over ranks of their ``full[rank * n:(rank + 1) * n]`` (``n = output.numel()``).
 
-    The first peer's chunk is received straight into ``output``; the others (W > 2) into one
-    staging buffer of ``W - 2`` chunks. ``output`` must not overlap ``full``.
+    ``average``: the mean instead (the backend's ``AVG``: NCCL multiplies each input by
+    ``1/W``, gloo divides the sum). ``premul_divide``: each input multiplied by its inverse
+    first (NCCL's ``PREMUL_SUM``; here also on gloo, which has none; ``full`` is scaled in
+    place). On one rank no collective runs: ``output`` is ``full``, divided by
+    ``premul_divide`` if given (FSDP2's arithmetic there).
+
+    On gloo the sum is taken in the order gloo's own ``reduce_scatter_tensor`` takes it (see
+    :func:`gloo_sum_orders`), so that a gradient reduced here has the bits FSDP2's has. The
+    peer that comes first in that order sends straight into ``output``; the others (W > 2)
+    into one staging buffer of ``W - 2`` chunks. ``output`` must not overlap ``full``.
     """
+    if dist.get_world_size(group) == 1:
+        output.copy_(full if premul_divide is None else full / premul_divide)
+        return None
     if not uses_point_to_point(group, output.device):
-        return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        op = dist.ReduceOp.SUM
+        if average:
+            op = dist.ReduceOp.AVG
+        elif premul_divide is not None:
+            op = dist.ReduceOp.PREMUL_SUM(1 / premul_divide)  # type: ignore[operator]  # FSDP2's spelling
+        return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+    if premul_divide is not None:
+        full.mul_(1 / premul_divide)
     with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter"):
         rank, peers = _peers(group)
+        world = len(peers) + 1
         n = output.numel()
         chunks = full.view(-1).split(n)
         out = output.view(-1)
-        staging = out.new_empty((len(peers) - 1, n))
-        targets = [out, *staging.unbind(0)]
+        staging = out.new_empty((world - 2, n))
+        by_rank: dict[int, torch.Tensor] = {rank: chunks[rank], (rank - 1) % world: out}
+        by_rank.update(zip([(rank - k) % world for k in range(2, world)], staging.unbind(0)))
         works = [_posted(dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG)) for r, dst in peers]
-        works += [
-            _posted(dist.irecv(target, src, group=group, tag=_REDUCE_SCATTER_TAG))
-            for target, (_, src) in zip(targets, peers)
-        ]
+        works += [_posted(dist.irecv(by_rank[r], src, group=group, tag=_REDUCE_SCATTER_TAG)) for r, src in peers]
 
-    def add_the_rest() -> None:
+    def sum_in_gloos_order() -> None:
         with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter_sum"):
-            out.add_(chunks[rank])
-            for received in targets[1:]:
-                out.add_(received)
+            regions = gloo_sum_orders(world, rank, n, out.element_size())
+            # Elements whose sum gloo ends on another rank (a few, where its segments do not
+            # fall on our chunk's bounds) first, from the values before ``out`` is summed into.
+            others = []
+            for start, stop, order in regions:
+                if order[-1] != rank:
+                    total = by_rank[order[0]][start:stop].clone()
+                    for r in order[1:]:
+                        total.add_(by_rank[r][start:stop])
+                    others.append((start, stop, total))
+            for r in [(rank - k) % world for k in range(2, world + 1)]:
+                out.add_(by_rank[r])
+            for start, stop, total in others:
+                out[start:stop].copy_(total)
+            if average:
+                out.div_(world)  # gloo's AVG: the sum, divided
 
-    work = PointToPointWork(works, add_the_rest, keep_alive=(full,))
+    work = PointToPointWork(works, sum_in_gloos_order, keep_alive=(full,))
     if not async_op:
         work.wait()
         return None
     return work
+
+
+# gloo's ring all-reduce cuts its input into segments of at most 1 MiB (``kMaxSegmentSize``).
+_GLOO_MAX_SEGMENT_BYTES = 1 << 20
+
+
+def gloo_sum_orders(world: int, rank: int, n: int, element_size: int) -> list[tuple[int, int, list[int]]]:
+    """In which order of ranks gloo's ``reduce_scatter_tensor`` of ``world * n`` elements sums
+    the elements of ``rank``'s chunk: ``(start, stop, ranks)`` over the chunk, in elements.
+
+    gloo reduce-scatters by all-reducing the whole input with its ring algorithm
+    (``gloo/allreduce.cc``, ``ring``): the input is cut into ``S`` segments (a multiple of
+    ``world``, at least ``2 * world``, each at most 1 MiB), the ``S / world`` consecutive
+    segments of chunk ``k`` are summed along the ring from rank ``k - 1`` down to rank ``k``:
+    ``((x[k-1] + x[k-2]) + ...) + x[k]``. Segments are rounded to whole elements, so chunk
+    ``k`` of gloo's may start a few elements off ``k * n``.
+    """
+    total = world * n * element_size
+    max_segment = element_size * max(1, _GLOO_MAX_SEGMENT_BYTES // element_size)
+    segments = round_up(max(-(-total // max_segment), 2 * world), world)
+    segment_bytes = round_up(-(-total // segments), element_size)
+    chunk_elements = segments // world * segment_bytes // element_size  # gloo's chunk, in elements
+    regions = []
+    first, last = rank * n, (rank + 1) * n
+    for k in range(first // chunk_elements, min(world, -(-last // chunk_elements))):
+        start, stop = max(first, k * chunk_elements), min(last, (k + 1) * chunk_elements)
+        if start < stop:
+            regions.append((start - first, stop - first, [(k - j) % world for j in range(1, world + 1)]))
+    return regions

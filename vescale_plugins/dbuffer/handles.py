@@ -21,6 +21,7 @@ from vescale_plugins.dbuffer.streams import CommStreams
 
 if TYPE_CHECKING:
     from vescale_plugins.dbuffer.buffer import DBuffer
+    from vescale_plugins.dbuffer.reduction import GradientReduction
 
 __all__ = ["AfterReduceScatter", "GatherHandle", "ReduceScatterHandle", "wait_collective"]
 
@@ -78,14 +79,12 @@ class AfterReduceScatter:
     """What follows a reduce-scatter before its result lands, as in FSDP2's ``foreach_reduce``:
     HSDP's all-reduce across ``replicate_group``, then the user's ``hook``
     (``set_all_reduce_hook``) on the reduce output, both on ``stream`` (None: the all-reduce
-    stream). ``divide_before_hook``: the hook sees the mean (FSDP2 divides inside the
-    collectives for fp32 and bf16), else the sum (fp16's pre-divided sum, or
-    ``set_force_sum_reduction_for_comms``), divided after it."""
+    stream). The hook sees the output before the reduction's post-divide, as FSDP2's does:
+    the mean for fp32 and bf16, else (fp16, ``set_force_sum_reduction_for_comms``) the sum."""
 
     replicate_group: dist.ProcessGroup | None = None
     hook: Callable[[torch.Tensor], None] | None = None
     stream: Any = None
-    divide_before_hook: bool = True
 
 
 class ReduceScatterHandle:
@@ -95,7 +94,7 @@ class ReduceScatterHandle:
     its input, the unsharded gradient buffer, is freed; what follows it (:class:`AfterReduceScatter`)
     is issued on its own stream unless it already was (on CUDA it is issued with the
     reduce-scatter, ordered after it on the GPU). :meth:`wait` (the end of backward, where FSDP2
-    waits for its post-reduce events): that is done too; the result is divided once, lands in
+    waits for its post-reduce events): that is done too; the result is post-divided, lands in
     the sharded gradients and the full gradients are freed. With nothing to follow, both happen
     at once. ``partial``: HSDP without the all-reduce this backward; the shard group's sum is
     kept back.
@@ -107,7 +106,7 @@ class ReduceScatterHandle:
         work: Any,
         out: torch.Tensor,
         sharded_grad: torch.Tensor,
-        divide_factor: float,
+        reduction: GradientReduction,
         accumulate: bool,
         in_place: bool,
         token: Any,
@@ -118,7 +117,7 @@ class ReduceScatterHandle:
     ) -> None:
         self._dbuffer, self._work, self._sharded_grad = dbuffer, work, sharded_grad
         self._out: torch.Tensor | None = out  # dropped once done
-        self._divide_factor, self._accumulate, self._in_place = divide_factor, accumulate, in_place
+        self._reduction, self._accumulate, self._in_place = reduction, accumulate, in_place
         self._token, self._temp_bytes, self._done_event = token, temp_bytes, done_event
         self._after, self._partial = after, partial
         self._after_issued = False
@@ -195,7 +194,10 @@ class ReduceScatterHandle:
                 self._kept_partial = self._dbuffer.take_partial()
                 if self._kept_partial is not None:
                     out.add_(self._kept_partial)
-                self._after_work = dist.all_reduce(out, group=after.replicate_group, async_op=not streams.enabled)
+                op = dist.ReduceOp.AVG if self._reduction.all_reduce_average else dist.ReduceOp.SUM
+                self._after_work = dist.all_reduce(
+                    out, op=op, group=after.replicate_group, async_op=not streams.enabled
+                )
             if self._after_work is None:
                 self._run_hook(out)
             self._after_event = streams.record(stream)
@@ -205,16 +207,14 @@ class ReduceScatterHandle:
         assert after is not None
         if after.hook is None:
             return
-        if after.divide_before_hook and self._divide_factor != 1:
-            out.div_(self._divide_factor)
-            self._divide_factor = 1
         # The gradient shard with its padding (what FSDP2's reduce output holds), without the
         # presence flags that follow it.
         after.hook(out[: self._dbuffer.shard_size])
 
     def _finish_gradients(self, out: torch.Tensor, sharded_grad: torch.Tensor) -> None:
-        if self._divide_factor != 1:
-            out.div_(self._divide_factor)
+        post_divide = self._reduction.post_divide
+        if post_divide is not None and post_divide != 1:
+            out.div_(post_divide)
         if self._accumulate:
             # CPU offload: the host adds what it has fully received (as FSDP2, a blocking copy).
             out = out.to(sharded_grad.device)

@@ -109,7 +109,8 @@ class VeScaleFSDPModule(FSDPModule):
         """As FSDP2: ``hook(reduce_output)`` runs on this unit's reduce output (after HSDP's
         all-reduce across replicas), in place, before it lands in the sharded gradients, on
         the all-reduce stream, or on ``stream`` (only without HSDP). It sees the mean, or the
-        sum under ``set_force_sum_reduction_for_comms(True)`` (divided after it)."""
+        sum under ``set_force_sum_reduction_for_comms(True)`` and for fp16 reductions (fp16's
+        sum pre-divided by a power of two; divided after it)."""
         unit = self._vescale_fsdp_unit
         if len({id(buffer.mesh.mesh) for buffer in unit.buffers}) > 1:
             raise ValueError(
@@ -136,8 +137,8 @@ class VeScaleFSDPModule(FSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """veScale-FSDP always reduces with SUM and divides once afterwards; as in FSDP2, this
-        unit's all-reduce hook then sees the sum instead of the mean."""
+        """As FSDP2: the collectives sum (no ``AVG`` or ``PREMUL_SUM``) and the sum is divided
+        after them; this unit's all-reduce hook then sees the sum instead of the mean."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {enable!r}")
         self._vescale_fsdp_unit.force_sum_reduction_for_comms = enable

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
+from vescale_plugins.dbuffer.reduction import gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
@@ -588,25 +589,24 @@ class FSDPParamGroup:
                     if p.sharded.grad is None:
                         dbuffer.sharded_grad_view(p.slot).zero_()
             replicate_group = buffer.mesh.replicate_group
+            # The mean over every data-parallel rank of the buffer's own mesh by default,
+            # scaled where and as FSDP2 scales it.
+            reduction = gradient_reduction(
+                dbuffer.reduce_dtype,
+                buffer.mesh.shard_size,
+                buffer.mesh.mesh.size() // buffer.mesh.shard_size,
+                self.gradient_divide_factor,
+                self.force_sum_reduction_for_comms,
+            )
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
-                # the shard group's sums wait in a partial buffer; no gradient is attached yet.
-                issued.append(dbuffer.reduce_scatter(1.0, accumulate=False, async_op=True, partial=True))
+                # the shard group's reductions wait in a partial buffer; no gradient is attached yet.
+                issued.append(dbuffer.reduce_scatter(reduction, accumulate=False, async_op=True, partial=True))
                 continue
-            # Default: the mean over every data-parallel rank of the buffer's own mesh.
-            divide_factor = (
-                float(buffer.mesh.mesh.size()) if self.gradient_divide_factor is None else self.gradient_divide_factor
-            )
             after = None
             if replicate_group is not None or self.all_reduce_hook is not None:
-                after = AfterReduceScatter(
-                    replicate_group,
-                    self.all_reduce_hook,
-                    self.all_reduce_hook_stream,
-                    divide_before_hook=not self.force_sum_reduction_for_comms
-                    and dbuffer.reduce_dtype in (torch.float32, torch.bfloat16),
-                )
-            handle = dbuffer.reduce_scatter(divide_factor, accumulate=accumulate, async_op=True, after=after)
+                after = AfterReduceScatter(replicate_group, self.all_reduce_hook, self.all_reduce_hook_stream)
+            handle = dbuffer.reduce_scatter(reduction, accumulate=accumulate, async_op=True, after=after)
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
             issued.append(handle)
             for p, got in zip(members, received):
