@@ -344,3 +344,76 @@ def _no_sync_under_compiled_autograd_like_fsdp2(micro_batches: int) -> None:
 
 def test_no_sync_under_compiled_autograd_like_fsdp2(dist_run):
     dist_run(_no_sync_under_compiled_autograd_like_fsdp2, 2, 4, timeout=300)
+
+
+# -- torchtitan's llama3 recipe in bf16 / fp32 reduce, its chunked loss: 10 steps ---------------
+
+
+def _torchtitan_bf16_run(shard, steps: int, chunks: int, compile_blocks: bool) -> list[torch.Tensor]:
+    """torchtitan's FSDP wiring of its llama3 (the embedding, each block, ``[norm, output]``
+    kept unsharded after forward, the root; gradient division off; bf16 params, fp32 reduce),
+    AdamW with clipping, its chunked loss over the output head: every step's global loss."""
+    from tests.support.torchtitan_models import VOCAB as LLAMA_VOCAB
+    from tests.support.torchtitan_models import Llama, init_weights
+
+    torch.manual_seed(0)
+    model = Llama()
+    init_weights(model)
+    if compile_blocks:
+        for block in model.layers.values():
+            block.compile(backend="aot_eager", fullgraph=True)
+    policy = {"mp_policy": BF16_FP32}
+    shard(model.tok_embeddings, **policy)
+    for block in model.layers.values():
+        shard(block, **policy)
+    shard([model.norm, model.output], reshard_after_forward=False, **policy)
+    shard(model, **policy)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    world, seq, batch = dist.get_world_size(), 16, 2
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        tokens = torch.randint(0, LLAMA_VOCAB, (batch, seq), generator=g)
+        targets = torch.randint(0, LLAMA_VOCAB, (batch, seq), generator=g)
+        hidden = model(tokens, skip_lm_head=True)
+        head = model.output
+        pieces = [c.detach().requires_grad_() for c in hidden.chunk(chunks, dim=1)]
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
+        total = torch.zeros(())
+        for i, (piece, target) in enumerate(zip(pieces, targets.chunk(chunks, dim=1))):
+            if i == chunks - 1:
+                head.set_requires_gradient_sync(True, recurse=False)
+            logits = head(piece).float().flatten(0, 1)
+            loss = F.cross_entropy(logits, target.flatten(), reduction="sum") / (world * batch * seq)
+            loss.backward()
+            total = total + loss.detach()
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(True, recurse=False)
+        head.reshard()
+        grad = torch.cat([p.grad.float() for p in pieces], dim=1).to(hidden.dtype)
+        _DecoderGradient.apply(hidden, grad, total).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total)
+    return losses
+
+
+def _torchtitan_bf16_like_fsdp2(compile_blocks: bool) -> None:
+    runs = {engine: _torchtitan_bf16_run(shard, 10, 8, compile_blocks) for engine, shard in ENGINES.items()}
+    for step, (ours, theirs) in enumerate(zip(runs["vescale"], runs["torch"])):
+        assert torch.equal(ours, theirs), f"step {step}: loss {ours.item()!r} vs FSDP2's {theirs.item()!r}"
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled-blocks"])
+def test_torchtitan_llama_bf16_chunked_loss_losses_equal_fsdp2s(dist_run, compile_blocks):
+    dist_run(_torchtitan_bf16_like_fsdp2, 2, compile_blocks, timeout=300)
