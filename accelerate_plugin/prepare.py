@@ -8,6 +8,7 @@ as under FSDP2; the sharding itself is ``vescale_plugins.wrap.shard_model``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins.observe.summary import sharding_summary
-from vescale_plugins.wrap import shard_model
+from vescale_plugins.wrap import materialize_meta_tensors, shard_model
 
 from .full_state import load_model_from_rank0
 
@@ -52,6 +53,17 @@ def prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     )
     if rank0_state is not None:
         load_model_from_rank0(model, rank0_state)
+    else:
+        # Built on the meta device (``init_empty_weights``, ``torch.device("meta")``): each rank
+        # allocates its shards and draws them with the modules' own reset_parameters(), as the
+        # Lightning strategies do (FSDP2 under Accelerate would leave them on meta).
+        uninitialised = materialize_meta_tensors(model, accelerator.device)
+        if uninitialised:
+            warnings.warn(
+                "These modules were built on the meta device but define no reset_parameters(), so their "
+                f"parameters and buffers hold uninitialised memory (load a checkpoint into them): {', '.join(uninitialised)}",
+                stacklevel=2,
+            )
     if plugin.resolve_find_unused_parameters(accelerator.ddp_handler):
         model.set_find_unused_parameters(True)
     accelerator.print(sharding_summary(model))

@@ -9,7 +9,6 @@ switched off through the FSDP2 method the sharded modules carry.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -21,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins import VeScaleFSDPModule
 from vescale_plugins.observe.summary import sharding_summary
-from vescale_plugins.wrap import is_sharded, shard_model
+from vescale_plugins.wrap import has_meta_tensors, is_sharded, materialize_meta_tensors, shard_model
 
 from .options import ShardingOptions
 
@@ -34,10 +33,6 @@ __all__ = [
     "gradient_sync_disabled",
     "has_meta_tensors",
 ]
-
-
-def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def shard_for_training(
@@ -77,30 +72,16 @@ def shard_for_training(
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate meta-device tensors on ``device`` and initialise them with ``reset_parameters()``.
-
-    Same rule as Lightning's FSDP and ModelParallel strategies: every submodule that holds
-    parameters or buffers of its own and defines ``reset_parameters`` is reset, parents first.
-    On a sharded module each rank allocates and initialises only its shards.
-    """
-    if not has_meta_tensors(module):
-        return
-    module.to_empty(device=device)
-    uninitialised = set()
-    for submodule in module.modules():
-        if next(itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False)), None) is None:
-            continue
-        reset = getattr(submodule, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        else:
-            uninitialised.add(type(submodule).__name__)
+    """Allocate meta-device tensors on ``device`` and initialise them with ``reset_parameters()``
+    (Lightning's rule, :func:`vescale_plugins.wrap.materialize_meta_tensors`); warn about
+    modules that define none."""
+    uninitialised = materialize_meta_tensors(module, device)
     if uninitialised:
         from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
         rank_zero_warn(
             "These modules were built on the meta device but define no reset_parameters(), so their parameters "
-            f"and buffers hold uninitialised memory (load a checkpoint into them): {', '.join(sorted(uninitialised))}"
+            f"and buffers hold uninitialised memory (load a checkpoint into them): {', '.join(uninitialised)}"
         )
 
 

@@ -7,16 +7,25 @@ adapters hold no sharding logic.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins.runtime.api import BlockSizeFn, fully_shard
 
-__all__ = ["default_units", "units_of_classes", "shard_model", "is_sharded"]
+__all__ = [
+    "default_units",
+    "units_of_classes",
+    "shard_model",
+    "is_sharded",
+    "has_meta_tensors",
+    "materialize_meta_tensors",
+]
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -94,3 +103,34 @@ def shard_model(
             fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is still on the meta device."""
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def materialize_meta_tensors(module: nn.Module, device: torch.device) -> list[str]:
+    """Allocate ``module``'s meta-device tensors on ``device`` and initialise them with each
+    module's ``reset_parameters()``, as Lightning's FSDP and ModelParallel strategies do:
+    every submodule that holds parameters or buffers of its own and defines it, parents first.
+
+    Per-module overrides are honoured (LitGPT replaces ``reset_parameters`` on its layers).
+    On a sharded module each rank allocates and draws only its shards, the values a draw of
+    the full tensor gives (the same as one process initialising the whole model with the
+    same seed). Returns the class names of modules that hold tensors but define no
+    ``reset_parameters`` (left uninitialised: the caller warns).
+    """
+    if not has_meta_tensors(module):
+        return []
+    module.to_empty(device=device)
+    uninitialised = set()
+    for submodule in module.modules():
+        if next(itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False)), None) is None:
+            continue
+        reset = getattr(submodule, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialised.add(type(submodule).__name__)
+    return sorted(uninitialised)

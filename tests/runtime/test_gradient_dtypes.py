@@ -16,7 +16,7 @@ parameters, ``recurse=False`` and compiled autograd.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 
 from vescale_plugins import fully_shard
 
@@ -198,7 +197,9 @@ def _chunked_head_like_fsdp2(chunks: int, setup: Setup) -> None:
     weight = head_weight.to(param_dtype).requires_grad_()
     local = torch.zeros(VOCAB, DIM, dtype=torch.float32)
     for piece, target in zip(inputs["torch"], y.chunk(chunks)):
-        loss = F.cross_entropy(F.linear(piece, weight).float(), target, reduction="sum") / (TOKENS * dist.get_world_size())
+        loss = F.cross_entropy(F.linear(piece, weight).float(), target, reduction="sum") / (
+            TOKENS * dist.get_world_size()
+        )
         (chunk_grad,) = torch.autograd.grad(loss, weight)
         assert chunk_grad.dtype == param_dtype
         local += chunk_grad

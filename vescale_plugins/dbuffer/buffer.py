@@ -28,7 +28,6 @@ import torch.distributed as dist
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
-from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.observer import (
     ALL_GATHER_REGION,
     COMM_BUFFER_REGION,
@@ -37,6 +36,7 @@ from vescale_plugins.dbuffer.observer import (
     REDUCE_SCATTER_REGION,
 )
 from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, row_numel
+from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout

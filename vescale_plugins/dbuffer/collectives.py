@@ -162,11 +162,11 @@ def reduce_scatter_into(
         output.copy_(full if premul_divide is None else full / premul_divide)
         return None
     if not uses_point_to_point(group, output.device):
-        op = dist.ReduceOp.SUM
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
         if average:
             op = dist.ReduceOp.AVG
         elif premul_divide is not None:
-            op = dist.ReduceOp.PREMUL_SUM(1 / premul_divide)  # type: ignore[operator]  # FSDP2's spelling
+            op = dist.ReduceOp.PREMUL_SUM(1 / premul_divide)  # FSDP2's spelling (NCCL's PreMulSum)
         return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
     if premul_divide is not None:
         full.mul_(1 / premul_divide)
