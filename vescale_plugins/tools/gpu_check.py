@@ -65,6 +65,12 @@ PLAN = [
     Part("parity_w1", ".parity:run_w1", 45),
     Part("parity_multi_rank", ".parity:run_multi_rank", 60),
     Part("fake_pg_w2", ".parity:run_fake_pg_w2", 40, "CUDA only: the CPU fallback has real gloo ranks"),
+    Part(
+        "gradient_dtypes",
+        ".gradient_dtypes:run",
+        60,
+        "CUDA only: gloo has no PREMUL_SUM for FSDP2 (tests/runtime/test_gradient_dtypes.py covers gloo)",
+    ),
     Part("race_provocation", ".parity:run_race_provocation", 60, _NO_STREAMS),
     Part("optimizer_host_syncs", ".optimizers:run", 60),
     Part(
