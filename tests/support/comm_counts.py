@@ -24,10 +24,10 @@ def comm_counts(fn):
     originals = dbuffer_module.all_gather_into, dbuffer_module.reduce_scatter_into
 
     def counted(kind, collective):
-        def run(output, tensor, group, async_op=False):
+        def run(output, tensor, group, **kwargs):
             if uses_point_to_point(group, output.device):
                 counts[kind] = counts.get(kind, 0) + 1
-            return collective(output, tensor, group, async_op=async_op)
+            return collective(output, tensor, group, **kwargs)
 
         return run
 

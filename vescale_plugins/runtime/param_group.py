@@ -539,6 +539,9 @@ class FSDPParamGroup:
             self.reshard()
         if self.requires_gradient_sync:
             self._reduce_gradients()
+            if not in_models_backward and not in_compiled_autograd():
+                assert self.root_state is not None  # set at the first forward (RootState.init_under)
+                self.root_state.finish_reductions_after_this_backward()
         else:
             self._backward_again = False  # nothing reduced: the gradients accumulate as usual
             for fsdp_param in self.fsdp_params:

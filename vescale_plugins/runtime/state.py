@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
 
 from vescale_plugins.dbuffer.handles import ReduceScatterHandle
@@ -66,6 +67,7 @@ class RootState:
         # gradient buffer that holds what other ranks sent them (see _attach_remote_gradients).
         self.reduced_without_local_grad: list[tuple[FSDPParam, torch.Tensor]] = []
         self.callback_queued = False
+        self.finish_queued = False  # finish_reductions_after_this_backward's callback
         # Under compiled autograd (which drops the final callback): the gradient events (a
         # parameter's gradient accumulated, a unit's _PostBackward run) seen since the last
         # backward ended, and how many more end the one in progress (None: not counting).
@@ -219,16 +221,37 @@ class RootState:
             # been prefetched for one; it reshards below, as FSDP2's final callback does.
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
-        self.wait_for_gradients()
-        for group in self.groups:  # CPU offload: the gradients' copies to host, as FSDP2
-            for dbuffer in group.dbuffers:
-                dbuffer.wait_for_offloaded_grads()
-        if self.reduced_without_local_grad:
-            self._attach_remote_gradients()
+        self.finish_reductions()
         if self.root.reshard_after_backward:
             for group in self.groups:
                 if group.is_unsharded and group.training_state is TrainingState.IDLE:
                     group.reshard()
+
+    def finish_reductions(self) -> None:
+        """Complete every reduction in flight (and, under CPU offload, the gradients' copies to
+        host, as FSDP2) and attach the gradients only other ranks' data reached: every
+        sharded gradient is final."""
+        self.wait_for_gradients()
+        for group in self.groups:
+            for dbuffer in group.dbuffers:
+                dbuffer.wait_for_offloaded_grads()
+        if self.reduced_without_local_grad:
+            self._attach_remote_gradients()
+
+    def finish_reductions_after_this_backward(self) -> None:
+        """(A unit reduced in a backward no pre-backward hook saw: a grouped unit's partial
+        forward, a head called per chunk) Make its gradients final when this backward ends,
+        as the final callback does for the model's backward; the units' states are left as
+        they are, since the model's own backward may still come."""
+        if self.finish_queued:
+            return
+        self.finish_queued = True
+        Variable._execution_engine.queue_callback(self._finish_partial_backward)
+
+    @eager_hook
+    def _finish_partial_backward(self) -> None:
+        self.finish_queued = False
+        self.finish_reductions()
 
     def _attach_remote_gradients(self) -> None:
         """(Once every reduce-scatter of the backward is done) Give a gradient to each
@@ -267,7 +290,7 @@ class RootState:
             handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
         self.wait_for_gradients()
         self.reduced_without_local_grad = []
-        self.callback_queued = False
+        self.callback_queued = self.finish_queued = False
         self.backward_events = 0
         self.events_to_end = None
         self.forward_order = []
