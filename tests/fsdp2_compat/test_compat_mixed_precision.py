@@ -30,10 +30,11 @@ T = 180
 vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
 RAF = [False, True, 2]
 LOW_PRECISION_SUM_ORDER = (
-    "bf16/fp16 reduction at W=4 (reshard_after_forward=2 runs on 4 ranks): our point-to-point "
-    "reduce-scatter adds the ranks' gradients in another order than gloo's reduce_scatter_tensor "
-    "(FSDP2's, and this test's reference), so the low-precision sums round differently; the fp32 "
-    "cases, and every W=2 case, match exactly"
+    "bf16/fp16 reduction at W=4 (reshard_after_forward=2 runs on 4 ranks): a ring sums an element "
+    "in the order of the ring ending at the rank that reduces it, and our layout reduces some "
+    "elements on other ranks than FSDP2's padded rows (our reduce-scatter adds in gloo's own order "
+    "on our buffer), so the low-precision sums round differently; the fp32 cases, and every W=2 "
+    "case, match exactly"
 )
 RAF_LOW_PRECISION = [False, True, pytest.param(2, marks=vescale_xfail(LOW_PRECISION_SUM_ORDER))]
 
