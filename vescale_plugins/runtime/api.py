@@ -23,7 +23,7 @@ from vescale_plugins.runtime.param_group import FSDPParamGroup
 from vescale_plugins.runtime.placement import mesh_device, move_unit_states
 from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup, record_sharded
 
-__all__ = ["fully_shard", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 @overload
@@ -34,7 +34,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy | None = ...,
+    offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any = ...,
     block_size_fn: BlockSizeFn | None = ...,
@@ -48,7 +48,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy | None = ...,
+    offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any = ...,
     block_size_fn: BlockSizeFn | None = ...,
@@ -63,7 +63,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy | None = None,
+    offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     block_size_fn: BlockSizeFn | None = None,
@@ -129,3 +129,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return group.post_forward(module, original(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's ``share_comm_ctx``: make several roots (pipeline stages' model chunks) share
+    their collectives' streams. Every unit of this process already issues its collectives on
+    one set of streams per device (:func:`vescale_plugins.dbuffer.streams.comm_streams_for`),
+    so this only checks that each module is a unit, as FSDP2 requires of its arguments."""
+    for module in modules:
+        if getattr(module, "_vescale_fsdp_unit", None) is None:
+            raise ValueError(
+                f"share_comm_ctx takes modules vescale_plugins.fully_shard was applied to; got a {type(module).__name__}"
+            )
