@@ -154,7 +154,7 @@ def reduce_scatter_into(
     ``premul_divide`` if given (FSDP2's arithmetic there).
 
     On gloo the sum is taken in the order gloo's own ``reduce_scatter_tensor`` takes it (see
-    :func:`gloo_sum_orders`), so that a gradient reduced here has the bits FSDP2's has. The
+    :func:`gloo_sum_orders`): the same bits as that collective on the same buffer. The
     peer that comes first in that order sends straight into ``output``; the others (W > 2)
     into one staging buffer of ``W - 2`` chunks. ``output`` must not overlap ``full``.
     """
