@@ -23,6 +23,7 @@ from vescale_plugins.dbuffer.planning import row_numel
 from vescale_plugins.ragged.dtensor import make_dtensor, set_local_tensor
 from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.extensions import ExtensionGather, defines_extension
+from vescale_plugins.runtime.fsdp2_semantics import hand_gradients_over_in
 from vescale_plugins.runtime.mesh import UnitMesh
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
@@ -235,6 +236,7 @@ class FSDPParam:
     def _make_unsharded(self, gathered: torch.Tensor, after_gradient: Callable[[nn.Parameter], None]) -> None:
         self.unsharded = nn.Parameter(gathered, requires_grad=self.sharded.requires_grad)
         if self.unsharded.requires_grad:
+            hand_gradients_over_in(self.unsharded, self.dbuffer.reduce_dtype)
             self.unsharded.register_post_accumulate_grad_hook(after_gradient)
 
     def to_sharded(self) -> None:

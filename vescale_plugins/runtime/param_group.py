@@ -29,6 +29,7 @@ from vescale_plugins.dbuffer.reduction import gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
+from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -160,7 +161,9 @@ class FSDPParamGroup:
             group,
             layout,
             param_dtype=self.mp_policy.param_dtype if floating else None,
-            reduce_dtype=self.mp_policy.reduce_dtype if floating else None,
+            reduce_dtype=default_reduce_dtype(self.mp_policy.reduce_dtype, self.mp_policy.param_dtype, dtype)
+            if floating
+            else None,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory,
         )
