@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from tests.support.torchtitan_models import chunked_loss
 from vescale_plugins import fully_shard
 
 ENGINES = {"torch": torch_fully_shard, "vescale": fully_shard}
@@ -141,56 +142,15 @@ def _assert_like_fsdp2(ours: dict, theirs: dict, reduce_dtype: torch.dtype, what
 # -- a chunked loss over a grouped [norm, head] unit: torchtitan's ChunkedLossWrapper --------
 
 
-class _DecoderGradient(torch.autograd.Function):
-    """torchtitan's ``_DecoderOutputGradientBackProp``: the loss, whose backward hands the
-    hidden states' accumulated gradient to the decoder."""
-
-    @staticmethod
-    def forward(ctx, hidden, grad, loss):
-        ctx.save_for_backward(grad)
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx, _):
-        (grad,) = ctx.saved_tensors
-        return grad, None, None
-
-
-def chunked_loss(model: Model, x: torch.Tensor, y: torch.Tensor, chunks: int, per_chunk: list | None = None):
-    """torchtitan's chunked loss (``ChunkedLossWrapper``) with its FSDP calls on the head: kept
-    unsharded across chunks, sync off for every chunk's backward but the last. Appends each
-    chunk's input to ``per_chunk`` when given. Returns the loss whose backward runs the
-    decoder's."""
-    hidden = model(x, skip_head=True)
-    head = model.head
-    pieces = [c.detach().requires_grad_() for c in hidden.chunk(chunks)]
-    head.set_reshard_after_forward(False)
-    head.set_reshard_after_backward(False)
-    head.set_requires_gradient_sync(False, recurse=False)
-    head.unshard()
-    total = torch.zeros((), dtype=torch.float32)
-    for i, (piece, target) in enumerate(zip(pieces, y.chunk(chunks))):
-        if i == chunks - 1:
-            head.set_requires_gradient_sync(True, recurse=False)
-        loss = F.cross_entropy(head(piece).float(), target, reduction="sum") / (TOKENS * dist.get_world_size())
-        loss.backward()
-        total = total + loss.detach()
-        if per_chunk is not None:
-            per_chunk.append(piece.detach())
-    head.set_reshard_after_forward(True)
-    head.set_reshard_after_backward(True)
-    head.set_requires_gradient_sync(True, recurse=False)
-    head.reshard()
-    grad = torch.cat([p.grad.float() for p in pieces]).to(hidden.dtype)
-    return _DecoderGradient.apply(hidden, grad, total)
-
-
 def _chunked_head_like_fsdp2(chunks: int, setup: Setup) -> None:
     grads, inputs = {}, {}
     for engine, shard in ENGINES.items():
         model = _build(shard, setup)
-        inputs[engine] = []
-        chunked_loss(model, *_batch(0), chunks, inputs[engine]).backward()
+        x, y = _batch(0)
+        loss, inputs[engine] = chunked_loss(
+            model(x, skip_head=True), model.head, y, chunks, TOKENS * dist.get_world_size()
+        )
+        loss.backward()
         grads[engine] = _grads(model)
         head_weight = model.head.weight.full_tensor()
     _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
@@ -385,29 +345,12 @@ def _torchtitan_bf16_run(shard, steps: int, chunks: int, compile_blocks: bool) -
         tokens = torch.randint(0, LLAMA_VOCAB, (batch, seq), generator=g)
         targets = torch.randint(0, LLAMA_VOCAB, (batch, seq), generator=g)
         hidden = model(tokens, skip_lm_head=True)
-        head = model.output
-        pieces = [c.detach().requires_grad_() for c in hidden.chunk(chunks, dim=1)]
-        head.set_reshard_after_forward(False)
-        head.set_reshard_after_backward(False)
-        head.set_requires_gradient_sync(False, recurse=False)
-        head.unshard()
-        total = torch.zeros(())
-        for i, (piece, target) in enumerate(zip(pieces, targets.chunk(chunks, dim=1))):
-            if i == chunks - 1:
-                head.set_requires_gradient_sync(True, recurse=False)
-            logits = head(piece).float().flatten(0, 1)
-            loss = F.cross_entropy(logits, target.flatten(), reduction="sum") / (world * batch * seq)
-            loss.backward()
-            total = total + loss.detach()
-        head.set_reshard_after_forward(True)
-        head.set_reshard_after_backward(True)
-        head.set_requires_gradient_sync(True, recurse=False)
-        head.reshard()
-        grad = torch.cat([p.grad.float() for p in pieces], dim=1).to(hidden.dtype)
-        _DecoderGradient.apply(hidden, grad, total).backward()
+        loss, _ = chunked_loss(hidden, model.output, targets, chunks, world * batch * seq, dim=1)
+        loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        total = loss.detach()
         dist.all_reduce(total)
         losses.append(total)
     return losses

@@ -39,6 +39,7 @@ from tests.support.torchtitan_models import (
     VOCAB,
     Llama,
     MoE,
+    chunked_loss,
     init_weights,
     spmd_parallel_moe,
     tensor_parallel_llama,
@@ -143,42 +144,10 @@ def _tokens(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-class _DecoderOutputGradient(torch.autograd.Function):
-    """torchtitan's ``_DecoderOutputGradientBackProp``: the loss, whose backward hands the
-    accumulated gradient of the hidden states to the decoder."""
-
-    @staticmethod
-    def forward(ctx, hidden, grad, loss):
-        ctx.save_for_backward(grad)
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx, _):
-        (grad,) = ctx.saved_tensors
-        return grad, None, None
-
-
 def _chunked_loss(model, tokens, targets, global_tokens: int) -> torch.Tensor:
-    """torchtitan's ``ChunkedLossWrapper`` around an FSDP-managed output head."""
-    hidden = model(tokens, skip_lm_head=True)
-    lm_head = model.output
-    chunks = [c.detach().requires_grad_() for c in hidden.chunk(CHUNKS, dim=1)]
-    lm_head.set_reshard_after_forward(False)
-    lm_head.set_reshard_after_backward(False)
-    lm_head.set_requires_gradient_sync(False, recurse=False)
-    lm_head.unshard()
-    total = hidden.new_zeros(())
-    for i, (chunk, target) in enumerate(zip(chunks, targets.chunk(CHUNKS, dim=1))):
-        if i == CHUNKS - 1:
-            lm_head.set_requires_gradient_sync(True, recurse=False)
-        loss = F.cross_entropy(lm_head(chunk).flatten(0, 1), target.flatten(), reduction="sum") / global_tokens
-        loss.backward()
-        total = total + loss.detach()
-    lm_head.set_reshard_after_forward(True)
-    lm_head.set_reshard_after_backward(True)
-    lm_head.set_requires_gradient_sync(True, recurse=False)
-    lm_head.reshard()
-    return _DecoderOutputGradient.apply(hidden, torch.cat([c.grad for c in chunks], dim=1), total)
+    """torchtitan's ``ChunkedLossWrapper`` around the FSDP-managed output head."""
+    loss, _ = chunked_loss(model(tokens, skip_lm_head=True), model.output, targets, CHUNKS, global_tokens, dim=1)
+    return loss
 
 
 def _llama_recipe(shard, mesh, init: bool = True) -> Llama:

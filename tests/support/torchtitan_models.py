@@ -234,3 +234,47 @@ def init_weights(model: nn.Module) -> None:
             p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
         else:
             p.copy_(full)
+
+
+class DecoderOutputGradient(torch.autograd.Function):
+    """torchtitan's ``_DecoderOutputGradientBackProp``: the loss, whose backward hands the
+    accumulated gradient of the hidden states to the decoder."""
+
+    @staticmethod
+    def forward(ctx, hidden, grad, loss):
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, _):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+
+def chunked_loss(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunks: int, denominator: int, dim: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """torchtitan's ``ChunkedLossWrapper`` around an FSDP-managed output head: the head kept
+    unsharded across the chunks of ``hidden`` (cut along ``dim``), each chunk's summed
+    cross-entropy over ``denominator`` backpropagated at once, gradient sync off for every
+    chunk's backward but the last. Returns the loss whose backward runs the decoder's backward
+    from the chunks' gradients (summed in fp32), and the chunks the head saw."""
+    pieces = [c.detach().requires_grad_() for c in hidden.chunk(chunks, dim=dim)]
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i, (piece, target) in enumerate(zip(pieces, targets.chunk(chunks, dim=dim))):
+        if i == chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(piece).float().flatten(0, -2)
+        loss = F.cross_entropy(logits, target.flatten(), reduction="sum") / denominator
+        loss.backward()
+        total = total + loss.detach()
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    head.set_requires_gradient_sync(True, recurse=False)
+    head.reshard()
+    grad = torch.cat([p.grad.float() for p in pieces], dim=dim).to(hidden.dtype)
+    return DecoderOutputGradient.apply(hidden, grad, total), [p.detach() for p in pieces]

@@ -212,7 +212,8 @@ def reduce_scatter_into(
 _GLOO_MAX_SEGMENT_BYTES = 1 << 20
 
 
-def gloo_sum_orders(world: int, rank: int, n: int, element_size: int) -> list[tuple[int, int, list[int]]]:
+@functools.cache  # per buffer shape: asked at every reduce-scatter
+def gloo_sum_orders(world: int, rank: int, n: int, element_size: int) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
     """In which order of ranks gloo's ``reduce_scatter_tensor`` of ``world * n`` elements sums
     the elements of ``rank``'s chunk: ``(start, stop, ranks)`` over the chunk, in elements.
 
@@ -233,5 +234,5 @@ def gloo_sum_orders(world: int, rank: int, n: int, element_size: int) -> list[tu
     for k in range(first // chunk_elements, min(world, -(-last // chunk_elements))):
         start, stop = max(first, k * chunk_elements), min(last, (k + 1) * chunk_elements)
         if start < stop:
-            regions.append((start - first, stop - first, [(k - j) % world for j in range(1, world + 1)]))
-    return regions
+            regions.append((start - first, stop - first, tuple((k - j) % world for j in range(1, world + 1))))
+    return tuple(regions)
