@@ -1,36 +1,52 @@
 # Two entry points for a newcomer: `make bench` (the main job) and `make test`; `make lint`
 # runs the checks CI runs before the tests (ruff, ruff format, mypy on the core, the import
-# contracts of pyproject.toml). All bootstrap .venv from nothing; torch is pinned so pip
-# takes the local CPU wheel instead of several GB of CUDA packages.
+# contracts of pyproject.toml). All bootstrap a virtual environment from nothing.
+# TORCH picks the torch release (2.13.0, 2.14.1 or 2.15.0): 2.13.0 is the default, in .venv,
+# the CPU wheel this machine keeps on disk; another goes into .venv-torch-TORCH, the registry's
+# CUDA build (it runs on the CPU): about 3 GB of wheels with its CUDA libraries, downloaded once
+# into WHEEL_CACHE and installed from there every later time. `make test-other-torch TORCH=2.15.0` runs what CI runs on the
+# releases after the first: the fast subset and the FSDP2 compatibility suite.
 # The same checks at every commit: `.venv/bin/pre-commit install` (.pre-commit-config.yaml).
 PYTHON ?= python3
-VENV := .venv
+TORCH ?= 2.13.0
+VENV := $(if $(filter 2.13.0,$(TORCH)),.venv,.venv-torch-$(TORCH))
 PY := $(VENV)/bin/python
-TORCH_PIN ?= torch==2.13.0
+TORCH_PIN := torch==$(TORCH)
+WHEEL_CACHE ?= $(HOME)/.cache/vescale-plugins/wheels
+# The local 2.13.0 wheel as pip finds it; another release through the wheel cache.
+INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(TORCH_PIN)",\
+	$(PY) -m pip download --quiet --dest "$(WHEEL_CACHE)" "$(TORCH_PIN)" && \
+	$(PY) -m pip install --quiet --no-index --find-links "$(WHEEL_CACHE)" "$(TORCH_PIN)")
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test bench bench-deepspeed setup lint
+.PHONY: test test-other-torch bench bench-deepspeed setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(INSTALL_TORCH)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 $(LINT_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(INSTALL_TORCH)
 	$(PY) -m pip install --quiet -e ".[lint]"
 	touch $(LINT_STAMP)
 
 setup: $(STAMP)
 
 test: $(STAMP)
+	@$(PY) -c "import torch; print('make test: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q
+
+test-other-torch: $(STAMP)
+	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"
+	$(PY) -m pytest -q -m "not distributed"
+	$(PY) -m pytest -q tests/fsdp2_compat
 
 # mypy and the contracts read their configuration (and paths) from pyproject.toml.
 lint: $(LINT_STAMP)

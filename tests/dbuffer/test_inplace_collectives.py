@@ -6,7 +6,6 @@ import torch.distributed as dist
 
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into, uses_point_to_point
 from vescale_plugins.observe.allocations import AllocationTracker
-from vescale_plugins.ragged.collectives import _all_gather_single, _reduce_scatter_single
 
 WORLD_SIZES = [2, 3, 4]
 SHARD = 1000  # elements per rank (not a power of two)
@@ -23,7 +22,7 @@ def _match_gloo():
     for dtype in (torch.float32, torch.bfloat16):
         shard = _rank_tensor(SHARD, 1, dtype)
         expected = shard.new_empty(SHARD * world)
-        _all_gather_single(expected, shard, group=group)
+        dist.all_gather_single(expected, shard, group=group)
         gathered = torch.full_like(expected, float("nan"))
         all_gather_into(gathered, shard, group)
         assert torch.equal(gathered, expected)
@@ -36,7 +35,7 @@ def _match_gloo():
             for average in (False, True):
                 op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
                 expected = full.new_empty(shard_numel)
-                _reduce_scatter_single(expected, full.clone(), op=op, group=group)
+                dist.reduce_scatter_single(expected, full.clone(), op=op, group=group)
                 reduced = torch.full_like(expected, float("nan"))
                 reduce_scatter_into(reduced, full.clone(), group, average=average)
                 different = (reduced != expected).sum().item()
@@ -46,7 +45,7 @@ def _match_gloo():
     chunks = [torch.empty_like(full) for _ in range(world)]
     dist.all_gather(chunks, full)
     expected = full.new_empty(SHARD)
-    _reduce_scatter_single(expected, full * (1 / 3), op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(expected, full * (1 / 3), op=dist.ReduceOp.SUM, group=group)
     reduced = torch.empty(SHARD)
     reduce_scatter_into(reduced, full, group, premul_divide=3.0)
     assert torch.equal(reduced, expected)
@@ -95,9 +94,9 @@ def _temporaries():
     gathered, reduced = torch.empty(SHARD * world), torch.empty(SHARD)
     figures = {}
     for name, run in {
-        "gloo_all_gather": lambda: _all_gather_single(gathered, shard, group=group),
+        "gloo_all_gather": lambda: dist.all_gather_single(gathered, shard, group=group),
         "all_gather_into": lambda: all_gather_into(gathered, shard, group),
-        "gloo_reduce_scatter": lambda: _reduce_scatter_single(reduced, full, op=dist.ReduceOp.SUM, group=group),
+        "gloo_reduce_scatter": lambda: dist.reduce_scatter_single(reduced, full, op=dist.ReduceOp.SUM, group=group),
         "reduce_scatter_into": lambda: reduce_scatter_into(reduced, full, group),
     }.items():
         peaks = []

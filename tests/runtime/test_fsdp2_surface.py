@@ -34,6 +34,7 @@ OURS = {
     "share_comm_ctx": vescale_plugins.share_comm_ctx,
     "FSDPModule": VeScaleFSDPModule,
     "UnshardHandle": vescale_plugins.UnshardHandle,
+    "GradientReductionHandle": vescale_plugins.GradientReductionHandle,  # torch 2.15 on
     "MixedPrecisionPolicy": fsdp.MixedPrecisionPolicy,
     "OffloadPolicy": fsdp.OffloadPolicy,
     "CPUOffloadPolicy": fsdp.CPUOffloadPolicy,
@@ -48,6 +49,7 @@ HONOURED_FIELDS = {
         "reduce_dtype": "tests/runtime/test_gradient_dtypes.py",
         "output_dtype": "tests/fsdp2_compat/test_compat_mixed_precision.py",
         "cast_forward_inputs": "tests/runtime/test_fsdp2_api.py",
+        "param_dtype_override_fn": "tests/runtime/test_fsdp2_215_surface.py (torch 2.15 on)",
     },
     "OffloadPolicy": {},
     "CPUOffloadPolicy": {"pin_memory": "tests/runtime/test_fully_shard.py (CPU offload like FSDP2)"},
@@ -74,8 +76,10 @@ def test_fully_shard_takes_every_fsdp2_argument_with_its_default():
         assert ours[name] == (kind, default), f"fully_shard({name}): ours {ours[name]}, FSDP2's {(kind, default)}"
 
 
-@pytest.mark.parametrize("name", ["FSDPModule", "UnshardHandle"])
+@pytest.mark.parametrize("name", ["FSDPModule", "UnshardHandle", "GradientReductionHandle"])
 def test_every_public_method_with_fsdp2s_parameters(name):
+    if not hasattr(fsdp, name):
+        pytest.skip(f"torch {torch.__version__} has no {name} (2.15 added it)")
     theirs, ours = getattr(fsdp, name), OURS[name]
     for method, value in sorted(vars(theirs).items()):
         if method.startswith("_") or not callable(value):

@@ -120,6 +120,10 @@ class DBuffer:
         self.pin_memory = offload_to_cpu and pin_memory and self.device.type != "cpu"
         self.sharded = torch.zeros(self.shard_size, dtype=dtype, device=self.sharded_device, pin_memory=self.pin_memory)
         self._unsharded = ResizableStorage(layout.buffer_size, self.param_dtype, self.device, "unsharded_params")
+        # Resharding keeps the gathered memory (FSDP2 2.15's set_keep_unsharded_storage), which
+        # then holds stale parameters until the next gather.
+        self.keep_unsharded_storage = False
+        self._kept_after_reshard = False
         # Gradient shards carry one presence flag per parameter after their S elements: every
         # rank writes "I have a local gradient" into each rank's chunk, so the reduce-scatter
         # that already runs tells every rank which parameters got a gradient on some rank
@@ -272,7 +276,7 @@ class DBuffer:
 
     @property
     def is_unsharded(self) -> bool:
-        return self._unsharded.allocated
+        return self._unsharded.allocated and not self._kept_after_reshard
 
     def all_gather(self, async_op: bool = False) -> GatherHandle:
         """Gather the sharded buffer into the unsharded one, in place (cast first under MP,
@@ -283,6 +287,7 @@ class DBuffer:
         streams = self.streams
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
+            self._kept_after_reshard = False
             version = unsharded._version
             group = self._post_forward_group
             if group is not None:
@@ -313,8 +318,9 @@ class DBuffer:
 
     def release_unsharded(self) -> None:
         """Free the unsharded parameters' memory (their views stay, without storage), and
-        any post-forward chunk."""
-        self._unsharded.release()
+        any post-forward chunk. With ``keep_unsharded_storage`` the memory stays (its
+        contents are stale until the next gather)."""
+        self._release_unsharded_memory()
         self._post_forward_group = None
         self._release_post_forward()
 
@@ -334,8 +340,15 @@ class DBuffer:
             self._post_forward = ResizableStorage(chunk, self.param_dtype, self.device, "unsharded_params")
         kept = self._post_forward.allocate()
         kept.copy_(full[index * chunk : (index + 1) * chunk])
-        self._unsharded.release()
+        self._release_unsharded_memory()
         self._post_forward_group = group
+
+    def _release_unsharded_memory(self) -> None:
+        if self.keep_unsharded_storage:
+            self._kept_after_reshard = self._unsharded.allocated
+        else:
+            self._unsharded.release()
+            self._kept_after_reshard = False
 
     def _release_post_forward(self) -> None:
         if self._post_forward is not None:

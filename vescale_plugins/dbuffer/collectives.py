@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from vescale_plugins.planner.bounds import round_up
-from vescale_plugins.ragged.collectives import _all_gather_single, _reduce_scatter_single
 
 __all__ = ["all_gather_into", "gloo_sum_orders", "reduce_scatter_into", "uses_point_to_point", "POINT_TO_POINT_SCOPE"]
 
@@ -121,7 +120,7 @@ def all_gather_into(
 ) -> dist.Work | PointToPointWork | None:
     """``output[r * n:(r + 1) * n]`` = rank r's ``shard`` on every rank (``n = shard.numel()``)."""
     if not uses_point_to_point(group, output.device):
-        return _all_gather_single(output, shard, group=group, async_op=async_op)
+        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
     with record_function(POINT_TO_POINT_SCOPE + "all_gather"):
         rank, peers = _peers(group)
         n = shard.numel()
@@ -167,7 +166,7 @@ def reduce_scatter_into(
             op = dist.ReduceOp.AVG
         elif premul_divide is not None:
             op = dist.ReduceOp.PREMUL_SUM(1 / premul_divide)  # FSDP2's spelling (NCCL's PreMulSum)
-        return _reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
     if premul_divide is not None:
         full.mul_(1 / premul_divide)
     with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter"):

@@ -13,10 +13,6 @@ import torch.distributed as dist
 
 from vescale_plugins.ragged.layout import RaggedLayout
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 __all__ = [
     "gather_ragged",
     "reshard_ragged",
@@ -48,12 +44,12 @@ def gather_ragged(local: torch.Tensor, layout: RaggedLayout, group: dist.Process
     longest = max(lengths)
     if all(n == longest for n in lengths):
         gathered = flat.new_empty(longest * len(lengths))
-        _all_gather_single(gathered, flat.contiguous(), group=group)
+        dist.all_gather_single(gathered, flat.contiguous(), group=group)
         return gathered.view(layout.shape)
     padded = flat.new_zeros(longest)
     padded[: flat.numel()] = flat
     gathered = flat.new_empty(longest * len(lengths))
-    _all_gather_single(gathered, padded, group=group)
+    dist.all_gather_single(gathered, padded, group=group)
     pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(lengths)]
     return torch.cat(pieces).view(layout.shape)
 
@@ -106,7 +102,7 @@ def reduce_scatter_ragged(
                 rank_slice.offset : rank_slice.offset + rank_slice.length
             ]
     out = flat.new_empty(longest)
-    _reduce_scatter_single(out, send, op=_REDUCE_OPS[reduce_op], group=group)
+    dist.reduce_scatter_single(out, send, op=_REDUCE_OPS[reduce_op], group=group)
     if reduce_op == "avg":
         out.div_(world)
     return out[: lengths[rank]].view(layout.slices[rank].local_shape)
@@ -143,6 +139,6 @@ def gather_shard_dim(local: torch.Tensor, full_shape: torch.Size, dim: int, grou
     padded = moved.new_zeros((longest, *moved.shape[1:]))
     padded[: moved.shape[0]] = moved
     gathered = padded.new_empty((longest * world, *moved.shape[1:]))
-    _all_gather_single(gathered, padded.contiguous(), group=group)
+    dist.all_gather_single(gathered, padded.contiguous(), group=group)
     pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim).contiguous()

@@ -5,24 +5,38 @@ torch 2.15 changed how mixed precision treats gradients (``MixedPrecisionPolicy`
 dtype, so autograd hands its gradients over in that dtype and accumulates them there across
 uses and backwards; and ``reduce_dtype=None`` means the parameter's own dtype, not
 ``param_dtype``. Before 2.15 gradients arrive in ``param_dtype`` and ``reduce_dtype=None``
-reduces in ``param_dtype``. Every check of the torch version that changes behaviour is here.
+reduces in ``param_dtype``. 2.15 also lets ``MixedPrecisionPolicy.param_dtype_override_fn``
+keep chosen parameters in their own dtype. Every check of the torch version that changes
+behaviour is here; the surface 2.15 adds (``FSDPModule.finalize_backward`` and its companions)
+is ours on every supported torch (``runtime/module.py``).
 
-The package declares torch < 2.14 until CI runs the other releases; on 2.15 these rules give
-FSDP2 2.15's gradients in eager backwards (``tests/runtime/test_gradient_dtypes.py`` run there
-by hand), while a backward under compiled autograd fails (it assigns the ``param_dtype``
-gradient without the cast to ``grad_dtype``).
+On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
+(``tests/runtime/test_gradient_dtypes.py``), while a backward under compiled autograd fails
+(it assigns the ``param_dtype`` gradient without the cast to ``grad_dtype``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed import fsdp
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.torch_version import TorchVersion
 
-__all__ = ["default_reduce_dtype", "gradients_in_reduce_dtype", "hand_gradients_over_in"]
+__all__ = [
+    "TorchGradientReductionHandle",
+    "default_reduce_dtype",
+    "gradients_in_reduce_dtype",
+    "hand_gradients_over_in",
+    "policy_for_param",
+]
 
 # Whether autograd gives the unsharded parameters' gradients in the reduce dtype (2.15 on).
 gradients_in_reduce_dtype = TorchVersion(torch.__version__) >= "2.15"
+
+# The class ours subclasses so that ``isinstance(handle, fsdp.GradientReductionHandle)`` holds
+# where torch has it (2.15 on); ``finalize_backward`` is ours on every supported torch.
+TorchGradientReductionHandle: type = getattr(fsdp, "GradientReductionHandle", object)
 
 
 def default_reduce_dtype(
@@ -42,3 +56,11 @@ def hand_gradients_over_in(unsharded: nn.Parameter, reduce_dtype: torch.dtype) -
     FSDP2 sets its unsharded parameter's ``grad_dtype``."""
     if gradients_in_reduce_dtype and unsharded.dtype != reduce_dtype:
         unsharded.grad_dtype = reduce_dtype
+
+
+def policy_for_param(mp_policy: MixedPrecisionPolicy, param: nn.Parameter) -> MixedPrecisionPolicy:
+    """The policy as it applies to ``param``: (torch 2.15 on) ``param_dtype_override_fn``
+    resolved and checked by torch's own rule, so the errors are FSDP2's."""
+    if getattr(mp_policy, "param_dtype_override_fn", None) is None:  # None, or a torch without it
+        return mp_policy
+    return mp_policy._resolve_for_param(param)  # type: ignore[attr-defined]  # torch 2.15 on

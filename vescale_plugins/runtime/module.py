@@ -11,15 +11,16 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from vescale_plugins.runtime.fsdp2_semantics import TorchGradientReductionHandle
 from vescale_plugins.runtime.param_group import FSDPParamGroup
 from vescale_plugins.runtime.setup import (
     check_reshard_after_forward,
     normalise_reshard_after_forward,
     refuse_with_parameter_meshes,
 )
-from vescale_plugins.runtime.state import groups_under
+from vescale_plugins.runtime.state import RootState, groups_under
 
-__all__ = ["UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
+__all__ = ["GradientReductionHandle", "UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
 
 
 class UnshardHandle(_TorchUnshardHandle):
@@ -35,6 +36,24 @@ class UnshardHandle(_TorchUnshardHandle):
             if self._unit._pending_unshard:  # not yet waited for (nor resharded) elsewhere
                 self._unit.use_unsharded_params()
             self._unit = None  # as FSDP2: keep no reference after waiting
+
+
+class GradientReductionHandle(TorchGradientReductionHandle):
+    """Returned by ``finalize_backward(async_op=True)``, as FSDP2 2.15's: ``wait()`` completes
+    the gradient reductions and ends the backward iteration; call it before reading the
+    gradients or running the model again. ``reset_iter_state()`` invalidates it."""
+
+    def __init__(self, state: RootState | None = None, token: object | None = None) -> None:
+        self._state, self._token = state, token
+
+    def wait(self) -> None:
+        state, token = self._state, self._token
+        if state is None:
+            return
+        if state.reduction_pending is not token:
+            raise RuntimeError("This gradient reduction handle was invalidated")
+        self._state = self._token = None
+        state.end_backward_iteration()
 
 
 class _FSDPStateAdapter:
@@ -257,6 +276,59 @@ class VeScaleFSDPModule(FSDPModule):
             raise TypeError(f"requires_all_reduce must be a bool, got {requires_all_reduce!r}")
         for unit in self._units(recurse):
             unit.requires_all_reduce = requires_all_reduce
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """(FSDP2 2.15) With ``True``, set on the root before forward: backward leaves the
+        last gradient reductions in flight and the units it left gathered as they are, and
+        :meth:`finalize_backward` completes them (call it before reading gradients)."""
+        unit = self._vescale_fsdp_unit
+        state = unit.root_state
+        if state is not None and state.root is not unit:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
+        if enabled != unit.manual_backward_finalization and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+        if state is not None and state.manual_active is not None and enabled != state.manual_active:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts")
+        unit.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """(FSDP2 2.15) Under manual finalization, after every backward of the step: reduce
+        what backward left, wait for every reduction (or return a handle to wait on with
+        ``async_op=True``) and reshard as ``reshard_after_backward`` says. A no-op before the
+        first forward."""
+        unit = self._vescale_fsdp_unit
+        state = unit.root_state
+        if state is None:
+            return GradientReductionHandle() if async_op else None
+        if state.reduction_pending is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")
+        if state.root is not unit:
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")
+        manual = state.manual_active if state.manual_active is not None else unit.manual_backward_finalization
+        if not manual:
+            raise RuntimeError(
+                "FSDP finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if state.callback_queued:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+        for group in state.groups:
+            hsdp = any(b.mesh.replicate_group is not None for b in group.buffers)
+            if group.post_backward_pending and hsdp and not group.requires_all_reduce:
+                name = state.label_of(group)
+                raise RuntimeError(
+                    f"FSDP manual backward finalization requires all-reduce for parameter group {name!r}. "
+                    "Call set_requires_all_reduce(True) before finalization"
+                )
+        token = state.finalize_backward(wait=not async_op)
+        return GradientReductionHandle(state, token) if async_op else None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """(FSDP2 2.15) With ``True``, resharding keeps the gathered parameters' memory, so
+        their addresses stay the same across reshard and unshard (CUDA graph capture), at
+        the cost of that memory."""
+        for unit in self._units(recurse):
+            unit.set_keep_unsharded_storage(keep)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement
 
 from vescale_plugins.dbuffer import DBuffer
@@ -45,11 +46,14 @@ __all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
 class ShardedBuffer:
     """One DBuffer of a unit, the mesh it shards over, and the parameters it holds (in slot
     order). ``dbuffer`` is replaced when ``module.to()`` or ``to_empty()`` moves the unit;
-    ``extensions`` gathers the parameters with all-gather extensions (made at their first)."""
+    ``extensions`` gathers the parameters with all-gather extensions (made at their first).
+    ``mp_policy`` is the unit's policy as it applies to these parameters (FSDP2 2.15's
+    ``param_dtype_override_fn`` resolved: every parameter of a DBuffer has the same)."""
 
     dbuffer: DBuffer
     mesh: UnitMesh
     params: list[FSDPParam]
+    mp_policy: MixedPrecisionPolicy
     extensions: ExtensionGather | None = None
 
     def release_unused_shards(self) -> None:

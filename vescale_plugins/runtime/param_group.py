@@ -29,7 +29,7 @@ from vescale_plugins.dbuffer.reduction import gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
-from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype
+from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype, policy_for_param
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -70,6 +70,11 @@ class FSDPParamGroup:
         self.group = UnitMesh.of(mesh).shard_group  # the unit mesh's (each DBuffer has its own)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        # FSDP2 2.15: set on the root before forward (set_manual_backward_finalization); a
+        # unit whose reduction waits for finalize_backward; reshard keeps the gathered memory.
+        self.manual_backward_finalization = False
+        self.post_backward_pending = False
+        self.keep_unsharded_storage = False
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -107,18 +112,27 @@ class FSDPParamGroup:
     def _build(self, specs: list[ParamSpec], cost: BufferSplitCost) -> list[FSDPParam]:
         """The DBuffers of each (mesh, dtype, requires_grad) group, as many as the planner's
         split says, each parameter sharded into its slot."""
-        # Subclasses with all-gather extensions apart: their DBuffers gather only their inputs.
-        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool], list[int]] = {}
+        # Subclasses with all-gather extensions apart: their DBuffers gather only their inputs;
+        # parameters whose policy differs (param_dtype_override_fn) apart.
+        policies = [policy_for_param(self.mp_policy, spec.param) for spec in specs]
+        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool, torch.dtype | None], list[int]] = {}
         for i, spec in enumerate(specs):
-            key = (spec.mesh or self.mesh, spec.param.dtype, spec.param.requires_grad, defines_extension(spec.param))
+            key = (
+                spec.mesh or self.mesh,
+                spec.param.dtype,
+                spec.param.requires_grad,
+                defines_extension(spec.param),
+                policies[i].param_dtype,
+            )
             by_group.setdefault(key, []).append(i)
         meshes = {self.mesh: UnitMesh.of(self.mesh)}
         built: list[FSDPParam | None] = [None] * len(specs)
-        for (mesh, dtype, _, _), indices in by_group.items():
+        for (mesh, dtype, *_), indices in by_group.items():
             unit_mesh = meshes.setdefault(mesh, UnitMesh.of(mesh))
             members = [specs[i] for i in indices]
+            policy = policies[indices[0]]
             shapes, block_rows = [s.local.shape for s in members], [s.block_rows for s in members]
-            comm_dtype = (self.mp_policy.param_dtype or dtype) if dtype.is_floating_point else dtype
+            comm_dtype = (policy.param_dtype or dtype) if dtype.is_floating_point else dtype
             for plan in plan_buffers(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size, cost):
                 in_buffer = [members[p] for p in plan.positions]
                 dbuffer = self._new_dbuffer(
@@ -128,8 +142,9 @@ class FSDPParamGroup:
                     members[0].param.device,
                     unit_mesh.shard_group,
                     plan.layout,
+                    policy,
                 )
-                buffer = ShardedBuffer(dbuffer, unit_mesh, [])
+                buffer = ShardedBuffer(dbuffer, unit_mesh, [], policy)
                 for slot, spec in enumerate(in_buffer):
                     buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
                 buffer.release_unused_shards()
@@ -150,23 +165,31 @@ class FSDPParamGroup:
         device: torch.device,
         group: Any,
         layout: Any,
+        policy: MixedPrecisionPolicy,
     ) -> DBuffer:
         floating = dtype.is_floating_point
         offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
-        return DBuffer(
+        dbuffer = DBuffer(
             shapes,
             block_rows,
             dtype,
             device if offload is None else _compute_device(self.mesh),
             group,
             layout,
-            param_dtype=self.mp_policy.param_dtype if floating else None,
-            reduce_dtype=default_reduce_dtype(self.mp_policy.reduce_dtype, self.mp_policy.param_dtype, dtype)
-            if floating
-            else None,
+            param_dtype=policy.param_dtype if floating else None,
+            reduce_dtype=default_reduce_dtype(policy.reduce_dtype, policy.param_dtype, dtype) if floating else None,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory,
         )
+        dbuffer.keep_unsharded_storage = self.keep_unsharded_storage
+        return dbuffer
+
+    def set_keep_unsharded_storage(self, keep: bool) -> None:
+        """FSDP2 2.15's ``set_keep_unsharded_storage``: resharding keeps the gathered buffers'
+        memory, so the unsharded parameters keep their addresses (CUDA graph capture)."""
+        self.keep_unsharded_storage = keep
+        for dbuffer in self.dbuffers:
+            dbuffer.keep_unsharded_storage = keep
 
     @property
     def dbuffers(self) -> list[DBuffer]:
@@ -198,6 +221,7 @@ class FSDPParamGroup:
                     device,
                     old.group,
                     old.layout,
+                    buffer.mp_policy,
                 )
                 buffer.dbuffer.label = old.label
                 buffer.extensions = None  # its input buffers follow the DBuffer's device
@@ -290,7 +314,7 @@ class FSDPParamGroup:
                 )
             if buffer.extensions is None:
                 buffer.extensions = ExtensionGather(buffer)
-            handles += buffer.extensions.all_gather(extended, self.mp_policy, async_op)
+            handles += buffer.extensions.all_gather(extended, buffer.mp_policy, async_op)
         return handles
 
     def wait_for_unshard(self) -> None:
@@ -445,6 +469,7 @@ class FSDPParamGroup:
         compiled_autograd = in_compiled_autograd()
         if not root_state.callback_queued:
             root_state.callback_queued = True
+            root_state.backward_starts()
             if compiled_autograd:
                 root_state.end_after_counted_events()
             else:
@@ -635,6 +660,7 @@ class FSDPParamGroup:
         self.post_backward_nodes = []
         self._backward_prefetched = False
         self._backward_again = False
+        self.post_backward_pending = False
         self._modules_run.clear()
         for fsdp_param in self.fsdp_params:
             fsdp_param.accumulated_grad = None

@@ -15,13 +15,14 @@ import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -36,14 +37,6 @@ from vescale_plugins.runtime.tensor_parallel import (
     resolve_dp_mesh_dims,
     spmd_mesh_of,
 )
-
-if TYPE_CHECKING:  # type-checked against a torch that has it
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-else:
-    try:  # torch >= 2.13: shard_placement_fn may also answer a placement with a mesh
-        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    except ImportError:
-        ShardPlacementResult = ()  # isinstance(x, ()) is always False
 
 __all__ = [
     "BlockSizeFn",
@@ -425,8 +418,7 @@ def _check_shard_placements(
     same parameters: the planner already splits tensors with fewer rows than ranks without
     FSDP2's padding, so the parameter keeps whole rows of dim 0 per rank (placement
     ``RaggedShard``, not ``Shard(d)``), and a one-time warning says so. A
-    ``ShardPlacementResult`` may also name another mesh for the parameter (torch >= 2.12;
-    torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it,
+    ``ShardPlacementResult`` may also name another mesh for the parameter (torchtitan's experts over the expert-data-parallel mesh): its own DBuffers shard over it,
     and where that mesh info was built with ``dp_mesh_dims`` the parameter is a DTensor on its
     full SPMD mesh (torchtitan's experts on the sparse mesh).
     """

@@ -73,12 +73,19 @@ class RootState:
         # backward ended, and how many more end the one in progress (None: not counting).
         self.backward_events = 0
         self.events_to_end: int | None = None
+        # FSDP2 2.15's manual finalization: the root's mode, fixed when a backward starts
+        # (None between iterations), and whether finalize_backward(async_op=True)'s handle
+        # is still to be waited for.
+        self.manual_active: bool | None = None
+        self.reduction_pending: object | None = None
 
     @staticmethod
     def init_under(root: FSDPParamGroup) -> None:
         """Make ``root`` (the first unit to run forward) the root of every unit below its
         modules that has none yet; label their buffers with their module names."""
         found = groups_under(root.modules)
+        if any(g is not root and g.manual_backward_finalization and g.root_state is None for g in found):
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
         names = {id(p): name for module in root.modules for name, p in module.named_parameters()}
         for group in found:
             if group.root_state is None or group.root_state.root is root:
@@ -203,17 +210,30 @@ class RootState:
             if self.events_to_end == 0:
                 self.final_callback()
 
+    def backward_starts(self) -> None:
+        """(At the first pre-backward hook of a backward) Fix the finalization mode."""
+        if self.manual_active is None:
+            self.manual_active = self.root.manual_backward_finalization
+
     @eager_hook
     def final_callback(self) -> None:
         """End of backward: reduce every unit the per-input hooks did not reach, wait for
         every reduce-scatter (gradients are final when ``backward()`` returns), reshard every
-        unit (those no backward reached too), reset state."""
+        unit (those no backward reached too), reset state.
+
+        Under manual finalization (FSDP2 2.15's ``set_manual_backward_finalization``) the
+        units the hooks did not reach wait for ``finalize_backward``, and so do the waits
+        and the resharding of units no backward reached."""
         self.callback_queued = False
         self.backward_events = 0
         self.events_to_end = None
+        manual = bool(self.manual_active)
         for group in reversed(self.groups):
             group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if group.training_state is TrainingState.PRE_BACKWARD:
+                if manual and group.requires_gradient_sync:
+                    group.post_backward_pending = True
+                    continue
                 group.post_backward()
             group._pending_post_backward = 0
             group.post_backward_nodes = []
@@ -221,11 +241,41 @@ class RootState:
             # been prefetched for one; it reshards below, as FSDP2's final callback does.
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
+        if not manual:
+            self.end_backward_iteration()
+
+    def end_backward_iteration(self) -> None:
+        """Every gradient final, every unit the backward left gathered resharded (the root's
+        ``reshard_after_backward``), the finalization mode free to change again."""
         self.finish_reductions()
         if self.root.reshard_after_backward:
             for group in self.groups:
                 if group.is_unsharded and group.training_state is TrainingState.IDLE:
                     group.reshard()
+        self.manual_active = None
+        self.reduction_pending = None
+
+    def label_of(self, group: FSDPParamGroup) -> str:
+        """The unit's module name, as FSDP2 names a parameter group in errors."""
+        return group.dbuffers[0].label if group.dbuffers else "<root>"
+
+    def finalize_backward(self, wait: bool) -> object | None:
+        """FSDP2 2.15's ``FSDPModule.finalize_backward`` (checked by the caller): reduce the
+        units whose reduction waited for it, then (``wait``) end the iteration."""
+        for group in reversed(self.groups):
+            if group.post_backward_pending:
+                group.post_backward_pending = False
+                group._backward_prefetched = True  # backward is over: nothing to prefetch
+                group.post_backward()
+            group._pending_post_backward = 0
+            group.post_backward_nodes = []
+            if group.training_state is not TrainingState.IDLE:
+                group.training_state = TrainingState.IDLE
+        if wait:
+            self.end_backward_iteration()
+            return None
+        self.reduction_pending = object()  # the token the handle holds
+        return self.reduction_pending
 
     def finish_reductions(self) -> None:
         """Complete every reduction in flight (and, under CPU offload, the gradients' copies to
@@ -291,6 +341,8 @@ class RootState:
         self.wait_for_gradients()
         self.reduced_without_local_grad = []
         self.callback_queued = self.finish_queued = False
+        self.manual_active = None
+        self.reduction_pending = None
         self.backward_events = 0
         self.events_to_end = None
         self.forward_order = []
