@@ -21,7 +21,8 @@ __all__ = ["api", "tc", "broadcast_params", "allreduce_avg_grads"]
 def api(impl: str) -> types.SimpleNamespace:
     """``fully_shard`` and its companions from torch (``"torch"``) or from us (``"vescale"``).
 
-    ``FSDPModule`` is torch's class for both: user code and libraries check against it.
+    ``FSDPModule`` is torch's class for both: user code and libraries check against it, and so
+    are the handle classes (``GradientReductionHandle``: torch 2.15 on, ``None`` before).
     """
     from torch.distributed import fsdp
 
@@ -31,6 +32,7 @@ def api(impl: str) -> types.SimpleNamespace:
             FSDPModule=fsdp.FSDPModule,
             register_fsdp_forward_method=fsdp.register_fsdp_forward_method,
             UnshardHandle=fsdp.UnshardHandle,
+            GradientReductionHandle=getattr(fsdp, "GradientReductionHandle", None),
         )
     if impl == "vescale":
         import vescale_plugins
@@ -40,6 +42,7 @@ def api(impl: str) -> types.SimpleNamespace:
             FSDPModule=fsdp.FSDPModule,
             register_fsdp_forward_method=vescale_plugins.register_fsdp_forward_method,
             UnshardHandle=fsdp.UnshardHandle,
+            GradientReductionHandle=getattr(fsdp, "GradientReductionHandle", None),
         )
     raise ValueError(f"unknown fsdp impl {impl!r}")
 
