@@ -136,7 +136,6 @@ class _nullcontext:
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("sync_each_microbatch", [False, True], ids=["deferred", "per_backward"])
 def test_manual_finalization_parity(dist_run, impl, async_op, sync_each_microbatch):
@@ -144,7 +143,6 @@ def test_manual_finalization_parity(dist_run, impl, async_op, sync_each_microbat
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 def test_manual_finalization_parity_no_reshard_after_forward(dist_run, impl):
     dist_run(_manual_finalization_parity, 2, impl, False, False, False, timeout=T)
 
@@ -184,7 +182,6 @@ def _manual_finalization_keeps_reshard_after_backward(impl):
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 def test_manual_finalization_keeps_reshard_after_backward_false(dist_run, impl):
     dist_run(_manual_finalization_keeps_reshard_after_backward, 2, impl, timeout=T)
 
@@ -228,7 +225,6 @@ def _manual_finalization_hsdp_requires_all_reduce(impl):
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 def test_manual_finalization_hsdp_requires_all_reduce(dist_run, impl):
     dist_run(_manual_finalization_hsdp_requires_all_reduce, 2, impl, timeout=T)
 
@@ -274,7 +270,6 @@ def _finalization_contract(impl):
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 def test_finalization_contract(dist_run, impl):
     dist_run(_finalization_contract, 2, impl, timeout=T)
 
@@ -304,7 +299,6 @@ def _reset_invalidates_gradient_reduction_handle(impl):
 
 
 @needs_finalize
-@vescale_xfail(NO_FINALIZE)
 def test_reset_iter_state_invalidates_gradient_reduction_handle(dist_run, impl):
     dist_run(_reset_invalidates_gradient_reduction_handle, 2, impl, timeout=T)
 
@@ -364,6 +358,5 @@ def _keep_unsharded_storage(impl):
 
 
 @needs_keep_storage
-@vescale_xfail(NO_KEEP)
 def test_keep_unsharded_storage(dist_run, impl):
     dist_run(_keep_unsharded_storage, 2, impl, timeout=T)

@@ -175,10 +175,6 @@ def _param_dtype_override_fn(impl):
 
 
 @needs_override_fn
-@vescale_xfail(
-    "MixedPrecisionPolicy.param_dtype_override_fn is ignored: the parameter it keeps in float32 "
-    "(the gate's weight) is gathered and seen in forward as bfloat16"
-)
 def test_param_dtype_override_fn(dist_run, impl):
     dist_run(_param_dtype_override_fn, 2, impl, timeout=T)
 
@@ -193,9 +189,5 @@ def _param_dtype_override_fn_invalid(impl):
 
 
 @needs_override_fn
-@vescale_xfail(
-    "MixedPrecisionPolicy.param_dtype_override_fn is not evaluated at fully_shard: an override "
-    "returning float16 (neither param_dtype nor the parameter's dtype) or a non-dtype raises no ValueError"
-)
 def test_param_dtype_override_fn_invalid(dist_run, impl):
     dist_run(_param_dtype_override_fn_invalid, 2, impl, timeout=T)

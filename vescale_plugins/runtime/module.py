@@ -313,6 +313,12 @@ class VeScaleFSDPModule(FSDPModule):
         if state.callback_queued:
             raise RuntimeError("FSDP finalize_backward must be called after backward completes")
         for group in state.groups:
+            if group.reduced_partially:
+                raise RuntimeError(
+                    "FSDP manual backward finalization does not support partial gradient reductions for parameter "
+                    f"group {state.label_of(group)!r}. Use automatic backward finalization for this configuration"
+                )
+        for group in state.groups:
             hsdp = any(b.mesh.replicate_group is not None for b in group.buffers)
             if group.post_backward_pending and hsdp and not group.requires_all_reduce:
                 name = state.label_of(group)

@@ -75,6 +75,7 @@ class FSDPParamGroup:
         self.manual_backward_finalization = False
         self.post_backward_pending = False
         self.keep_unsharded_storage = False
+        self.reduced_partially = False  # HSDP sums held for a later all-reduce
         self.mp_policy = mp_policy
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -379,6 +380,8 @@ class FSDPParamGroup:
         root_state = self.root_state
         assert root_state is not None  # init_under gives this unit one
         if root_state.root is self:
+            if root_state.reduction_pending is not None:
+                raise RuntimeError("The previous gradient reduction must be waited on before forward")
             root_state.start_forward()
         if torch.is_grad_enabled():
             root_state.forward_order.append(self)
@@ -574,6 +577,8 @@ class FSDPParamGroup:
             self._backward_again = False  # nothing reduced: the gradients accumulate as usual
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_in(fsdp_param.dbuffer.reduce_dtype)
+            # Under manual finalization, finalize_backward reduces them (sync on by then).
+            self.post_backward_pending = bool(self.root_state is not None and self.root_state.manual_active)
 
     def _reduce_gradients(self) -> None:
         """Move the unit's gradients into its gradient buffers and reduce-scatter them
@@ -633,7 +638,9 @@ class FSDPParamGroup:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's reductions wait in a partial buffer; no gradient is attached yet.
                 issued.append(dbuffer.reduce_scatter(reduction, accumulate=False, async_op=True, partial=True))
+                self.reduced_partially = True
                 continue
+            self.reduced_partially = False  # this all-reduce carries the partial sums too
             after = None
             if replicate_group is not None or self.all_reduce_hook is not None:
                 after = AfterReduceScatter(replicate_group, self.all_reduce_hook, self.all_reduce_hook_stream)
@@ -660,7 +667,7 @@ class FSDPParamGroup:
         self.post_backward_nodes = []
         self._backward_prefetched = False
         self._backward_again = False
-        self.post_backward_pending = False
+        self.post_backward_pending = self.reduced_partially = False
         self._modules_run.clear()
         for fsdp_param in self.fsdp_params:
             fsdp_param.accumulated_grad = None

@@ -232,9 +232,10 @@ class RootState:
             group._modules_run.clear()  # a grouped unit's partial calls after forward (chunks)
             if group.training_state is TrainingState.PRE_BACKWARD:
                 if manual and group.requires_gradient_sync:
-                    group.post_backward_pending = True
-                    continue
-                group.post_backward()
+                    group.post_backward_pending = True  # IDLE below until finalize_backward
+                    group.training_state = TrainingState.POST_BACKWARD
+                else:
+                    group.post_backward()
             group._pending_post_backward = 0
             group.post_backward_nodes = []
             # FORWARD: no backward reached the unit (a frozen embedding), though it may have
@@ -266,11 +267,13 @@ class RootState:
             if group.post_backward_pending:
                 group.post_backward_pending = False
                 group._backward_prefetched = True  # backward is over: nothing to prefetch
+                group.training_state = TrainingState.PRE_BACKWARD
                 group.post_backward()
+            elif group.reshard_after_backward and group.is_unsharded:
+                group.reshard()
             group._pending_post_backward = 0
             group.post_backward_nodes = []
-            if group.training_state is not TrainingState.IDLE:
-                group.training_state = TrainingState.IDLE
+            group.training_state = TrainingState.IDLE
         if wait:
             self.end_backward_iteration()
             return None
