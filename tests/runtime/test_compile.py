@@ -171,17 +171,20 @@ def test_compiled_autograd_trains_as_unsharded(dist_run, mode, world_size, count
 
 
 def _compiled_optimizer_step(impl: str) -> list[torch.Tensor]:
-    """Two steps of Adam compiled over the sharded parameters (the bias sits at a storage
-    offset of its DBuffer, and so does its gradient); the full parameters after. AOT autograd
+    """Two steps of Adam compiled over the sharded parameters (each bias sits at a storage
+    offset of its DBuffer, and so does its gradient; at W=3 the shapes shard unevenly and
+    the last bias has no element on one rank); the full parameters after. AOT autograd
     without code generation: what failed is Dynamo's tracing of the DTensors, before any
     backend, and inductor's Adam takes minutes to build on 2 cores."""
     torch.manual_seed(0)
-    model = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    for layer in (model[0], model[2]):
+        IMPLS[impl](layer)
     IMPLS[impl](model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     step = torch.compile(optimizer.step, backend="aot_eager")
     for i in range(2):
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + i))
+        x = torch.randn(2, 5, generator=torch.Generator().manual_seed(10 * dist.get_rank() + i))
         model(x).sum().backward()
         step()
         optimizer.zero_grad()
@@ -190,9 +193,14 @@ def _compiled_optimizer_step(impl: str) -> list[torch.Tensor]:
 
 def _compiled_optimizer_like_fsdp2() -> None:
     expected = _compiled_optimizer_step("torch")
+    # W=3: a gradient element's 3 terms may be summed in another order than FSDP2's (its
+    # padded rows reduce it on another rank), one unit in fp32's last place, which Adam's
+    # normalised step carries into the parameters at about that size.
+    tolerance = 0.0 if dist.get_world_size() == 2 else 1e-6
     for param, expected_param in zip(_compiled_optimizer_step("vescale"), expected):
-        torch.testing.assert_close(param, expected_param, rtol=0, atol=0)
+        torch.testing.assert_close(param, expected_param, rtol=tolerance, atol=tolerance)
 
 
-def test_compiled_optimizer_step_matches_fsdp2(dist_run):
-    dist_run(_compiled_optimizer_like_fsdp2, 2, timeout=T)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compiled_optimizer_step_matches_fsdp2(dist_run, world_size):
+    dist_run(_compiled_optimizer_like_fsdp2, world_size, timeout=T)
