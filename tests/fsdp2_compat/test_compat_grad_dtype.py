@@ -94,11 +94,6 @@ def _grad_dtype_set_before_fully_shard(impl):
 
 
 @needs_215_grad_dtypes
-@vescale_xfail(
-    "a grad_dtype=float32 set on a bf16 parameter before fully_shard is not read: the DBuffer's "
-    "reduce dtype comes from the policy and the parameter's dtype only, so the sharded parameter's "
-    "grad_dtype is bfloat16 (FSDP2 2.15 keeps float32, reduces and accumulates the gradient in it)"
-)
 def test_grad_dtype_set_before_fully_shard(dist_run, impl):
     dist_run(_grad_dtype_set_before_fully_shard, 2, impl, timeout=T)
 

@@ -80,6 +80,8 @@ class DBuffer:
             as it is when the buffer is rebuilt in another device or dtype.
         param_dtype: dtype of the unsharded parameters (mixed precision), default ``dtype``.
         reduce_dtype: dtype of the reduce-scatter, default ``param_dtype``.
+        grad_dtype: dtype of the sharded gradients, default ``dtype`` (a parameter's
+            ``grad_dtype`` under torch 2.15's FSDP2).
         offload_to_cpu: keep the sharded parameters and gradients in host memory (FSDP2's
             ``CPUOffloadPolicy``): the all-gather copies its input to ``device`` (with the
             mixed-precision cast) and the reduced shard is copied back.
@@ -98,6 +100,7 @@ class DBuffer:
         *,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
     ) -> None:
@@ -108,6 +111,7 @@ class DBuffer:
         self.dtype, self.device = dtype, torch.device(device)
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.grad_dtype = grad_dtype or dtype
         if layout.world_size != self.world_size or len(layout.numels) != len(shapes):
             raise ValueError(
                 f"layout for {len(layout.numels)} tensors over {layout.world_size} ranks given to a DBuffer of {len(shapes)} over {self.world_size}"
@@ -194,7 +198,7 @@ class DBuffer:
         buffer = self._sharded_grad_ref()
         if buffer is None:
             buffer = torch.empty(
-                self.grad_shard_size, dtype=self.dtype, device=self.sharded_device, pin_memory=self.pin_memory
+                self.grad_shard_size, dtype=self.grad_dtype, device=self.sharded_device, pin_memory=self.pin_memory
             )
             self._sharded_grad_ref = weakref.ref(buffer)
         return buffer
@@ -441,7 +445,7 @@ class DBuffer:
             in_place = (
                 not accumulate
                 and not partial
-                and self.reduce_dtype == self.dtype
+                and self.reduce_dtype == self.grad_dtype
                 and self.sharded_device == self.device
             )
             with observer.scope(COMM_BUFFER_REGION):

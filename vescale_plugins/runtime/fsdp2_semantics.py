@@ -26,6 +26,7 @@ from torch.torch_version import TorchVersion
 __all__ = [
     "TorchGradientReductionHandle",
     "default_reduce_dtype",
+    "grad_dtype_override",
     "gradients_in_reduce_dtype",
     "hand_gradients_over_in",
     "policy_for_param",
@@ -40,15 +41,27 @@ TorchGradientReductionHandle: type = getattr(fsdp, "GradientReductionHandle", ob
 
 
 def default_reduce_dtype(
-    reduce_dtype: torch.dtype | None, param_dtype: torch.dtype | None, dtype: torch.dtype
+    reduce_dtype: torch.dtype | None,
+    param_dtype: torch.dtype | None,
+    dtype: torch.dtype,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.dtype:
-    """The dtype a floating-point parameter of ``dtype`` is reduced in, as the installed
+    """The dtype a floating-point parameter of ``dtype`` (``grad_dtype``: the one set on it
+    before ``fully_shard``, see :func:`grad_dtype_override`) is reduced in, as the installed
     torch's FSDP2 decides it for ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``."""
     if reduce_dtype is not None:
         return reduce_dtype
     if gradients_in_reduce_dtype:
-        return dtype
+        return grad_dtype or dtype
     return param_dtype or dtype
+
+
+def grad_dtype_override(param: nn.Parameter) -> torch.dtype | None:
+    """(torch 2.15 on) The ``grad_dtype`` set on ``param`` before ``fully_shard``, which FSDP2
+    keeps: the sharded gradient is in it, and with ``reduce_dtype=None`` so is the reduction."""
+    if not gradients_in_reduce_dtype or not getattr(param, "_has_grad_dtype_override", False):
+        return None
+    return param.grad_dtype if param.grad_dtype != param.dtype else None
 
 
 def hand_gradients_over_in(unsharded: nn.Parameter, reduce_dtype: torch.dtype) -> None:

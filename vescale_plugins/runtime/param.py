@@ -55,6 +55,7 @@ class ShardedBuffer:
     params: list[FSDPParam]
     mp_policy: MixedPrecisionPolicy
     extensions: ExtensionGather | None = None
+    grad_dtype: torch.dtype | None = None  # set on the parameters before fully_shard (torch 2.15)
 
     def release_unused_shards(self) -> None:
         """Free the DBuffer's sharded buffer where no parameter keeps its data there (each is a
@@ -156,8 +157,14 @@ class FSDPParam:
                 local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape)
             )
         sharded = cast("ShardedParameter", nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        self._keep_grad_dtype(sharded)
         _BY_SHARDED[id(sharded)] = self
         return sharded
+
+    def _keep_grad_dtype(self, sharded: nn.Parameter) -> None:
+        """A ``grad_dtype`` set before ``fully_shard`` stays on the sharded face (torch 2.15)."""
+        if self.buffer.grad_dtype is not None:
+            sharded.grad_dtype = self.buffer.grad_dtype
 
     def replace_sharded(self, device: torch.device) -> None:
         """A new sharded face on ``device`` over the same layout (assignment onto a meta unit:
@@ -171,6 +178,7 @@ class FSDPParam:
                 requires_grad=old.requires_grad,
             ),
         )
+        self._keep_grad_dtype(self.sharded)
         _BY_SHARDED[id(self.sharded)] = self
         self.register(self.sharded)
 

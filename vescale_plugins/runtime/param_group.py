@@ -29,7 +29,7 @@ from vescale_plugins.dbuffer.reduction import gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
-from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype, policy_for_param
+from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype, grad_dtype_override, policy_for_param
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -116,7 +116,8 @@ class FSDPParamGroup:
         # Subclasses with all-gather extensions apart: their DBuffers gather only their inputs;
         # parameters whose policy differs (param_dtype_override_fn) apart.
         policies = [policy_for_param(self.mp_policy, spec.param) for spec in specs]
-        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool, torch.dtype | None], list[int]] = {}
+        by_group: dict[tuple[DeviceMesh, torch.dtype, bool, bool, torch.dtype | None, torch.dtype | None], list[int]]
+        by_group = {}
         for i, spec in enumerate(specs):
             key = (
                 spec.mesh or self.mesh,
@@ -124,11 +125,12 @@ class FSDPParamGroup:
                 spec.param.requires_grad,
                 defines_extension(spec.param),
                 policies[i].param_dtype,
+                grad_dtype_override(spec.param),
             )
             by_group.setdefault(key, []).append(i)
         meshes = {self.mesh: UnitMesh.of(self.mesh)}
         built: list[FSDPParam | None] = [None] * len(specs)
-        for (mesh, dtype, *_), indices in by_group.items():
+        for (mesh, dtype, *_, grad_dtype), indices in by_group.items():
             unit_mesh = meshes.setdefault(mesh, UnitMesh.of(mesh))
             members = [specs[i] for i in indices]
             policy = policies[indices[0]]
@@ -144,8 +146,9 @@ class FSDPParamGroup:
                     unit_mesh.shard_group,
                     plan.layout,
                     policy,
+                    grad_dtype,
                 )
-                buffer = ShardedBuffer(dbuffer, unit_mesh, [], policy)
+                buffer = ShardedBuffer(dbuffer, unit_mesh, [], policy, grad_dtype=grad_dtype)
                 for slot, spec in enumerate(in_buffer):
                     buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
                 buffer.release_unused_shards()
@@ -167,6 +170,7 @@ class FSDPParamGroup:
         group: Any,
         layout: Any,
         policy: MixedPrecisionPolicy,
+        grad_dtype: torch.dtype | None = None,
     ) -> DBuffer:
         floating = dtype.is_floating_point
         offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
@@ -178,7 +182,10 @@ class FSDPParamGroup:
             group,
             layout,
             param_dtype=policy.param_dtype if floating else None,
-            reduce_dtype=default_reduce_dtype(policy.reduce_dtype, policy.param_dtype, dtype) if floating else None,
+            reduce_dtype=default_reduce_dtype(policy.reduce_dtype, policy.param_dtype, dtype, grad_dtype)
+            if floating
+            else None,
+            grad_dtype=grad_dtype,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory,
         )
@@ -223,6 +230,7 @@ class FSDPParamGroup:
                     old.group,
                     old.layout,
                     buffer.mp_policy,
+                    buffer.grad_dtype,
                 )
                 buffer.dbuffer.label = old.label
                 buffer.extensions = None  # its input buffers follow the DBuffer's device
