@@ -6,9 +6,12 @@ dtype, so autograd hands its gradients over in that dtype and accumulates them t
 uses and backwards; and ``reduce_dtype=None`` means the parameter's own dtype, not
 ``param_dtype``. Before 2.15 gradients arrive in ``param_dtype`` and ``reduce_dtype=None``
 reduces in ``param_dtype``. 2.15 also lets ``MixedPrecisionPolicy.param_dtype_override_fn``
-keep chosen parameters in their own dtype. Every check of the torch version that changes
-behaviour is here; the surface 2.15 adds (``FSDPModule.finalize_backward`` and its companions)
-is ours on every supported torch (``runtime/module.py``).
+keep chosen parameters in their own dtype, keeps a ``grad_dtype`` set before ``fully_shard``,
+and takes plain parameters annotated with spmd_types (torchtitan's default
+``spmd_backend="spmd_types"``) where the ``spmd_types`` package is installed: it stores them as
+DTensors on the ``dp_mesh_dims`` mesh. Every check of the torch version that changes behaviour
+is here; the surface 2.15 adds (``FSDPModule.finalize_backward`` and its companions) is ours on
+every supported torch (``runtime/module.py``).
 
 On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
 (``tests/runtime/test_gradient_dtypes.py``), while a backward under compiled autograd fails
@@ -18,6 +21,7 @@ On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import fsdp
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -30,10 +34,20 @@ __all__ = [
     "gradients_in_reduce_dtype",
     "hand_gradients_over_in",
     "policy_for_param",
+    "takes_spmd_typed_parameters",
 ]
 
 # Whether autograd gives the unsharded parameters' gradients in the reduce dtype (2.15 on).
 gradients_in_reduce_dtype = TorchVersion(torch.__version__) >= "2.15"
+# Whether FSDP2 reads spmd_types annotations on plain parameters (2.15 on).
+_reads_spmd_types = TorchVersion(torch.__version__) >= "2.15"
+
+
+def takes_spmd_typed_parameters() -> bool:
+    """Whether a plain parameter's spmd_types annotations decide how it is stored, as the
+    installed torch's FSDP2 does: torch 2.15 on, with the ``spmd_types`` package installed
+    (torch's own test, ``torch.distributed._is_spmd_types_available``)."""
+    return _reads_spmd_types and dist._is_spmd_types_available()
 
 # The class ours subclasses so that ``isinstance(handle, fsdp.GradientReductionHandle)`` holds
 # where torch has it (2.15 on); ``finalize_backward`` is ours on every supported torch.

@@ -16,10 +16,16 @@ planner over the data-parallel ranks; the sharded parameter is a DTensor with a 
 (StridedRaggedShard where a later mesh dim shards its rows) on the data-parallel dim and
 the original placements on the others; the gathered parameter is the original DTensor, so
 the tensor-parallel forward runs unchanged, and its gradient arrives as a DTensor too.
+
+A third way in, torch 2.15's: on an SPMD mesh, a plain parameter annotated with spmd_types
+(torchtitan's default backend) is taken as the DTensor its annotations describe
+(``spmd_types_params``); it is gathered as the plain local tensor, and its plain gradient is
+read with the placements of the backward types.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from vescale_plugins.ragged.dtensor import concatenate_meshes, make_dtensor, other_dims_slice
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
+from vescale_plugins.runtime.spmd_types_params import SpmdTypes, annotations_of, storage_of
 
 __all__ = ["ParallelSpec", "SpmdMesh", "parallel_spec_for", "resolve_dp_mesh_dims", "spmd_mesh_of"]
 
@@ -68,6 +75,9 @@ class ParallelSpec:
     # Mesh dims of ``unsharded_mesh`` that are data-parallel (SPMD mesh): gradients may be
     # Partial there, which the reduce-scatter sums; other Partial dims are reduced first.
     dp_dims_of_unsharded: tuple[int, ...]
+    # A plain parameter annotated with spmd_types: gathered plain, its gradient read as these
+    # types say (``spmd_types_params``); ``None`` for a DTensor parameter.
+    spmd_types: SpmdTypes | None = None
 
     def sharded_placements(self, ragged: RaggedShard) -> tuple[Placement, ...]:
         """The sharded parameter's placements with ``ragged`` on the data-parallel dim; a
@@ -87,8 +97,11 @@ class ParallelSpec:
         # The template's only None is the data-parallel dim's.
         return tuple(ragged if p is None else p for p in placements)
 
-    def unsharded_param(self, local: torch.Tensor) -> DTensor:
-        """The gathered parameter: the original DTensor over this rank's gathered local tensor."""
+    def unsharded_param(self, local: torch.Tensor) -> torch.Tensor:
+        """The gathered parameter: the original DTensor over this rank's gathered local tensor
+        (the local tensor itself for a plain parameter annotated with spmd_types)."""
+        if self.spmd_types is not None:
+            return local
         return make_dtensor(local, self.unsharded_mesh, self.unsharded_placements, self.shape, self.stride)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -99,6 +112,8 @@ class ParallelSpec:
         data-parallel dims, where a Partial is what the reduce-scatter sums."""
         if isinstance(grad, AsyncCollectiveTensor):
             grad = grad.wait()
+        if self.spmd_types is not None and not isinstance(grad, DTensor):
+            grad = DTensor.from_local(grad, self.unsharded_mesh, self.spmd_types.grad_placements, run_check=False)
         if not isinstance(grad, DTensor):
             return grad
         target = tuple(
@@ -174,6 +189,11 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def parallel_spec_for(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: SpmdMesh | None) -> ParallelSpec | None:
     """The parameter's ParallelSpec (``None`` for a plain tensor without ``dp_mesh_dims``),
     validated: every error names the parameter and is raised before any collective."""
+    annotations = annotations_of(param)
+    if annotations is not None:
+        stored, types = storage_of(fqn, param, annotations, spmd)
+        assert spmd is not None  # storage_of refuses annotations without dp_mesh_dims
+        return dataclasses.replace(_spmd_spec(fqn, stored, spmd), spmd_types=types)
     if spmd is not None:
         return _spmd_spec(fqn, param, spmd)
     if not isinstance(param, DTensor):
