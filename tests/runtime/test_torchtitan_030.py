@@ -52,7 +52,12 @@ pytestmark = [
     ),
 ]
 
-STEPS, BATCH, SEQ, DOC = 3, 2, 64, 24  # per-rank batch; documents of DOC tokens (block-causal masks)
+STEPS, BATCH, SEQ, DOC = (
+    3,
+    2,
+    64,
+    24,
+)  # steps of the default run; per-rank batch; documents of DOC tokens (block-causal masks)
 MAX_NORM = 1e9  # torchtitan's default is 1.0: see the test's docstring
 
 
@@ -102,11 +107,11 @@ def _dense_flex_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, 
     return out, AuxOutput()
 
 
-def _batches(rank: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+def _batches(rank: int, steps: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """What torchtitan's text dataloader yields: inputs, labels and per-document positions."""
     g = torch.Generator().manual_seed(100 + rank)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=g)
         positions = (torch.arange(SEQ) % DOC).expand(BATCH, SEQ).contiguous()
         out.append(({"input": tokens[:, :-1], "positions": positions}, tokens[:, 1:]))
@@ -132,16 +137,16 @@ def _same_initial_values(model: torch.nn.Module, model_config) -> None:
         p.copy_(distribute_tensor(value, p.device_mesh, p.placements))
 
 
-def _train(engine: str) -> dict:
+def _train(engine: str, typecheck: bool, steps: int) -> dict:
     if engine == "vescale":
         from vescale_plugins import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
     with _torchtitan_on_cpu_with(fully_shard):
-        return _train_torchtitan()
+        return _train_torchtitan(typecheck, steps)
 
 
-def _train_torchtitan() -> dict:
+def _train_torchtitan(typecheck: bool, steps: int) -> dict:
     import spmd_types as spmd
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -158,7 +163,7 @@ def _train_torchtitan() -> dict:
     parallelism = ParallelismConfig()
     assert parallelism.spmd_backend == "spmd_types"  # torchtitan 0.3.0's default
     # max_norm: see the test's docstring (the clipping still runs, by a factor of 1).
-    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=STEPS, max_norm=MAX_NORM)
+    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=steps, max_norm=MAX_NORM)
     parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
@@ -197,12 +202,12 @@ def _train_torchtitan() -> dict:
     optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(
         warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
-    ).build(optimizers=optimizers, training_steps=STEPS)
-    train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
+    ).build(optimizers=optimizers, training_steps=steps)
+    train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=typecheck)
     batch_mesh = parallel_dims.get_mesh("batch")
 
     losses, grad_norms = [], []
-    for input_dict, labels in _batches(dist.get_rank()):
+    for input_dict, labels in _batches(dist.get_rank(), steps):
         # Trainer.train_step / forward_backward_step / _forward_backward_body
         optimizers.zero_grad(set_to_none=True)
         global_valid_tokens = dist_utils.dist_sum_tensor((labels != -100).sum(), batch_mesh)
@@ -231,11 +236,14 @@ def _train_torchtitan() -> dict:
     }
 
 
-def _both() -> dict[str, dict]:
-    return {engine: _train(engine) for engine in ("torch", "vescale")}
+def _both(typecheck: bool, steps: int) -> dict[str, dict]:
+    return {engine: _train(engine, typecheck, steps) for engine in ("torch", "vescale")}
 
 
-def test_torchtitan_030_default_path_matches_fsdp2(dist_run):
+# torchtitan's default, and with its debug.spmd_typechecking on (one step: the gathered
+# parameters carry their types back into the typechecked forward).
+@pytest.mark.parametrize("typecheck, steps", [(False, STEPS), (True, 1)], ids=["default", "spmd_typechecking"])
+def test_torchtitan_030_default_path_matches_fsdp2(dist_run, typecheck, steps):
     """Per-step losses and the parameters after the steps are bitwise FSDP2's.
 
     The gradient norms agree to rounding only: torchtitan's ``clip_grad_norm_`` sums the
@@ -244,7 +252,7 @@ def test_torchtitan_030_default_path_matches_fsdp2(dist_run):
     1.0, the clipped gradients differ in their last bits, which bf16 compute and AdamW's
     first steps turn into losses equal to ``TOL`` and a few parameter elements (16 of the
     embedding's 524288 after 3 steps) an lr apart (measured by hand)."""
-    results = dist_run(_both, 2, timeout=240)
+    results = dist_run(_both, 2, typecheck, steps, timeout=240)
     for result in results:
         fsdp2, ours = result["torch"], result["vescale"]
         assert fsdp2["dp_mesh_dims"] == ours["dp_mesh_dims"] != "None"  # the SPMD path was taken

@@ -20,6 +20,8 @@ On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -34,6 +36,8 @@ __all__ = [
     "gradients_in_reduce_dtype",
     "hand_gradients_over_in",
     "policy_for_param",
+    "register_spmd_local_autograd_function",
+    "spmd_no_typecheck",
     "takes_spmd_typed_parameters",
 ]
 
@@ -49,9 +53,32 @@ def takes_spmd_typed_parameters() -> bool:
     (torch's own test, ``torch.distributed._is_spmd_types_available``)."""
     return _reads_spmd_types and dist._is_spmd_types_available()
 
+
 # The class ours subclasses so that ``isinstance(handle, fsdp.GradientReductionHandle)`` holds
 # where torch has it (2.15 on); ``finalize_backward`` is ours on every supported torch.
 TorchGradientReductionHandle: type = getattr(fsdp, "GradientReductionHandle", object)
+
+
+def spmd_no_typecheck() -> contextlib.AbstractContextManager[None]:
+    """(torch 2.15 on, spmd_types installed) The unit's own work on its buffers (gathers,
+    reshards, reductions) runs outside spmd_types' type checking, as FSDP2's hooks do; a
+    null context otherwise."""
+    if takes_spmd_typed_parameters():
+        import spmd_types
+
+        return spmd_types.no_typecheck()
+    return contextlib.nullcontext()
+
+
+def register_spmd_local_autograd_function(function: type) -> type:
+    """(torch 2.15 on, spmd_types installed) Let spmd_types' type checking pass the types of
+    a unit's inputs through ``function`` (an identity on them), as FSDP2 registers its
+    ``RegisterPostBackwardFunction``."""
+    if takes_spmd_typed_parameters():
+        import spmd_types
+
+        spmd_types.register_local_autograd_function(function)
+    return function
 
 
 def default_reduce_dtype(

@@ -244,8 +244,12 @@ class FSDPParam:
             self.unsharded_by_extension = False
         assert self.unsharded is not None  # made above or at an earlier gather
         self.register(self.unsharded)
-        if self.parallel is not None and self.parallel.spmd_types is not None:
-            self.parallel.spmd_types.restore(self.unsharded)  # under spmd_types type checking
+
+    def restore_spmd_types(self) -> None:
+        """A parameter annotated with spmd_types: its annotations on the gathered (plain)
+        parameter again, when type checking is on (FSDP2's ``_restore_spmd_types``)."""
+        if self.unsharded is not None and self.parallel is not None and self.parallel.spmd_types is not None:
+            self.parallel.spmd_types.restore(self.unsharded)
 
     def _make_unsharded(self, gathered: torch.Tensor, after_gradient: Callable[[nn.Parameter], None]) -> None:
         self.unsharded = nn.Parameter(gathered, requires_grad=self.sharded.requires_grad)

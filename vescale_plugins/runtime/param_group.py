@@ -29,7 +29,13 @@ from vescale_plugins.dbuffer.reduction import gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
-from vescale_plugins.runtime.fsdp2_semantics import default_reduce_dtype, grad_dtype_override, policy_for_param
+from vescale_plugins.runtime.fsdp2_semantics import (
+    default_reduce_dtype,
+    grad_dtype_override,
+    policy_for_param,
+    register_spmd_local_autograd_function,
+    spmd_no_typecheck,
+)
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -334,10 +340,13 @@ class FSDPParamGroup:
 
     def use_unsharded_params(self) -> None:
         """Gather (if needed) and register the unsharded parameters in the modules."""
-        self.unshard()
-        self.wait_for_unshard()
+        with spmd_no_typecheck():
+            self.unshard()
+            self.wait_for_unshard()
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_unsharded(self._after_gradient)
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_unsharded(self._after_gradient)
+            fsdp_param.restore_spmd_types()
 
     def reshard(self) -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
@@ -394,8 +403,9 @@ class FSDPParamGroup:
         if torch.is_grad_enabled():
             root_state.forward_order.append(self)
         self.use_unsharded_params()
-        for group in root_state.forward_prefetch_targets(self):
-            group.unshard(async_op=True)
+        with spmd_no_typecheck():
+            for group in root_state.forward_prefetch_targets(self):
+                group.unshard(async_op=True)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.is_grad_enabled():
             self.training_state = TrainingState.FORWARD
@@ -431,14 +441,16 @@ class FSDPParamGroup:
         """Reshard as the policy says and hook the outputs for the pre-backward."""
         self._modules_run.clear()
         if self._reshards_after_forward():
-            if is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
-                self._reshard_to_post_forward_group()
-            else:
-                self.reshard()
+            with spmd_no_typecheck():
+                if is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
+                    self._reshard_to_post_forward_group()
+                else:
+                    self.reshard()
         if torch.is_grad_enabled():
             assert self.root_state is not None  # set at the first forward (RootState.init_under)
             self.root_state.post_forward_order.append(self)
-            output = register_on_tensors(output, self._pre_backward_hook)
+            with spmd_no_typecheck():
+                output = register_on_tensors(output, self._pre_backward_hook)
         return output
 
     def _reshards_after_forward(self) -> bool:
@@ -699,6 +711,7 @@ def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:
         fsdp_param.run_post_accumulate_grad_hooks()
 
 
+@register_spmd_local_autograd_function
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
