@@ -13,6 +13,10 @@ VENV := $(if $(filter 2.13.0,$(TORCH)),.venv,.venv-torch-$(TORCH))
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==$(TORCH)
 WHEEL_CACHE ?= $(HOME)/.cache/vescale-plugins/wheels
+# torchtitan 0.3.0 needs torch 2.15 (tests/runtime/test_torchtitan_030.py): installed without its
+# training-data packages (tensorboard, torchdata, datasets), which its model path never imports.
+INSTALL_TORCHTITAN = $(if $(filter 2.15.%,$(TORCH)),$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && \
+	$(PY) -m pip install --quiet tyro)
 # The local 2.13.0 wheel as pip finds it; another release through the wheel cache.
 INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(TORCH_PIN)",\
 	$(PY) -m pip download --quiet --dest "$(WHEEL_CACHE)" "$(TORCH_PIN)" && \
@@ -29,6 +33,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(INSTALL_TORCH)
 	$(PY) -m pip install --quiet -e ".[test]"
+	$(INSTALL_TORCHTITAN)
 	touch $(STAMP)
 
 $(LINT_STAMP): $(PY) pyproject.toml
@@ -43,10 +48,13 @@ test: $(STAMP)
 	@$(PY) -c "import torch; print('make test: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q
 
+# The fast subset, then the compatibility suite with the tests of what differs between torch
+# releases (gradient dtypes, the 2.15 surface, torchtitan 0.3.0 where it installs).
+OTHER_TORCH_TESTS := tests/fsdp2_compat tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_torchtitan_030.py
 test-other-torch: $(STAMP)
 	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q -m "not distributed"
-	$(PY) -m pytest -q tests/fsdp2_compat
+	$(PY) -m pytest -q $(OTHER_TORCH_TESTS)
 
 # mypy and the contracts read their configuration (and paths) from pyproject.toml.
 lint: $(LINT_STAMP)
