@@ -3,13 +3,16 @@ test_replicate.py's ``test_replicate_fully_shard_init`` (``torch.distributed._co
 over a model whose submodules are units) and the FSDP2-based
 ``replicate_with_fsdp.replicate`` over such a model, and test_fully_shard_comm.py's
 ``TestFullyShardUnshardMultiProcess.test_unshard_async`` (explicit ``unshard(async_op=True)``
-inside a replicated model's forward, overlapped with a user all-reduce).
+inside a replicated model's forward, overlapped with a user all-reduce), and
+fsdp/test_fully_shard_compose.py's ``test_replicate_and_fully_shard`` (``replicate`` on a
+submodule, ``fully_shard`` on a module above it: the unit leaves the replicated subtree out).
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.testing._internal.common_dist_composable import CompositeModel, CompositeParamModel
 from torch.testing._internal.common_fsdp import MLP
 
 from ._compat import api, tc
@@ -60,6 +64,60 @@ def _replicate_fully_shard_init(impl):
 
 def test_replicate_fully_shard_init(dist_run, impl):
     dist_run(_replicate_fully_shard_init, 2, impl, timeout=T)
+
+
+# -- fsdp/test_fully_shard_compose.py: test_replicate_and_fully_shard ----------------------------
+
+
+def _replicate_and_fully_shard(impl, config: str):
+    """Each comma is a level of the module tree, bottom-up; 'r' is ``replicate``, 'fm'
+    ``fully_shard`` applied by hand. The original computes both models' losses without
+    comparing them; here they are compared (FSDP2 gives the replicated reference's)."""
+    A = api(impl)
+    cpu = torch.device("cpu")
+    torch.manual_seed(42)
+    if config == "1fm,1r":
+        model = CompositeModel(device=cpu)
+        ref_model = copy.deepcopy(model)
+        A.fully_shard(model.l1)
+        replicate(model, device_id=cpu)
+    elif config == "1r,1fm":
+        model = CompositeParamModel(cpu)
+        ref_model = copy.deepcopy(model)
+        replicate(model.u1, device_id=cpu)
+        A.fully_shard(model)
+    elif config == "1r1fm,1fm":
+        model = CompositeParamModel(cpu)
+        ref_model = copy.deepcopy(model)
+        replicate(model.u1, device_id=cpu)
+        A.fully_shard(model.u2)
+        A.fully_shard(model)
+    else:  # "1fm1fm,1r1r,1fm"
+        model = CompositeParamModel(cpu)
+        ref_model = copy.deepcopy(model)
+        A.fully_shard(model.u1.seq)
+        A.fully_shard(model.u2.seq)
+        replicate(model.u1, device_id=cpu)
+        replicate(model.u2, device_id=cpu)
+        A.fully_shard(model)
+    replicate(ref_model, device_id=cpu)
+    ref_optim = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(dist.get_rank() + 42)
+    inp = torch.randn((2, 100))
+    for iter_idx in range(10):
+        losses: list[torch.Tensor] = []
+        for _model, _optim in ((ref_model, ref_optim), (model, optim)):
+            _optim.zero_grad(set_to_none=(iter_idx % 2 == 0))
+            losses.append(_model(inp).sum())
+            losses[-1].backward()
+            _optim.step()
+        tc.assertEqual(losses[0], losses[1])
+
+
+@pytest.mark.parametrize("config", ["1fm,1r", "1r,1fm", "1r1fm,1fm", "1fm1fm,1r1r,1fm"])
+def test_replicate_and_fully_shard(dist_run, impl, config):
+    dist_run(_replicate_and_fully_shard, 2, impl, config, timeout=T)
 
 
 # -- test_fully_shard_comm.py: TestFullyShardUnshardMultiProcess ------------------------------

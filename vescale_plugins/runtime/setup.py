@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, _is_composable_with_fsdp
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -309,6 +309,8 @@ def _collect_params(
     shared_with_child: list[str] = []
     for root in modules:
         for module_name, module in root.named_modules(remove_duplicate=False):
+            if _under_other_api(root, module_name):
+                continue
             for name, param in module._parameters.items():
                 if param is None or param in ignored:
                     continue
@@ -321,6 +323,18 @@ def _collect_params(
                 if (module, name) not in entry[1]:
                     entry[1].append((module, name))
     return list(found.values()), shared_with_child
+
+
+def _under_other_api(root: nn.Module, module_name: str) -> bool:
+    """Whether the module at ``module_name`` (below ``root``) sits in a subtree another
+    composable API manages (torch's ``replicate``, which all-reduces its gradients itself):
+    FSDP2 leaves such subtrees out of the unit (``_is_composable_with_fsdp``)."""
+    module = root
+    for part in module_name.split(".") if module_name else []:
+        module = getattr(module, part)
+        if not _is_composable_with_fsdp(module):
+            return True
+    return False
 
 
 def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
