@@ -94,3 +94,51 @@ def test_set_unshard_in_backward_false_skips_the_gather_as_fsdp2(dist_run):
     assert ("gather", "embed") not in found["torch"] and ("pre_backward", "embed") in found["torch"]
     assert found["vescale"] == found["torch"]
     torch.testing.assert_close(found["vescale embedding gradient"], found["torch embedding gradient"])
+
+
+def _head_unit_log() -> list[tuple[str, str]]:
+    """A root without parameters over a head unit (torchtitan's layout): each real gather in
+    backward and each unit's first gradient, by module name."""
+    torch.manual_seed(0)
+    model = _Model()
+    vescale_plugins.fully_shard(model.embed)
+    for block in model.blocks:
+        vescale_plugins.fully_shard(block)
+    vescale_plugins.fully_shard(model.head)
+    vescale_plugins.fully_shard(model)
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    log: list[tuple[str, str]] = []
+    in_backward = [False]
+    original_unshard, original_after_gradient = FSDPParamGroup.unshard, FSDPParamGroup._after_gradient
+
+    def unshard(group, *args, **kwargs):
+        before = group.is_unsharded or bool(group._pending_unshard)
+        result = original_unshard(group, *args, **kwargs)
+        if in_backward[0] and not before and (group.is_unsharded or bool(group._pending_unshard)):
+            log.append(("gather", names[id(group.modules[0])]))
+        return result
+
+    def after_gradient(group, *args, **kwargs):
+        if ("gradient", names[id(group.modules[0])]) not in log:
+            log.append(("gradient", names[id(group.modules[0])]))
+        return original_after_gradient(group, *args, **kwargs)
+
+    with (
+        mock.patch.object(FSDPParamGroup, "unshard", unshard),
+        mock.patch.object(FSDPParamGroup, "_after_gradient", after_gradient),
+    ):
+        loss = model(torch.randint(0, 32, (2, 8))).sum()
+        in_backward[0] = True
+        loss.backward()
+    return log
+
+
+def test_root_without_parameters_leaves_the_last_block_to_the_heads_first_gradient(dist_run):
+    """The root's pre-backward runs with the head's, on the logits' gradient; the last block
+    is gathered at the head's first gradient (after the backward ops that free the logits'
+    gradient), not there, so it does not add to the head's backward peak."""
+    log = dist_run(_head_unit_log, 2, timeout=T)[0]
+    assert log.index(("gradient", "head")) < log.index(("gather", "blocks.2"))
+    assert [entry for entry in log if entry[0] == "gather"] == [
+        ("gather", name) for name in ("head", "blocks.2", "blocks.1", "blocks.0", "embed")
+    ]

@@ -523,6 +523,16 @@ class FSDPParamGroup:
         assert self.root_state is not None  # set at the first forward (RootState.init_under)
         self.root_state.count_backward_event()
 
+    def prefetches_at_first_gradient(self) -> bool:
+        """(In its backward) Whether this unit has still to prefetch its default targets,
+        which it does at its first gradient (or its post-backward, if none comes)."""
+        return (
+            not self._backward_prefetched
+            and self.backward_prefetch is None
+            and not in_compiled_autograd()
+            and any(p.sharded.requires_grad for p in self.fsdp_params)
+        )
+
     @eager_hook
     def _prefetch_for_backward(self) -> None:
         """Start gathering the unit(s) whose backward comes next.

@@ -140,7 +140,14 @@ class RootState:
     def backward_prefetch_targets(self, group: FSDPParamGroup) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_backward_prefetch``, else the latest unit to
         finish its forward before ``group`` did whose backward has not started (FSDP2's
-        post-forward order: the root gathers the last block during the head's backward)."""
+        post-forward order: the root gathers the last block during the head's backward).
+
+        None where a unit passed over on the way is in its backward and has yet to prefetch
+        that same unit at its first gradient: a root without parameters, whose pre-backward
+        runs with the head's on the logits' gradient, leaves the last block to the head, so
+        it is not gathered while the logits' gradient is alive (the head's backward frees it
+        before the head's first gradient; see ``FSDPParamGroup._prefetch_for_backward``).
+        """
         if group.backward_prefetch is not None:
             return group.backward_prefetch
         order = self.post_forward_order
@@ -148,10 +155,11 @@ class RootState:
             return []
         position = order.index(group)
         for earlier in reversed(order[:position]):
-            if earlier is not group and earlier.training_state not in (
-                TrainingState.PRE_BACKWARD,
-                TrainingState.POST_BACKWARD,
-            ):
+            if earlier is group:
+                continue
+            if earlier.training_state is TrainingState.PRE_BACKWARD and earlier.prefetches_at_first_gradient():
+                return []
+            if earlier.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
                 return [earlier]
         return []
 
