@@ -131,6 +131,11 @@ class ReduceScatterHandle:
         if after is not None and dbuffer.streams.enabled:
             self._issue_after_reduce_scatter()
 
+    @property
+    def on_host(self) -> bool:
+        """Whether it is a host collective (gloo's ``Work``), with no side stream."""
+        return not self._dbuffer.streams.enabled
+
     def wait_reduce_scatter(self) -> None:
         """Complete the reduce-scatter and free its input; finish now if nothing follows it."""
         self._complete_reduce_scatter()

@@ -541,14 +541,23 @@ class FSDPParamGroup:
         (where FSDP2 does): the backward ops before that gradient have then released the
         activation gradients they consumed (for an output head, the logits' gradient, often the
         largest tensor of the step), so the prefetched parameters do not add to that moment.
+
+        With host collectives (gloo: no side streams, nothing for a later wait to overlap but
+        the backend's own threads), the previous units' reduce-scatters are finished first,
+        down to ``reduce_scatter_max_input_buffers - 1`` in flight, so that their unsharded
+        gradient buffers are freed before the prefetch allocates. On CUDA they stay in flight
+        to this unit's post-backward, FSDP2's place.
         """
         if self._backward_prefetched:
             return
         self._backward_prefetched = True
-        assert self.root_state is not None  # set at the first forward (RootState.init_under)
-        for group in self.root_state.backward_prefetch_targets(self):
-            if group.unshard_in_backward:
-                group.unshard(async_op=True)
+        root_state = self.root_state
+        assert root_state is not None  # set at the first forward (RootState.init_under)
+        targets = [group for group in root_state.backward_prefetch_targets(self) if group.unshard_in_backward]
+        if targets:
+            root_state.wait_for_host_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+        for group in targets:
+            group.unshard(async_op=True)
 
     def _recomputing(self) -> bool:
         """Whether a forward starting now recomputes one inside the unit's backward."""

@@ -172,6 +172,12 @@ class RootState:
                 if not handle.done:
                     self.reduces_landing.append(handle)
 
+    def wait_for_host_reduces(self, keep: int = 0) -> None:
+        """``wait_for_reduces`` where every reduce-scatter in flight is a host collective
+        (no side stream to overlap with: waiting early costs no overlap on the device)."""
+        if all(handle.on_host for handles in self.reduces_in_flight for handle in handles):
+            self.wait_for_reduces(keep)
+
     def wait_for_gradients(self) -> None:
         """Complete every reduction in flight: the sharded gradients are final."""
         self.wait_for_reduces()
