@@ -83,6 +83,10 @@ _CALLS = {
     "set_all_reduce_hook": ((lambda t: None,), "works"),
     "set_symm_mem_for_comm": ((), "refuses"),
     "reset_iter_state": ((), "works"),
+    # torch 2.15's additions (ours on every supported torch): before the first forward
+    "set_keep_unsharded_storage": ((False,), "works"),
+    "set_manual_backward_finalization": ((False,), "works"),
+    "finalize_backward": ((), "works"),
 }
 
 
