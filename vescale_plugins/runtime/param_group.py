@@ -31,10 +31,12 @@ from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.fsdp2_semantics import (
     default_reduce_dtype,
+    defer_upcast,
     grad_dtype_override,
     policy_for_param,
     register_spmd_local_autograd_function,
     spmd_no_typecheck,
+    upcast_gradient,
 )
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
@@ -502,6 +504,10 @@ class FSDPParamGroup:
             # parameter (an embedding's): its gradients reach the unsharded parameters the
             # forward used, whose storage is not needed.
             self.use_unsharded_params()
+        if not compiled_autograd:
+            for fsdp_param in self.fsdp_params:
+                if fsdp_param.unsharded is not None and fsdp_param.unsharded.requires_grad:
+                    defer_upcast(fsdp_param.unsharded, fsdp_param.dbuffer.reduce_dtype, self.requires_gradient_sync)
         self._backward_prefetched = False
         if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
             # Under compiled autograd at FSDP2's place: each eager call splits the compiled
@@ -603,6 +609,9 @@ class FSDPParamGroup:
         # chunk): its backward is not the model's, which prefetches when it comes.
         in_models_backward = self.training_state is TrainingState.PRE_BACKWARD
         self.training_state = TrainingState.POST_BACKWARD
+        for fsdp_param in self.fsdp_params:
+            if fsdp_param.unsharded is not None and fsdp_param.unsharded.requires_grad:
+                upcast_gradient(fsdp_param.unsharded, fsdp_param.dbuffer.reduce_dtype)
         if in_models_backward:
             self._prefetch_for_backward()  # if no gradient reached this unit
         if self.reshard_after_backward:
