@@ -33,6 +33,7 @@ __all__ = [
     "TorchGradientReductionHandle",
     "default_reduce_dtype",
     "defer_upcast",
+    "defers_upcast",
     "grad_dtype_override",
     "gradients_in_reduce_dtype",
     "hand_gradients_over_in",
@@ -122,30 +123,32 @@ def policy_for_param(mp_policy: MixedPrecisionPolicy, param: nn.Parameter) -> Mi
     return mp_policy._resolve_for_param(param)  # type: ignore[attr-defined]  # torch 2.15 on
 
 
-def _wider(reduce_dtype: torch.dtype, unsharded: nn.Parameter) -> bool:
+def defers_upcast(compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+    """(Per DBuffer) Whether its gradients follow FSDP2 2.15's deferred upcast: torch 2.15 on,
+    a reduce dtype wider than the compute dtype (:func:`defer_upcast`, :func:`upcast_gradient`)."""
     return (
         gradients_in_reduce_dtype
         and reduce_dtype.is_floating_point
-        and unsharded.dtype.is_floating_point
-        and reduce_dtype.itemsize > unsharded.dtype.itemsize
+        and compute_dtype.is_floating_point
+        and reduce_dtype.itemsize > compute_dtype.itemsize
     )
 
 
-def defer_upcast(unsharded: nn.Parameter, reduce_dtype: torch.dtype, will_reduce: bool) -> None:
+def defer_upcast(unsharded: nn.Parameter, will_reduce: bool) -> None:
     """(torch 2.15 on, at a unit's pre-backward) FSDP2 2.15's
     ``_set_unsharded_grad_dtypes(defer_upcast=True)``: where the reduce dtype is wider than the
     compute dtype and a gradient already accumulates or this backward reduces, autograd keeps
     the gradients' own dtype in this backward (its contributions add in it, or in place into
-    the wider accumulated gradient); the first backward without sync accumulates upcast."""
-    if _wider(reduce_dtype, unsharded) and (unsharded.grad is not None or will_reduce):
+    the wider accumulated gradient); the first backward without sync accumulates upcast.
+    For DBuffers where :func:`defers_upcast` holds."""
+    if unsharded.grad is not None or will_reduce:
         unsharded.grad_dtype = None
 
 
 def upcast_gradient(unsharded: nn.Parameter, reduce_dtype: torch.dtype) -> None:
     """(torch 2.15 on, at a unit's post-backward) The gradient in the reduce dtype again, and
-    autograd's ``grad_dtype`` with it (FSDP2 2.15's ``defer_upcast=False``)."""
-    if not _wider(reduce_dtype, unsharded):
-        return
+    autograd's ``grad_dtype`` with it (FSDP2 2.15's ``defer_upcast=False``). For DBuffers where
+    :func:`defers_upcast` holds."""
     grad = unsharded.grad
     if grad is not None and grad.dtype != reduce_dtype:
         unsharded.grad = None

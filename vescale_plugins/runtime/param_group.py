@@ -32,6 +32,7 @@ from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_
 from vescale_plugins.runtime.fsdp2_semantics import (
     default_reduce_dtype,
     defer_upcast,
+    defers_upcast,
     grad_dtype_override,
     policy_for_param,
     register_spmd_local_autograd_function,
@@ -505,14 +506,24 @@ class FSDPParamGroup:
             # forward used, whose storage is not needed.
             self.use_unsharded_params()
         if not compiled_autograd:
-            for fsdp_param in self.fsdp_params:
-                if fsdp_param.unsharded is not None and fsdp_param.unsharded.requires_grad:
-                    defer_upcast(fsdp_param.unsharded, fsdp_param.dbuffer.reduce_dtype, self.requires_gradient_sync)
+            for unsharded, _ in self._gradients_upcast_late():
+                defer_upcast(unsharded, self.requires_gradient_sync)
         self._backward_prefetched = False
         if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
             # Under compiled autograd at FSDP2's place: each eager call splits the compiled
             # backward, and _after_gradient then has nothing eager to do (see there).
             self._prefetch_for_backward()
+
+    def _gradients_upcast_late(self) -> list[tuple[nn.Parameter, torch.dtype]]:
+        """The unsharded parameters (with their reduce dtype) whose DBuffer follows FSDP2
+        2.15's deferred upcast; none before 2.15 or where the dtypes agree."""
+        return [
+            (p.unsharded, buffer.dbuffer.reduce_dtype)
+            for buffer in self.buffers
+            if defers_upcast(buffer.dbuffer.param_dtype, buffer.dbuffer.reduce_dtype)
+            for p in buffer.params
+            if p.unsharded is not None and p.unsharded.requires_grad
+        ]
 
     def _after_gradient(self, param: nn.Parameter) -> None:
         """At the unit's first gradient: start gathering the unit whose backward comes next.
@@ -609,9 +620,8 @@ class FSDPParamGroup:
         # chunk): its backward is not the model's, which prefetches when it comes.
         in_models_backward = self.training_state is TrainingState.PRE_BACKWARD
         self.training_state = TrainingState.POST_BACKWARD
-        for fsdp_param in self.fsdp_params:
-            if fsdp_param.unsharded is not None and fsdp_param.unsharded.requires_grad:
-                upcast_gradient(fsdp_param.unsharded, fsdp_param.dbuffer.reduce_dtype)
+        for unsharded, reduce_dtype in self._gradients_upcast_late():
+            upcast_gradient(unsharded, reduce_dtype)
         if in_models_backward:
             self._prefetch_for_backward()  # if no gradient reached this unit
         if self.reshard_after_backward:
