@@ -13,12 +13,9 @@ Importing this package teaches torch's DTensor the ``RaggedShard`` placement
 from vescale_plugins import ragged as _ragged
 from vescale_plugins.dbuffer.planning import BufferSplitCost
 from vescale_plugins.ragged import *  # noqa: F403  (the placement and layout names, as ragged.__all__ lists them)
-from vescale_plugins.ragged import dtensor as _dtensor
 from vescale_plugins.runtime.api import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from vescale_plugins.runtime.module import GradientReductionHandle, UnshardHandle, VeScaleFSDPModule
 from vescale_plugins.runtime.setup import BlockSizeFn, PlanMismatchError
-
-_dtensor.install()
 
 __all__ = [
     "fully_shard",

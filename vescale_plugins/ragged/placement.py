@@ -6,8 +6,8 @@ holds units ``[sum(u[:r]), sum(u[:r+1]))``. Zeros are allowed (that rank holds n
 one placement covers element-wise, row-wise (even = ``Shard(0)``, or uneven), block-wise
 (a unit of g rows) and whole-tensor-on-one-rank (``dims=()``, one-hot units) sharding.
 
-Stock DTensor code works on it once ``vescale_plugins`` is imported: see
-:mod:`vescale_plugins.ragged.dtensor` for the few places where torch is taught about it.
+Stock DTensor code works on it: building the first one teaches torch's DTensor about it (see
+:mod:`vescale_plugins.ragged.dtensor` for the few places, and when).
 """
 
 from __future__ import annotations
@@ -27,6 +27,15 @@ from vescale_plugins.ragged.units import UnitRuns
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
 
+def _teach_dtensor() -> None:
+    # Every ragged DTensor starts from a placement (pickles and checkpoints rebuild it through
+    # __reduce__), so DTensor is patched here, at the first one, not at import. Imported late:
+    # the DTensor integration imports this module.
+    from vescale_plugins.ragged.dtensor import install
+
+    install()
+
+
 class RaggedShard(Placement):
     """Contiguous, possibly uneven, runs of whole units of a tensor per rank.
 
@@ -38,6 +47,7 @@ class RaggedShard(Placement):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
         super().__init__()
+        _teach_dtensor()
         dims, units = tuple(int(d) for d in dims), UnitRuns.of(local_units)
         _validate_placement_args(dims, units, lambda: f"RaggedShard(dims={dims}, local_units={units})")
         self.dims = dims

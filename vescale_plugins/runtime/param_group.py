@@ -40,9 +40,10 @@ from vescale_plugins.runtime.fsdp2_semantics import (
     upcast_gradient,
 )
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
-from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer, track_slots
+from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer
 from vescale_plugins.runtime.setup import ParamSpec
 from vescale_plugins.runtime.state import RootState, TrainingState
+from vescale_plugins.runtime.torch_hooks import track_slots
 from vescale_plugins.runtime.traversal import (
     cast_floating,
     map_grad_tensors,
@@ -167,7 +168,7 @@ class FSDPParamGroup:
         fsdp_params = [p for p in built if p is not None]
         for fsdp_param in fsdp_params:
             fsdp_param.to_sharded()
-        track_slots(self, fsdp_params)
+        track_slots(self.adopt_assigned, fsdp_params)
         return fsdp_params
 
     def _new_dbuffer(

@@ -20,7 +20,7 @@ involved (everything else goes to torch unchanged). One module per torch subsyst
   (validate a ragged layout, demand the global shape) and
   ``_utils.compute_local_shape_and_global_offset`` (one box for a row-wise ragged shard).
   These and ``redistribute_local_tensor`` are redirected in place (:func:`_redirect`: the
-  function object's code becomes a call to ours), so references taken before our import
+  function object's code becomes a call to ours), so references taken before :func:`install`
   work too.
 - :mod:`.checkpoint`: ``DTensor.__create_write_items__ / __create_chunk_list__ /
   __get_tensor_shard__`` (DCP's checkpointable protocol): a ragged shard as a few boxes.
@@ -32,6 +32,13 @@ involved (everything else goes to torch unchanged). One module per torch subsyst
   subgroups every rank must create) and ``DeviceMesh._concatenate`` (the (dp, tp) mesh of a
   tensor-parallel parameter, as FSDP2 builds it).
 
+When: :func:`install` runs at the first ``RaggedShard`` built (its constructor calls it, so
+every way to a ragged DTensor passes here first: our constructors, ``DTensor.from_local`` or
+``distribute_tensor`` with such a placement, a pickled or checkpointed one being loaded) and at
+the first ``fully_shard`` call; never at import. Until then torch is untouched. Every hook
+hands a call without a RaggedShard to torch's original, so stock DTensor and FSDP2 work the
+same after it.
+
 Next to even ``Shard`` placements on other mesh dims (tensor/expert parallel), a RaggedShard
 cuts this rank's local tensor of those dims, whatever its mesh-dim position
 (``StridedRaggedShard`` names the case where, read left to right, its rows are strided):
@@ -40,6 +47,7 @@ every path goes through :func:`.specs.other_dims_box` for that.
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +92,7 @@ from vescale_plugins.ragged.dtensor.specs import ORIGINAL, aten, other_dims_slic
 
 __all__ = [
     "install",
+    "is_installed",
     "make_dtensor",
     "set_local_tensor",
     "concatenate_meshes",
@@ -97,10 +106,10 @@ def _redirect(original: Callable[..., Any], replacement: Callable[..., Any]) -> 
     """Make ``original`` itself call ``replacement``; return an untouched copy of it.
 
     torch modules and user code bind these functions by name (``from ... import
-    distribute_tensor``), some before ``vescale_plugins`` is imported. Rebinding names would
-    miss references taken earlier (locals, partials, other objects), so the function object
-    is changed instead: its code becomes a call to ``replacement``, and ``replacement``
-    calls the returned copy for what it leaves to torch. So import order does not matter.
+    distribute_tensor``), most before :func:`install` runs. Rebinding names would miss
+    references taken earlier (locals, partials, other objects), so the function object is
+    changed instead: its code becomes a call to ``replacement``, and ``replacement`` calls
+    the returned copy for what it leaves to torch. So when it runs does not matter.
     """
     assert isinstance(original, types.FunctionType)  # torch's Python functions: code to swap
     copy = types.FunctionType(
@@ -129,10 +138,31 @@ def _replace_methods(cls: type, **methods: Callable[..., Any]) -> None:
         setattr(cls, name, method)
 
 
+_INSTALL_LOCK = threading.Lock()
+_installed = False
+
+
 def install() -> None:
-    """Install the hooks once; idempotent."""
-    if ORIGINAL:
+    """Teach torch's DTensor the RaggedShard placement: idempotent and thread-safe.
+
+    Called by ``RaggedShard``'s constructor and by ``fully_shard``; call it yourself only to
+    have torch patched before either (the module docstring lists what changes).
+    """
+    global _installed
+    if _installed:  # the common case, without the lock: every RaggedShard built asks
         return
+    with _INSTALL_LOCK:
+        if not _installed:
+            _install_hooks()
+            _installed = True
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has run in this process."""
+    return _installed
+
+
+def _install_hooks() -> None:
     dispatcher_cls = dtensor_dispatch.OpDispatcher
     propagator_cls = type(DTensor._op_dispatcher.sharding_propagator)
     ORIGINAL.update(
@@ -145,7 +175,7 @@ def install() -> None:
         __reduce_ex__=DTensor.__reduce_ex__,
     )
     # Module-level functions (and from_local, a staticmethod) are redirected in place, so
-    # references taken before this import reach our code too.
+    # references taken before install() reach our code too.
     ORIGINAL["redistribute_local_tensor"] = _redirect(
         dtensor_redistribute.redistribute_local_tensor, redistribute_local_tensor
     )
