@@ -6,8 +6,16 @@ Layers, each importing only the ones below it: ``ragged`` and ``planner``; ``dbu
 (``lightning_strategy``, ``accelerate_plugin``); the tools (``bench``, ``forecast``,
 ``tools``). See ``docs/design.md``.
 
-Importing this package teaches torch's DTensor the ``RaggedShard`` placement
-(:func:`vescale_plugins.ragged.dtensor.install`); nothing else in torch changes behaviour.
+Importing this package (or ``lightning_strategy``, ``accelerate_plugin``) changes nothing in
+torch. The first ``RaggedShard`` built, or the first ``fully_shard`` call, installs once per
+process: in DTensor, the code of four functions (``distribute_tensor``, ``DTensor.from_local``,
+``_redistribute.redistribute_local_tensor``, ``_utils.compute_local_shape_and_global_offset``),
+the op dispatcher's sharding slow path, custom op handlers for p-norms and random in-place
+initialisers, and five ``DTensor`` methods (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``, ``__deepcopy__``, ``__reduce_ex__``);
+and ``fully_shard`` adds one global module parameter-registration hook. Each hands anything
+without a RaggedShard, or outside a sharded unit, to torch unchanged
+(:mod:`vescale_plugins.ragged.dtensor`, :mod:`vescale_plugins.runtime.torch_hooks`).
 """
 
 from vescale_plugins import ragged as _ragged

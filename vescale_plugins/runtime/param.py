@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,6 @@ from vescale_plugins.runtime.mesh import UnitMesh
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
 if TYPE_CHECKING:
-    from vescale_plugins.runtime.param_group import FSDPParamGroup
 
     class ShardedParameter(nn.Parameter, DTensor):
         """The sharded face, ``nn.Parameter(dtensor)``: for a tensor subclass, torch's
@@ -341,3 +340,22 @@ def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
     from it to step across the padding between parameters."""
     fsdp_param = fsdp_param_of(param)
     return fsdp_param.dbuffer if fsdp_param is not None and not fsdp_param.owns_local else None
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """What a unit's DBuffer holds of a parameter: a DTensor's (TP/EP) local tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    return a.data_ptr() == b.data_ptr() and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
