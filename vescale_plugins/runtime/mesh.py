@@ -6,6 +6,7 @@ A 1-D mesh shards over all of it; a 2-D one (HSDP) replicates over dim 0 and sha
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -53,9 +54,14 @@ def is_group_size(value: Any) -> TypeGuard[int]:
 
 
 # One set of k-rank groups per enumeration of ranks, shared by every unit (and every mesh over
-# the same ranks) that reshards to k ranks. Keyed by the ranks, not by the mesh object, whose
-# id a later mesh over other ranks could reuse.
-_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
+# the same ranks) that reshards to k ranks, per world: keyed weakly by the default group, whose
+# end (``destroy_process_group``) is every rank's at the same point, so every rank creates the
+# same groups in the same order. Keyed by the ranks, not by the mesh object, whose id a later
+# mesh over other ranks could reuse. Under a threaded process group (a thread per rank) each
+# rank-thread has its own world, so its own groups.
+_POST_FORWARD_GROUPS: weakref.WeakKeyDictionary[
+    dist.ProcessGroup, dict[tuple[tuple[int, ...], ...], dist.ProcessGroup]
+] = weakref.WeakKeyDictionary()
 
 
 def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
@@ -64,6 +70,9 @@ def post_forward_group(mesh: DeviceMesh, k: int) -> dist.ProcessGroup:
     tensor-parallel model's dp mesh, those of every copy of it)."""
     rows = every_copy_of_mesh(mesh).reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
     enumeration = tuple(tuple(row[i : i + k]) for row in rows for i in range(0, len(row), k))
-    if enumeration not in _POST_FORWARD_GROUPS:
-        _POST_FORWARD_GROUPS[enumeration], _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in enumeration])
-    return _POST_FORWARD_GROUPS[enumeration]
+    world = dist.group.WORLD
+    assert world is not None  # a unit's mesh exists only in an initialised world
+    groups = _POST_FORWARD_GROUPS.setdefault(world, {})
+    if enumeration not in groups:
+        groups[enumeration], _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in enumeration])
+    return groups[enumeration]

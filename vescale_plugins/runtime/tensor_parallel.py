@@ -26,7 +26,6 @@ read with the placements of the backward types.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -171,13 +170,29 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
 
 
-@functools.cache
 def _with_single_rank_shard_dim(replicate_mesh: DeviceMesh) -> DeviceMesh:
     """``replicate_mesh`` (1-D) as HSDP's 2-D mesh with a shard dim of one rank: a DDP unit's
-    DBuffers hold whole tensors and its gradients are all-reduced over the replicas. Cached,
-    as FSDP2's flattened meshes are: its process groups are made once per mesh, not per unit."""
-    name = replicate_mesh.mesh_dim_names[0] if replicate_mesh.mesh_dim_names else "replicate"
-    return replicate_mesh._unflatten(0, (replicate_mesh.size(), 1), (name, f"{name}_single_rank_shard"))
+    DBuffers hold whole tensors and its gradients are all-reduced over the replicas.
+
+    Made once per mesh (equal submeshes share it), as FSDP2's flattened meshes are: its
+    process groups are made once, not per unit. Held by the root mesh, as torch's root holds
+    its flattened meshes, so it lives as long as the meshes it derives from: a module-level
+    cache would keep every mesh and its groups alive past ``destroy_process_group`` (see
+    :mod:`vescale_plugins.dbuffer.collectives`). Keyed by mesh value, which under a threaded
+    process group includes the rank-thread.
+    """
+    root = replicate_mesh._get_root_mesh()
+    derived: dict[DeviceMesh, DeviceMesh] = root.__dict__.setdefault(_SINGLE_RANK_SHARD_MESHES, {})
+    if replicate_mesh not in derived:
+        name = replicate_mesh.mesh_dim_names[0] if replicate_mesh.mesh_dim_names else "replicate"
+        derived[replicate_mesh] = replicate_mesh._unflatten(
+            0, (replicate_mesh.size(), 1), (name, f"{name}_single_rank_shard")
+        )
+    return derived[replicate_mesh]
+
+
+# The root mesh's attribute holding its meshes made by _with_single_rank_shard_dim.
+_SINGLE_RANK_SHARD_MESHES = "_vescale_plugins_single_rank_shard_meshes"
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
