@@ -174,6 +174,23 @@ class _ThreadedRanks(MultiThreadedTestCase):
             model(torch.randn((2, 8))).sum().backward()
             self._check_registered(model.parameters(), dtensors=True)
 
+    def test_meta_init_then_reset_parameters_and_train(self) -> None:
+        """Every rank-thread takes part in its own generator sync (ours arms it per world)."""
+        fully_shard, _ = _fsdp(self.impl)
+        for _ in range(2):  # a second model: fully_shard arms the sync again
+            with torch.device("meta"):
+                model = nn.Sequential(MLP(8), MLP(8))
+            for block in model:
+                fully_shard(block)
+            fully_shard(model)
+            model.to_empty(device="cpu")
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+            model(torch.randn((2, 8))).sum().backward()
+            for param in model.parameters():
+                self.assertTrue(bool(param.grad.full_tensor().isfinite().all()))
+
 
 class TestTorchFullyShard(_ThreadedRanks):
     impl = "torch"

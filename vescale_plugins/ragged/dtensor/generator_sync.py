@@ -14,9 +14,15 @@ not the world (ranks outside it, other pipeline stages with their own seeds, nei
 part nor are overwritten); and it runs for CPU generators too (DTensor's tracker is
 accelerator-only, so FSDP2 on CPU draws each shard from the rank's own generator). A draw
 with an explicit ``generator=`` is the caller's to keep in step, as DTensor leaves it.
+
+Armed or not is kept per world (the default process group), not per process: ranks run as
+threads of one process (a threaded process group) each have their own world and must each
+take part in their own broadcast.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,14 +30,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["default_generator", "sync_generator_at_next_draw", "sync_generator_once"]
 
-_sync_pending = True  # armed at import and by every fully_shard
+# The worlds (default groups, held weakly) whose ranks have synced since the last arming; a
+# new world starts armed, and every fully_shard arms its world again.
+_SYNCED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 def sync_generator_at_next_draw() -> None:
     """The next random op on a ragged DTensor first syncs the generator over its mesh
     (``fully_shard`` calls this on every rank: a new unit may be initialised next)."""
-    global _sync_pending
-    _sync_pending = True
+    if dist.group.WORLD is not None:
+        _SYNCED.discard(dist.group.WORLD)
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -45,8 +53,9 @@ def default_generator(device: torch.device) -> torch.Generator:
 def sync_generator_once(mesh: DeviceMesh, device: torch.device) -> None:
     """If armed: set ``device``'s default generator on every rank of ``mesh`` to the state of
     the mesh's first rank (a collective over the mesh), and disarm."""
-    global _sync_pending
-    if not _sync_pending:
+    world = dist.group.WORLD
+    assert world is not None  # a mesh exists only in an initialised world
+    if world in _SYNCED:
         return
     generator = default_generator(device)
     wire = generator.get_state().to(_comm_device(mesh))
@@ -54,7 +63,7 @@ def sync_generator_once(mesh: DeviceMesh, device: torch.device) -> None:
     for dim in range(mesh.ndim):
         dist.broadcast(wire, group=mesh.get_group(dim), group_src=0)
     generator.set_state(wire.cpu())
-    _sync_pending = False
+    _SYNCED.add(world)
 
 
 def _comm_device(mesh: DeviceMesh) -> torch.device:
