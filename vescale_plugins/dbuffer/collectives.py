@@ -9,12 +9,9 @@ the traffic of a reduce-scatter) and copies this rank's chunk out. Each is a ful
 temporary beside the buffers DBuffer already holds.
 
 On gloo the same two collectives are built here from point-to-point messages between views
-of the caller's buffers: every message lands where it belongs, and the traffic per rank is a
-ring's, ``(W - 1) / W`` of the buffer. Measured on a 2-core CPU with 4 MiB shards
-(``python -m vescale_plugins.bench collectives --world-size W``), gloo's all-gather /
-reduce-scatter against these: W=2 7.8 / 9.9 ms against 4.7 / 5.4 ms; W=3 12.2 / 21.2 against
-9.9 / 10.1 ms; and temporaries of a full buffer each against none (reduce-scatter at W > 2:
-``W - 2`` shards).
+of the caller's buffers: every message lands where it belongs, the traffic per rank is a
+ring's, ``(W - 1) / W`` of the buffer, and no full-buffer temporary is made (the
+reduce-scatter at W > 2 stages ``W - 2`` shards). Timings: ``docs/collectives.md``.
 
 Messages between one pair of ranks with one tag are matched in the order they were posted,
 and every rank posts its collectives in the same order, so collectives in flight at the same
@@ -53,13 +50,9 @@ def uses_point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 
 def _per_group(compute: Callable[[dist.ProcessGroup], T]) -> Callable[[dist.ProcessGroup], T]:
-    """Cache ``compute(group)`` once per group, holding the group weakly.
-
-    A strong cache (``functools.lru_cache``) kept every group, its gloo worker threads and
-    its transport alive after ``destroy_process_group``, until interpreter teardown destroyed
-    them in no particular order (an exit-time abort, ``terminate called without an active
-    exception``, in some runs).
-    """
+    """Cache ``compute(group)`` once per group, holding the group weakly: a destroyed group
+    and its gloo threads must not outlive ``destroy_process_group`` (why:
+    ``docs/collectives.md``). Per group object, so ranks run as threads keep theirs apart."""
     cache: weakref.WeakKeyDictionary[dist.ProcessGroup, T] = weakref.WeakKeyDictionary()
 
     @functools.wraps(compute)
