@@ -37,6 +37,11 @@ codes = [f.__code__ for f in FUNCTIONS]
 methods = [getattr(DTensor, name) for name in DUNDERS]
 slow_path = dispatch.OpDispatcher._propagate_op_sharding_dispatch_slow_path
 handlers = dict(DTensor._op_dispatcher._custom_op_handlers)
+GLOBAL_HOOKS = [
+    getattr(nn.modules.module, name)
+    for name in dir(nn.modules.module)
+    if name.startswith("_global_") and name.endswith("_hooks")
+]
 hooks = nn.modules.module._global_parameter_registration_hooks
 
 
@@ -47,6 +52,7 @@ def changed():
         "slow_path": dispatch.OpDispatcher._propagate_op_sharding_dispatch_slow_path is not slow_path,
         "handlers": DTensor._op_dispatcher._custom_op_handlers != handlers,
         "hooks": len(hooks),
+        "other_global_hooks": sum(len(h) for h in GLOBAL_HOOKS if h is not hooks),
     }
 
 
@@ -54,10 +60,24 @@ import accelerate_plugin  # noqa: E402,F401
 import lightning_strategy  # noqa: E402,F401
 import vescale_plugins  # noqa: E402
 
-nothing = {"code": [False] * 4, "dunders": [False] * 5, "slow_path": False, "handlers": False, "hooks": 0}
+nothing = {
+    "code": [False] * 4,
+    "dunders": [False] * 5,
+    "slow_path": False,
+    "handlers": False,
+    "hooks": 0,
+    "other_global_hooks": 0,
+}
 assert changed() == nothing, changed()
 vescale_plugins.RaggedShard((0,), [1, 1])
-patched = {"code": [True] * 4, "dunders": [True] * 5, "slow_path": True, "handlers": True, "hooks": 0}
+patched = {
+    "code": [True] * 4,
+    "dunders": [True] * 5,
+    "slow_path": True,
+    "handlers": True,
+    "hooks": 0,
+    "other_global_hooks": 0,
+}
 assert changed() == patched, changed()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 unit = vescale_plugins.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
