@@ -15,7 +15,6 @@ import os
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
@@ -124,7 +123,3 @@ def load_full_optimizer_state_dict(
 ) -> None:
     """Load a full optimizer state dict (as saved by :func:`full_optimizer_state_dict`)."""
     set_optimizer_state_dict(model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True))
-
-
-def is_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -31,8 +31,6 @@ from vescale_plugins.optim.tiles import TILE, TileGrid
 
 __all__ = ["AdamW8bit", "Adam8bit"]
 
-_CODES = {"exp_avg_codes": True, "exp_avg_sq_codes": False}
-
 
 class _Adam8bitBase(FlatStateOptimizer):
     _decoupled = True

@@ -89,8 +89,3 @@ class TileGrid:
     def matrix(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (``numel`` elements) as the ``rows x cols`` matrix the tiles cut."""
         return flat.view(self.rows, self.cols)
-
-    def shard_start_unit(self) -> int:
-        """Elements in one unit a shard must start on: ``tile_h`` rows of ``cols`` (2-D+),
-        ``tile_w`` elements (1-D)."""
-        return self.tile_h * self.cols if self.rows > 1 or self.tile_h > 1 else self.tile_w

@@ -72,9 +72,6 @@ class RaggedShard(Placement):
         flat = full.reshape(-1)
         return flat[rank_slice.offset : rank_slice.offset + rank_slice.length].view(rank_slice.local_shape)
 
-    def is_element_wise(self, ndim: int) -> bool:
-        return len(self.dims) == ndim
-
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and (self.dims, self.local_units) == (other.dims, other.local_units)
 
