@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tests.support.planner_checks import brute_force_fits, start_is_valid
 from vescale_plugins.planner import plan_layout, shard_size_lower_bound
 from vescale_plugins.planner.exact import exact_min_shard_size
-from vescale_plugins.planner.placement import earliest_start, group_classes, place_exact
+from vescale_plugins.planner.packing import earliest_start, group_classes, place_exact
 
 EXHAUSTIVE = settings(derandomize=True, database=None, deadline=None, max_examples=400)
 

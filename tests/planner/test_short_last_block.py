@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests.support.planner_checks import brute_force_min_shard, plan_above_the_bound, start_is_valid
 from vescale_plugins.planner import CollectiveCost, choose_split, plan_layout
 from vescale_plugins.planner.exact import exact_min_shard_size
-from vescale_plugins.planner.placement import earliest_start
+from vescale_plugins.planner.packing import earliest_start
 
 PROPERTY = settings(
     derandomize=True,

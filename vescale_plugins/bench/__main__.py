@@ -11,11 +11,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vescale_plugins.bench import adam8bit, collectives, compare, init_memory, muon, scale, step
+from vescale_plugins.bench import adam8bit, compare, gloo_collectives, init_memory, muon, scale, step
 
 SUBCOMMANDS = {
     "step": step,
-    "collectives": collectives,
+    "collectives": gloo_collectives,
     "adam8bit": adam8bit,
     "muon": muon,
     "init-memory": init_memory,

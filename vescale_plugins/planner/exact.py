@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from vescale_plugins.planner.bounds import aligned_payload, round_up
 from vescale_plugins.planner.layout import check_plan_inputs
-from vescale_plugins.planner.placement import earliest_start
+from vescale_plugins.planner.packing import earliest_start
 
 __all__ = ["exact_min_shard_size"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from vescale_plugins.planner.bounds import AdmissibleShardSizes, aligned_payload, lower_bound_from_parts, round_up
 from vescale_plugins.planner.layout import Layout, check_plan_inputs
-from vescale_plugins.planner.placement import (
+from vescale_plugins.planner.packing import (
     Placement,
     TensorClass,
     group_classes,
