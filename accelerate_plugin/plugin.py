@@ -21,9 +21,9 @@ from accelerate import FullyShardedDataParallelPlugin
 from accelerate.utils import str_to_bool
 from accelerate.utils.dataclasses import get_module_class_from_name
 
-__all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "FIND_UNUSED_PARAMETERS_ENV", "SUPPORTED_MIXED_PRECISION"]
+from vescale_plugins import BlockSizeFn
 
-BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
+__all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "FIND_UNUSED_PARAMETERS_ENV", "SUPPORTED_MIXED_PRECISION"]
 
 # ``FSDP_*`` is Accelerate's prefix for plugin fields; ours follows it so configs read alike.
 BLOCK_SIZE_FN_ENV = "FSDP_VESCALE_BLOCK_SIZE_FN"

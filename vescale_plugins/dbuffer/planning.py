@@ -103,7 +103,8 @@ class BufferPlan:
     layout: Layout
 
 
-def row_numel(shape: torch.Size) -> int:
+def row_numel(shape: Sequence[int]) -> int:
+    """Elements in one dim-0 row (a 0-d or 1-d parameter's row is one element)."""
     return math.prod(shape[1:]) if len(shape) > 0 else 1
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vescale_plugins.dbuffer.planning import BufferPlan, plan_buffers
+from vescale_plugins.dbuffer.planning import BufferPlan, plan_buffers, row_numel
 from vescale_plugins.planner import Layout
 from vescale_plugins.planner.baselines import fsdp2_padding
 from vescale_plugins.tools.model_catalog import Unit, dim0_block_rows
@@ -26,11 +26,6 @@ from vescale_plugins.tools.model_catalog import Unit, dim0_block_rows
 __all__ = ["UnitLayouts", "buffer_rank_payloads", "plan_unit_layouts", "rank_payloads"]
 
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}
-
-
-def _slice_numel(shape: Sequence[int]) -> int:
-    """Elements in one dim-0 row (a 0-d or 1-d parameter's row is one element)."""
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -83,8 +78,8 @@ def _plan(
     )
     numels = [max(1, math.prod(s)) for s in shapes]
     as_rows = [s if len(s) else (1,) for s in shapes]
-    padding = fsdp2_padding(as_rows, [_slice_numel(s) for s in as_rows], group_size)
-    rank0 = tuple(-(-s[0] // group_size) * _slice_numel(s) for s in as_rows)
+    padding = fsdp2_padding(as_rows, [row_numel(s) for s in as_rows], group_size)
+    rank0 = tuple(-(-s[0] // group_size) * row_numel(s) for s in as_rows)
     return UnitLayouts(group_size, tuple(buffers), padding, (sum(numels) + padding) // group_size, rank0)
 
 

@@ -15,12 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES
 from vescale_plugins.runtime.param import dbuffer_of
 
 __all__ = ["Member", "Run", "contiguous_runs", "local_of"]
-
-# DBuffer aligns every parameter to 16 bytes: a smaller gap is padding, never a tensor.
-_ALIGNMENT_BYTES = 16
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,7 +84,8 @@ def contiguous_runs(params: list[torch.Tensor]) -> list[Run]:
     runs: list[Run] = [_run([e]) for e in singles]
     for entries in by_storage.values():
         entries.sort(key=lambda e: _storage_offset(e[1]))
-        align = max(1, _ALIGNMENT_BYTES // entries[0][1].element_size())
+        # DBuffer aligns every parameter: a gap shorter than the alignment is padding, never a tensor.
+        align = max(1, ALIGNMENT_BYTES // entries[0][1].element_size())
         padding = _storage_padding(entries[0][0], entries[0][1])
         current = [entries[0]]
         for entry in entries[1:]:
