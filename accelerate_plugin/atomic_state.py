@@ -27,19 +27,19 @@ _original_save_state = Accelerator.save_state
 _original_load_state = Accelerator.load_state
 
 
-def _commits_atomically(accelerator: Accelerator, directory: Any) -> bool:
+def _commits_atomically(accelerator: Accelerator) -> bool:
+    """Whether a save or load into an explicit directory goes through the atomic commit."""
     return (
-        directory is not None
-        and isinstance(getattr(accelerator.state, "fsdp_plugin", None), VeScaleFSDPPlugin)
+        isinstance(getattr(accelerator.state, "fsdp_plugin", None), VeScaleFSDPPlugin)
         and not accelerator.project_configuration.automatic_checkpoint_naming
     )
 
 
 @functools.wraps(_original_save_state)
 def _save_state(self: Accelerator, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-    if not _commits_atomically(self, output_dir):
+    if output_dir is None or not _commits_atomically(self):
         return _original_save_state(self, output_dir, *args, **kwargs)
-    output_dir = os.path.expanduser(output_dir)  # type: ignore[arg-type]  # not None: _commits_atomically returned True
+    output_dir = os.path.expanduser(output_dir)
     with committed_directory(output_dir) as staging:
         _original_save_state(self, str(staging), *args, **kwargs)
     return output_dir
@@ -47,8 +47,8 @@ def _save_state(self: Accelerator, output_dir: str | None = None, *args: Any, **
 
 @functools.wraps(_original_load_state)
 def _load_state(self: Accelerator, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-    if _commits_atomically(self, input_dir):
-        input_dir = str(resolve_committed(os.path.expanduser(input_dir)))  # type: ignore[arg-type]  # not None: _commits_atomically returned True
+    if input_dir is not None and _commits_atomically(self):
+        input_dir = str(resolve_committed(os.path.expanduser(input_dir)))
     return _original_load_state(self, input_dir, *args, **kwargs)
 
 

@@ -8,6 +8,8 @@ the keys on every rank before broadcasting, so a mismatched state dict fails ins
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -26,7 +28,7 @@ def load_model_from_rank0(model: nn.Module, rank0_state: dict[str, torch.Tensor]
     tensor moves, so a mismatch fails on all ranks alike instead of leaving some waiting.
     """
     names = list(model.state_dict())
-    mismatch = [None]
+    mismatch: list[Any] = [None]  # broadcast_object_list's list of objects
     if dist.get_rank() == 0:
         mismatch = [(sorted(set(names) - rank0_state.keys()), sorted(rank0_state.keys() - set(names)))]
     dist.broadcast_object_list(mismatch, src=0)

@@ -153,7 +153,8 @@ def has_collective_device() -> bool:
     # MPS has no collective backend: a laptop's multi-process run is a gloo run on CPU.
     if not torch.accelerator.is_available():
         return False
-    return torch.accelerator.current_accelerator().type != "mps"
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type != "mps"
 
 
 def _resolve_plugin(given: Any) -> VeScaleFSDPPlugin | None:

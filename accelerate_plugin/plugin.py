@@ -70,6 +70,7 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
     )
 
     def __post_init__(self) -> None:
+        self.fsdp_version: int | None  # the inherited field's type (Accelerate ships none)
         if self.fsdp_version is None:
             self.fsdp_version = int(os.environ.get("FSDP_VERSION", "2"))
         if self.fsdp_version != 2:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,7 @@ from accelerate.utils.other import get_module_children_bottom_up
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from vescale_plugins import VeScaleFSDPModule
 from vescale_plugins.observe.summary import sharding_summary
 from vescale_plugins.wrap import materialize_meta_tensors, shard_model
 
@@ -65,7 +66,7 @@ def prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
                 stacklevel=2,
             )
     if plugin.resolve_find_unused_parameters(accelerator.ddp_handler):
-        model.set_find_unused_parameters(True)
+        cast(VeScaleFSDPModule, model).set_find_unused_parameters(True)
     accelerator.print(sharding_summary(model))
     return model
 

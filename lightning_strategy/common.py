@@ -5,13 +5,16 @@ Lightning's ``ParallelStrategy``, whose abstract members it supplies)."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from vescale_plugins import BlockSizeFn
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from . import processes
 from .activation_checkpointing import ActivationCheckpointingPolicy, LayerCheckpointing
@@ -35,6 +38,20 @@ class VeScaleFSDPCommon:
     _launcher_class: type
     _mesh_exists: str
     parallel_devices: list[torch.device] | None
+
+    if TYPE_CHECKING:
+        # What Lightning's ParallelStrategy (placed after this mixin) provides.
+        cluster_environment: ClusterEnvironment | None
+        num_nodes: int
+
+        @property
+        def local_rank(self) -> int: ...
+        @property
+        def node_rank(self) -> int: ...
+        @property
+        def global_rank(self) -> int: ...
+        @property
+        def world_size(self) -> int: ...
 
     def _configure(
         self,

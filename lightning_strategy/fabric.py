@@ -199,7 +199,8 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         # Once per module: setup_module_and_optimizers calls setup_module after wrapping.
         if self._layer_checkpointing is not None and not getattr(module, "_vescale_layers_checkpointed", False):
             self._layer_checkpointing.apply(module)
-            module._vescale_layers_checkpointed = True
+            # torch types Module.__setattr__'s value as a tensor or module; any value is allowed.
+            module._vescale_layers_checkpointed = True  # type: ignore[assignment]
 
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # meta tensors are materialised on the device after sharding

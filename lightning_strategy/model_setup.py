@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -65,7 +66,7 @@ def shard_for_training(
             offload_policy=options.offload_policy,
         )
     if options.find_unused_parameters:  # DDP's switch: data-dependent routing (MoE, conditional branches)
-        module.set_find_unused_parameters(True)
+        cast(VeScaleFSDPModule, module).set_find_unused_parameters(True)
     materialize(module, device)
     rank_zero_info(sharding_summary(module))
     return module

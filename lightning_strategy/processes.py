@@ -48,7 +48,8 @@ def set_world_ranks(
         cluster_environment.set_world_size(num_nodes * num_processes)
     # Some environments ignore set_global_rank: read the rank back for rank-zero logging.
     rank = cluster_environment.global_rank() if cluster_environment is not None else 0
-    rank_zero_only.rank = utils_rank_zero_only.rank = rank
+    # Lightning keeps the rank as an attribute of its decorator (and types it as Lightning does).
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
 
 def init_process_group(

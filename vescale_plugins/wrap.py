@@ -72,7 +72,7 @@ def shard_model(
     unit_classes: Iterable[type[nn.Module] | str] | None = None,
     unit_fn: Callable[[nn.Module], list[nn.Module]] | None = None,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     block_size_fn: BlockSizeFn | None = None,
     **fully_shard_kwargs: Any,

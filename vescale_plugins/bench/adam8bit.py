@@ -28,7 +28,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from vescale_plugins import fully_shard
 from vescale_plugins.bench.arguments import count
-from vescale_plugins.bench.engines import BenchSettings, _units, batches, build_model
-from vescale_plugins.bench.llama import PRESETS
+from vescale_plugins.bench.engines import BenchModel, BenchSettings, _units, batches, build_model
+from vescale_plugins.bench.llama import PRESETS, LlamaConfig
 from vescale_plugins.observe.allocations import AllocationTracker
 from vescale_plugins.optim import AdamW, AdamW8bit, tile_rows
 from vescale_plugins.tools.launch import launch_ranks
@@ -50,7 +50,7 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 QUALITY_LR = 3e-3
 
 
-def _shard(model: torch.nn.Module, vescale: bool, mesh: Any) -> None:
+def _shard(model: BenchModel, vescale: bool, mesh: Any) -> None:
     for unit in _units(model):
         if vescale:
             fully_shard(unit, mesh=mesh, block_size_fn=tile_rows(32))
@@ -62,6 +62,17 @@ def _torchao_adamw8bit(params: Any, lr: float) -> torch.optim.Optimizer:
     from torchao.optim import AdamW8bit as TorchaoAdamW8bit
 
     return TorchaoAdamW8bit(params, lr=lr, weight_decay=WEIGHT_DECAY)
+
+
+class StepOptimizer(Protocol):
+    """What the bench asks of an optimizer: a ``torch.optim.Optimizer`` or :class:`OnLocalShards`."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+
+    def step(self) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 class OnLocalShards:
@@ -100,7 +111,7 @@ class OnLocalShards:
 
 
 # name -> (veScale-FSDP?, optimizer factory)
-ENGINES: dict[str, tuple[bool, Callable[[Any, float], torch.optim.Optimizer]]] = {
+ENGINES: dict[str, tuple[bool, Callable[[Any, float], StepOptimizer]]] = {
     "veScale + AdamW8bit": (True, lambda ps, lr: AdamW8bit(ps, lr=lr, weight_decay=WEIGHT_DECAY)),
     "FSDP2 + torchao AdamW8bit": (
         False,
@@ -121,29 +132,28 @@ PAIRS = {
 }
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(optimizer: StepOptimizer) -> int:
     """Optimizer state bytes this rank holds (local shards; torchao's codes and scales)."""
     total = 0
     for state in optimizer.state.values():
         for value in state.values():
             if not isinstance(value, torch.Tensor):
                 continue
-            local = getattr(value, "_local_tensor", value)
+            # A DTensor's local shard, or torchao's quantized tensor (its codes and scales).
+            local: Any = getattr(value, "_local_tensor", value)
             parts = [local.codes, local.scale] if hasattr(local, "codes") else [local]
             total += sum(p.numel() * p.element_size() for p in parts)
     return total
 
 
-def _build(
-    name: str, settings: BenchSettings, mesh: Any, lr: float = LR
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(name: str, settings: BenchSettings, mesh: Any, lr: float = LR) -> tuple[BenchModel, StepOptimizer]:
     vescale, make_optimizer = ENGINES[name]
     model = build_model(settings, torch.device("cpu"))
     _shard(model, vescale, mesh)
     return model, make_optimizer(model.parameters(), lr)
 
 
-def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _forward_backward(model: BenchModel, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     loss = model.config.loss(model(tokens), targets)
     loss.backward()
     return loss.detach()
@@ -153,7 +163,7 @@ class PeerFailed(RuntimeError):
     """An optimizer step raised on some rank (every rank raises this together)."""
 
 
-def _agreed_step(optimizer: torch.optim.Optimizer) -> None:
+def _agreed_step(optimizer: StepOptimizer) -> None:
     """``optimizer.step()``; if it raises on any rank, every rank raises :class:`PeerFailed`
     (a rank that went on alone would hang in the next collective)."""
     error = ""
@@ -169,7 +179,7 @@ def _agreed_step(optimizer: torch.optim.Optimizer) -> None:
         raise PeerFailed("; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
 
 
-def _timed_step(optimizer: torch.optim.Optimizer) -> float:
+def _timed_step(optimizer: StepOptimizer) -> float:
     dist.barrier()
     start = time.perf_counter()
     _agreed_step(optimizer)
@@ -198,6 +208,7 @@ def _peak_bytes(name: str, settings: BenchSettings, mesh: Any, data: list, repea
 def learnable_batches(settings: BenchSettings, rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Sequences where each token is followed by ``perm[token]`` 90% of the time (else a
     uniform token): a task the model can learn, so optimizers' losses separate."""
+    assert isinstance(settings.config, LlamaConfig)  # this bench trains the decoder (PRESETS)
     vocab = settings.config.vocab_size
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(settings.seed))
     g = torch.Generator().manual_seed(settings.seed * 1000 + rank + 17)

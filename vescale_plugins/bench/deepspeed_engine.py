@@ -26,15 +26,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from vescale_plugins.bench.linear_stack import LinearStack
+from vescale_plugins.bench.llama import Llama
+
 __all__ = ["build", "full_parameters", "padding_and_traffic", "sharded_state_bytes", "zero3_config"]
 
 
-def _largest_unit(model: nn.Module) -> int:
+def _largest_unit(model: Llama | LinearStack) -> int:
     """Elements of the model's largest unit (``fsdp_units``), the size of a bucket."""
     return max(sum(p.numel() for m in modules for p in m.parameters()) for _, modules in model.fsdp_units())
 
 
-def zero3_config(model: nn.Module, batch_size: int, mixed_precision: bool, free_after_forward: bool) -> dict[str, Any]:
+def zero3_config(
+    model: Llama | LinearStack, batch_size: int, mixed_precision: bool, free_after_forward: bool
+) -> dict[str, Any]:
     """The ZeRO-3 config the bench runs (see the module docstring for why each setting)."""
     unit = _largest_unit(model)
     vectors = max((p.numel() for p in model.parameters() if p.dim() < 2), default=0)

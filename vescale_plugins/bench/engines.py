@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from vescale_plugins import fully_shard
-from vescale_plugins.bench.linear_stack import LinearStackConfig
-from vescale_plugins.bench.llama import LlamaConfig
+from vescale_plugins.bench.linear_stack import LinearStack, LinearStackConfig
+from vescale_plugins.bench.llama import Llama, LlamaConfig
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.runtime.state import groups_under
 
@@ -75,18 +76,22 @@ class Engine:
     units: list[UnitChoice] | None = None
 
 
-def build_model(settings: BenchSettings, device: torch.device) -> nn.Module:
+# The models a bench builds: each names its FSDP units (``fsdp_units``) and its loss (``config.loss``).
+BenchModel: TypeAlias = "Llama | LinearStack"
+
+
+def build_model(settings: BenchSettings, device: torch.device) -> BenchModel:
     torch.manual_seed(settings.seed)
     return settings.config.build().to(device)
 
 
 def compile_layers(model: nn.Module) -> None:
     """torchtitan's order: each decoder layer ``compile(fullgraph=True)``, then sharded."""
-    for layer in model.layers:
+    for layer in model.get_submodule("layers").children():
         layer.compile(fullgraph=True)
 
 
-def _units(model: nn.Module, groups: list[list[str]] | None = None) -> list[Any]:
+def _units(model: BenchModel, groups: list[list[str]] | None = None) -> list[Any]:
     """The units to shard, the root last: ``groups`` of module names if given, else the
     model's own (``fsdp_units``), then the root."""
     if groups is not None:
@@ -117,7 +122,7 @@ def vescale_unit_groups(model: nn.Module) -> list[list[str]]:
 
 
 def _shard_plain(
-    model: nn.Module,
+    model: BenchModel,
     settings: BenchSettings,
     mesh: DeviceMesh,
     shard: Callable[..., Any],
@@ -208,7 +213,7 @@ def deepspeed_config(settings: BenchSettings) -> dict[str, Any]:
     )
 
 
-def _deepspeed_engine(model: nn.Module, settings: BenchSettings) -> Engine:
+def _deepspeed_engine(model: BenchModel, settings: BenchSettings) -> Engine:
     import deepspeed  # noqa: F401  (imported before the timer: set-up is timed, not the import)
 
     from vescale_plugins.bench import deepspeed_engine
@@ -237,7 +242,7 @@ def full_parameters(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
         yield from deepspeed_engine.full_parameters(engine.model)
         return
     for name, p in parameter_names(engine.model).items():
-        yield name, p.full_tensor()
+        yield name, cast(DTensor, p).full_tensor()
 
 
 def _accelerator() -> str:
@@ -259,7 +264,8 @@ def _fabric_engine(model: nn.Module, settings: BenchSettings) -> Engine:
     )
     fabric.launch()
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(_optimizer(model))
+    # One optimizer in, one out: Fabric's wrapper, which forwards the Optimizer's methods.
+    optimizer = cast(torch.optim.Optimizer, fabric.setup_optimizers(_optimizer(model)))
     return Engine("vescale", model, optimizer, _training_step(model, optimizer, settings, fabric.backward))
 
 
@@ -332,7 +338,9 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
         reshard = [unit.reshard_after_forward for unit in found]
     else:
         groups = [names for names, _ in engine.units] if engine.units is not None else None
-        units = [u if isinstance(u, list) else [u] for u in _units(engine.model, groups)]  # ..., the root last
+        # FSDP2's engine holds the bench model itself (sharded in place).
+        model = cast(BenchModel, engine.model)
+        units = [u if isinstance(u, list) else [u] for u in _units(model, groups)]  # ..., the root last
         reshard = (
             [r for _, r in engine.units] if engine.units is not None else [settings.reshard_after_forward] * len(units)
         )

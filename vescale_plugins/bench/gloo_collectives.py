@@ -29,6 +29,7 @@ __all__ = ["add_arguments", "measure", "run"]
 
 def _calls(world: int, numel: int) -> dict[str, Callable[[], object]]:
     group = dist.group.WORLD
+    assert group is not None  # launch_ranks initialised it
     shard, gathered = torch.randn(numel), torch.empty(numel * world)
     full, reduced = torch.randn(numel * world), torch.empty(numel)
     return {

@@ -15,7 +15,9 @@ import resource
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+from vescale_plugins import fully_shard
 from vescale_plugins.bench.arguments import count
 from vescale_plugins.bench.engines import ENGINES
 from vescale_plugins.tools.launch import launch_ranks
@@ -29,13 +31,10 @@ def _peak_rss_mib() -> float:
 
 def _init_rise_mib(engine: str, rows: int, cols: int) -> float:
     """This rank's rise of peak RSS (MiB) over ``to_empty`` and ``reset_parameters``."""
-    if engine == "vescale":
-        from vescale_plugins import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
+    shard = fully_shard if engine == "vescale" else torch_fully_shard
     with torch.device("meta"):
         model = nn.Linear(cols, rows, bias=False)
-    fully_shard(model)
+    shard(model)
     before = _peak_rss_mib()
     model.to_empty(device="cpu")
     torch.manual_seed(0)

@@ -154,6 +154,9 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """``forward(tokens) -> logits``; ``layers`` is the ModuleList FSDP units are made of."""
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config

@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from vescale_plugins.optim.muon import adjust_lr
 from vescale_plugins.optim.newton_schulz import newton_schulz_for
 from vescale_plugins.optim.root_assignment import newton_schulz_flops
 from vescale_plugins.tools.launch import launch_ranks, report_progress
+
+if TYPE_CHECKING:
+    from rich.text import JustifyMethod
 from vescale_plugins.tools.outputs import write_results
 
 __all__ = ["add_arguments", "run"]
@@ -97,6 +100,7 @@ def _traffic_and_flops(name: str, optimizer: Muon, world: int, rank: int) -> dic
     shapes = _muon_shapes(optimizer)
     if name == "vescale":
         plan = optimizer.exchange_plan
+        assert plan is not None  # veScale-FSDP shards the model's matrices
         return {
             "optimizer_bytes_sent": plan.bytes_sent(rank),
             "ns_flops": plan.ns_flops_per_rank[rank],
@@ -152,7 +156,10 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int) -> dict[str, Any]
             report_progress(name)
     params = {name: parameter_names(engines[name][0]) for name in ENGINES}
     max_diff = max(
-        (params["vescale"][k].full_tensor() - params["fsdp2"][k].full_tensor()).abs().max().item()
+        (cast(DTensor, params["vescale"][k]).full_tensor() - cast(DTensor, params["fsdp2"][k]).full_tensor())
+        .abs()
+        .max()
+        .item()
         for k in params["fsdp2"]
     )
     figures = {name: _traffic_and_flops(name, engines[name][1], world, rank) for name in ENGINES}
@@ -209,12 +216,13 @@ def render_table(summary: dict[str, Any], world: int) -> Any:
     table = Table(
         title=f"Muon at W={world}: veScale-FSDP + distributed Muon vs FSDP2 + full_tensor() ({summary['muon_matrices']} matrices)"
     )
-    for column, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("figure", "left"),
         ("FSDP2 + full_tensor", "right"),
         ("veScale-FSDP + Muon", "right"),
         ("veScale / FSDP2", "right"),
-    ):
+    )
+    for column, justify in columns:
         table.add_column(column, justify=justify)
 
     def row(label: str, key: Callable[[dict], float], fmt: str, ratio: float | None) -> None:

@@ -75,7 +75,7 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
             **figures,
         }
     ratios, verdict = _versus(engines["vescale"], engines["fsdp2"], ("veScale-FSDP", "FSDP2"))
-    summary = {
+    summary: dict[str, Any] = {
         "engines": engines,
         "ratios": ratios,
         "verdict": verdict,

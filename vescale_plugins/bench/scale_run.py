@@ -223,8 +223,9 @@ def _measure(engine: str, world_size: int, model_name: str, steps: int, warmup: 
     with torch.device("meta"):
         if trains:
             config, layers = STEP_MODELS[model_name]
-            model: nn.Module = Blocks(config, layers).to(torch.bfloat16)
-            units = [*model.layers]
+            blocks = Blocks(config, layers).to(torch.bfloat16)
+            model: nn.Module = blocks
+            units = [*blocks.layers]
         else:
             model, units = _catalog_model(model_name)
     numel = sum(p.numel() for p in model.parameters())

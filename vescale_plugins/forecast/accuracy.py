@@ -82,6 +82,7 @@ def settings_from_json(d: dict[str, Any]) -> BenchSettings:
 def _time_unsharded(settings: BenchSettings, repeats: int) -> float:
     """Median seconds of this process's unsharded forward + backward (after one untimed)."""
     model = build_model(settings, torch.device("cpu"))
+    assert isinstance(settings.config, LlamaConfig)  # the forecast's bench model is the decoder
     tokens = torch.randint(0, settings.config.vocab_size, (settings.batch_size, settings.seq_len + 1))
     times = []
     for _ in range(repeats + 1):

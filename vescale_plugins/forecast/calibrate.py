@@ -66,6 +66,7 @@ def _measure_rank(sizes_bytes: list[int], repeats: int) -> dict[str, Any]:
         "vescale_reduce_scatter": [],
     }
     group = dist.group.WORLD
+    assert group is not None  # the caller's process group is initialised
     for total in sizes_bytes:
         shard = torch.ones(total // 4 // n)  # sizes are rounded down to whole shards
         full = torch.ones(shard.numel() * n)

@@ -33,7 +33,7 @@ def forecast_world_size(
     memory = forecast_memory(spec, group, settings.precision, settings.optimizer, activations, settings.block_rows)
     steps = forecast_step_time(spec, hardware, group, settings, memory)
     usable = hardware.memory_bytes - hardware.reserved_bytes
-    engines = {}
+    engines: dict[str, dict[str, Any]] = {}
     for engine in ENGINES:
         m = memory[engine]
         total = m.total(settings.activation_checkpointing)

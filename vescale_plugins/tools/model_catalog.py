@@ -150,7 +150,7 @@ def _norm(name: str, size: int) -> Param:
 
 def _linear(name: str, out_features: int, in_features: int, bias: bool = False) -> list[Param]:
     """An ``nn.Linear``: weight ``[out, in]``, then the optional bias."""
-    params = [(f"{name}.weight", (out_features, in_features))]
+    params: list[Param] = [(f"{name}.weight", (out_features, in_features))]
     if bias:
         params.append((f"{name}.bias", (out_features,)))
     return params

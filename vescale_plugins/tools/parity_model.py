@@ -8,6 +8,7 @@ rank training on its own rows) and the unsharded reference step sharded training
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,12 +48,15 @@ class Block(nn.Module):
 
     def reset_parameters(self) -> None:
         for m in self.modules():
-            if m is not self and hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if m is not self and callable(reset):
+                reset()
 
 
 class Decoder(nn.Module):
     """Token embedding tied to the output head, ``LAYERS`` blocks, a final norm, a buffer."""
+
+    position_scale: torch.Tensor
 
     def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
@@ -72,7 +76,7 @@ class Decoder(nn.Module):
     def reset_parameters(self) -> None:
         self.embed.reset_parameters()
         for layer in self.layers:
-            layer.reset_parameters()
+            cast(Block, layer).reset_parameters()
         self.norm.reset_parameters()
         with torch.no_grad():
             self.position_scale.copy_(torch.linspace(0.5, 1.5, SEQ).view(1, SEQ, 1))

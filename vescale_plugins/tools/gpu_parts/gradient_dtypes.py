@@ -19,12 +19,14 @@ so that the check does not rest on the device's FSDP2 alone (its torch is older 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from vescale_plugins.tools.gpu_parts.context import PartContext, launch
 
@@ -73,7 +75,7 @@ def _build(shard: Any, device: torch.device, divide_factor: float | None) -> _Mo
     shard(model, mp_policy=policy)
     if divide_factor is not None:
         for module in model.modules():
-            if hasattr(module, "set_gradient_divide_factor"):
+            if isinstance(module, FSDPModule):  # FSDP2's units and ours
                 module.set_gradient_divide_factor(divide_factor)
                 # gloo (a CPU run of this part) has no PREMUL_SUM: FSDP2 needs the sum there.
                 module.set_force_sum_reduction_for_comms(device.type != "cuda")
@@ -102,7 +104,7 @@ def _chunked(model: _Model, device: torch.device) -> list[torch.Tensor]:
     head.set_reshard_after_forward(True)
     head.set_reshard_after_backward(True)
     head.reshard()
-    grad = torch.cat([p.grad.float() for p in pieces]).to(hidden.dtype)  # type: ignore[union-attr]
+    grad = torch.cat([p.grad.float() for p in pieces]).to(hidden.dtype)
     _DecoderGradient.apply(hidden, grad).backward()
     return [p.detach() for p in pieces]
 
@@ -150,9 +152,9 @@ def _rank(kind: str) -> dict[str, Any]:
                 # case needs (grouped units called in part, 2.13's), said in the figures.
                 figures[f"{case}_fsdp2_error"] = str(error).splitlines()[0]
                 continue
-            grads[engine] = {n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()}
+            grads[engine] = {n: cast(DTensor, p.grad).full_tensor().float().cpu() for n, p in model.named_parameters()}
             if pieces is not None and engine == "vescale":
-                expected = _head_reference(model.head.weight.full_tensor(), pieces, device)
+                expected = _head_reference(cast(DTensor, model.head.weight).full_tensor(), pieces, device)
                 figures["head_vs_fp32_sum_of_chunks"] = (grads[engine]["head.weight"] - expected).abs().max().item()
                 figures["head_bound"] = 1e-6 * expected.abs().max().item()
         by_name = {}

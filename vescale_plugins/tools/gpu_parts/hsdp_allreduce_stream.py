@@ -11,6 +11,7 @@ other; and the all-reduce must have gone out on the all-reduce stream.
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -60,12 +61,11 @@ def _hsdp_rank() -> dict[str, Any]:
         on_all_reduce_stream["count"] += stream is streams.all_reduce
         return original(streams, stream, after=after)
 
-    CommStreams.issue_on = counted  # inside the provocation's patch
-    try:
-        with parity.provoked_streams(parity.PROVOKING_CYCLES) as counts:
-            provoked, provoked_losses = _train(base, fully_shard, mesh, device, world)
-    finally:
-        CommStreams.issue_on = original
+    with (
+        mock.patch.object(CommStreams, "issue_on", counted),  # inside the provocation's patch
+        parity.provoked_streams(parity.PROVOKING_CYCLES) as counts,
+    ):
+        provoked, provoked_losses = _train(base, fully_shard, mesh, device, world)
     torch.cuda.synchronize(device)
     tol = parity.PARAM_TOL["cuda"]
     parity._assert_params_close(ours, theirs, tol)

@@ -33,10 +33,9 @@ SLACK_BYTES = 8 << 20
 
 
 def _unit_bytes(model: torch.nn.Module) -> list[int]:
-    units = {
-        id(m._vescale_fsdp_unit): m._vescale_fsdp_unit for m in model.modules() if hasattr(m, "_vescale_fsdp_unit")
-    }
-    return [sum(d.sharded.numel() * d.sharded.element_size() for d in unit.dbuffers) for unit in units.values()]
+    from vescale_plugins.runtime.state import groups_under
+
+    return [sum(d.sharded.numel() * d.sharded.element_size() for d in unit.dbuffers) for unit in groups_under([model])]
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -31,12 +32,21 @@ from vescale_plugins.tools.gpu_parts.context import PartContext, launch
 __all__ = ["run_w1", "run_multi_rank", "run_race_provocation", "run_fake_pg_w2", "provoked_streams"]
 
 PARITY_STEPS = 3
+
+
+class Tolerance(TypedDict):
+    """``torch.testing.assert_close``'s bounds."""
+
+    rtol: float
+    atol: float
+
+
 # Adam turns a gradient's rounding difference into an update difference where the gradient
 # is near zero (see tests/support/parity.py); CUDA's atomics (embedding backward) add their
 # own order-dependence, so the GPU bound is looser. The JSON keeps the measured differences.
-PARAM_TOL = {"cpu": dict(rtol=1e-4, atol=1e-5), "cuda": dict(rtol=1e-3, atol=1e-4)}
-LOSS_TOL = {"cpu": dict(rtol=2e-5, atol=2e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
-BF16_TOL = dict(rtol=2e-2, atol=2e-3)
+PARAM_TOL = {"cpu": Tolerance(rtol=1e-4, atol=1e-5), "cuda": Tolerance(rtol=1e-3, atol=1e-4)}
+LOSS_TOL = {"cpu": Tolerance(rtol=2e-5, atol=2e-6), "cuda": Tolerance(rtol=1e-4, atol=1e-5)}
+BF16_TOL = Tolerance(rtol=2e-2, atol=2e-3)
 # GPU cycles each provoking sleep spins (about 1 ms at an H200's clock): far longer than any
 # kernel of the decoder, so an unordered read lands in the window.
 PROVOKING_CYCLES = 2_000_000
@@ -54,7 +64,7 @@ def _max_abs_diff(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
     return worst
 
 
-def _assert_params_close(ours: torch.nn.Module, theirs: torch.nn.Module, tol: dict[str, float]) -> None:
+def _assert_params_close(ours: torch.nn.Module, theirs: torch.nn.Module, tol: Tolerance) -> None:
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         torch.testing.assert_close(_full(p), _full(q), **tol, msg=lambda m: f"{name}: {m}")
 
@@ -68,13 +78,8 @@ class _StreamCounter:
     def __enter__(self) -> _StreamCounter:
         from vescale_plugins.dbuffer.streams import CommStreams
 
-        self._patched = [
-            (CommStreams, "record", CommStreams.record),
-            (CommStreams, "wait", CommStreams.wait),
-            (torch.Tensor, "record_stream", torch.Tensor.record_stream),
-        ]
         counter = self
-        record, wait, record_stream = (p[2] for p in self._patched)
+        record, wait, record_stream = CommStreams.record, CommStreams.wait, torch.Tensor.record_stream
 
         def counted_record(streams: Any, stream: Any) -> Any:
             event = record(streams, stream)
@@ -89,16 +94,14 @@ class _StreamCounter:
             counter.record_stream_calls += 1
             record_stream(tensor, stream)
 
-        CommStreams.record, CommStreams.wait, torch.Tensor.record_stream = (
-            counted_record,
-            counted_wait,
-            counted_record_stream,
-        )
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(mock.patch.object(CommStreams, "record", counted_record))
+        self._patches.enter_context(mock.patch.object(CommStreams, "wait", counted_wait))
+        self._patches.enter_context(mock.patch.object(torch.Tensor, "record_stream", counted_record_stream))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for owner, name, original in self._patched:
-            setattr(owner, name, original)
+        self._patches.close()
 
 
 @contextlib.contextmanager
@@ -118,11 +121,8 @@ def provoked_streams(cycles: int, which: str = "all") -> Iterator[dict[str, int]
                 counts["side_stream_sleeps"] += 1
             yield
 
-    CommStreams.issue_on = issue_on
-    try:
+    with mock.patch.object(CommStreams, "issue_on", issue_on):
         yield counts
-    finally:
-        CommStreams.issue_on = original
 
 
 def _sleep_before_each_unit(model: torch.nn.Module, cycles: int, counts: dict[str, int]) -> list[Any]:
@@ -147,7 +147,7 @@ def _setup(kind: str) -> tuple[torch.device, Any, int]:
 
 
 def _shard(model: torch.nn.Module, fn: Callable[..., Any], mesh: Any, **kwargs: Any) -> torch.nn.Module:
-    for layer in model.layers:
+    for layer in model.get_submodule("layers").children():
         fn(layer, mesh=mesh, **kwargs)
     return fn(model, mesh=mesh, **kwargs)
 
@@ -171,6 +171,7 @@ def _parity_rank(kind: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from vescale_plugins import fully_shard
+    from vescale_plugins.runtime.state import groups_under
 
     device, mesh, world = _setup(kind)
     out: dict[str, Any] = {"world_size": world}
@@ -201,7 +202,7 @@ def _parity_rank(kind: str) -> dict[str, Any]:
     }
     _assert_params_close(ours, reference, PARAM_TOL[kind])
     _assert_params_close(ours, theirs, PARAM_TOL[kind])
-    dbuffer = ours._vescale_fsdp_unit.dbuffers[0]
+    dbuffer = groups_under([ours])[0].dbuffers[0]  # the root unit's
     out["comm_streams"] = {
         "enabled": dbuffer.streams.enabled,
         "events_recorded": streams.events_recorded,
@@ -267,7 +268,9 @@ def _train_ours(reference: torch.nn.Module, mesh: Any, device: torch.device, wor
     optimizer = _adamw(model)
     counts: dict[str, int] = {}
     hooks = _sleep_before_each_unit(model, cycles, counts) if cycles else []
-    provoking = provoked_streams(cycles) if cycles else contextlib.nullcontext({})
+    provoking: contextlib.AbstractContextManager[dict[str, int]] = (
+        provoked_streams(cycles) if cycles else contextlib.nullcontext({})
+    )
     losses = []
     with provoking as stream_counts:
         for step in range(PARITY_STEPS):
