@@ -1,2 +1,10 @@
-"""The side-by-side benchmarks against FSDP2: ``python -m vescale_plugins.bench`` (``make bench``)
-and its subcommands (``step``, ``collectives``, ``adam8bit``, ``muon``, ``init-memory``)."""
+"""The side-by-side benchmarks against FSDP2 (and DeepSpeed ZeRO-3): ``python -m vescale_plugins.bench``.
+
+* :mod:`.__main__`: the CLI; without a subcommand the comparison of :mod:`.compare` (``make bench``).
+* The subcommands, one module each: ``step`` (:mod:`.step`), ``collectives``
+  (:mod:`.gloo_collectives`), ``adam8bit``, ``muon``, ``init-memory`` (:mod:`.init_memory`) and
+  ``scale`` (:mod:`.scale`, one world size at a time in :mod:`.scale_run`).
+* What they share: the engines (:mod:`.engines`, :mod:`.deepspeed_engine`), the models
+  (:mod:`.llama`, :mod:`.linear_stack`), launching ranks (:mod:`.runner`), figures and tables
+  (:mod:`.report`), argument types (:mod:`.arguments`).
+"""

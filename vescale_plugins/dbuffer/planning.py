@@ -64,9 +64,8 @@ class BufferSplitCost:
     ``beta_bytes_per_s`` (bus bandwidth) replace its latencies and bandwidths.
     ``cap_at_fsdp2_padding``: where no block structure is asked for, split further if that
     is what keeps the padding at most FSDP2's (memory first). Off by default: at scale the
-    extra collectives cost more time than the padding costs memory (at 1,024 ranks a dense
-    block needs three buffers: its all-gathers take half as long again, for under 1 % of
-    the sharded state).
+    extra collectives cost more time than the padding costs memory (docs/fully_shard.md has
+    the figures).
     """
 
     alpha_s: float | None = None
@@ -189,7 +188,7 @@ def _fsdp2_padding(shapes: Sequence[torch.Size], rows: Sequence[int], world_size
     """FSDP2 pads dim 0 of each parameter to a multiple of the world size: torch.chunk gives
     every rank ceil(dim0 / W) rows and the sharded parameter is padded to chunk 0's size
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param:
-    ``padded_sharded_size = chunks[0].size()  # 0th always padded``, line 304 in torch 2.13);
+    ``padded_sharded_size = chunks[0].size()  # 0th always padded``);
     with blocks of ``rows`` rows, to whole blocks per rank."""
     kept = [(tuple(s) if len(s) else (1,), r) for s, r in zip(shapes, rows) if math.prod(s)]
     return fsdp2_padding([s for s, _ in kept], [r * row_numel(torch.Size(s)) for s, r in kept], world_size)

@@ -320,9 +320,7 @@ def _fine_atoms(numels: tuple[int, ...], block_sizes: tuple[int, ...]) -> list[t
 
     Where a tensor has few blocks per rank, whole classes cannot make every buffer's
     payload a whole number of blocks per rank; moving single tensors between buffers can
-    (Llama-3-8B at W=256, 16-row blocks: ``down`` with ``gate`` alone packs exactly, two
-    ``down`` blocks or seven ``gate`` blocks per rank, while no split of whole classes pads
-    under 3.8 %). Tiny tensors (together at most ``TINY_FRACTION`` of the payload: norms,
+    (docs/planner.md: Llama-3-8B at W=256). Tiny tensors (together at most ``TINY_FRACTION`` of the payload: norms,
     biases) form one atom. The rest: one atom per tensor when at most ``MAX_ATOMS`` - 1
     remain; else per kind of identical tensors (numel, block size), a kind of several
     tensors as one tensor plus the others, so that a buffer can take one of them. The

@@ -7,12 +7,7 @@ block size must divide the shard size, so the part's shard size steps over a gri
 bound is a sawtooth in its payload: zero just under ``W`` times a grid step. Splits of whole
 block-size classes rarely land there; moving a few experts of one kind into another buffer
 (a *spill*) shifts both buffers' payloads by a multiple of the expert's size until they do.
-Qwen3-30B-A3B at W=1024, 16-row blocks: whole classes pad 7.7 % at best (``o_proj``'s
-65536-element blocks and the experts' 32768 and 12288 force their grids on each other);
-``o_proj`` with 80 gate/up experts fills two of its blocks per rank exactly, the attention
-with the other 176 gate/up experts and 9 down experts pads 256 elements per rank on a
-98304-element grid, and the other 119 down experts a quarter of a 12288-element block:
-0.29 %.
+docs/planner.md works an example (Qwen3-30B-A3B at W=1024) through.
 
 The search, for every budget ``k``: start from the ``STARTS_PER_BUDGET`` partitions of whole
 classes into ``k`` parts (all classes, if fewer) whose bounds sum to the least, and from the

@@ -9,7 +9,7 @@ parameters and fp32 reduction, then on every rank:
 * a chunked loss over the head (8 chunks, sync off for all but the last chunk's backward,
   the head kept unsharded), then the decoder's backward from the chunks' gradients;
 * four micro-batches, sync on the last only, with ``set_gradient_divide_factor(3.0)``
-  (``PREMUL_SUM(1/3)`` in FSDP2; the sum divided by 3 before this fix).
+  (``PREMUL_SUM(1/3)`` in FSDP2: the sum divided by 3).
 
 Every full gradient is compared with FSDP2's: equal bits at W=2; at W > 2 within the
 rounding of the cross-rank sum's order (a few units in the last place of fp32). The head's
