@@ -17,7 +17,7 @@ def test_row_wise_uneven_units_with_a_zero():
         (9, 0, (0, 3)),
         (9, 12, (4, 3)),
     ]
-    assert layout.row_numel == 3 and layout.unit_rows == 1
+    assert layout.row_numel == 3 and layout.block_rows == 1
 
 
 def test_element_wise_shards_are_one_dimensional():
@@ -50,9 +50,9 @@ def test_whole_tensor_on_one_rank():
         ((4, 4), (0,), (0, 0), "all zero"),
         ((4, 4), (0,), (), "local_units is empty"),
         ((5, 4), (0,), (1, 1), "sum(local_units) must divide the 5 rows"),
-        ((4, 3), (0,), (1, 2, 5), "do not split into 8 equal units"),
+        ((4, 3), (0,), (1, 2, 5), "do not split into 8 equal blocks"),
         ((4,), (0, 1), (1,), "the tensor has only 1"),
-        ((3, 4), (), (1, 1), "do not split into 2 equal units"),
+        ((3, 4), (), (1, 1), "do not split into 2 equal blocks"),
     ],
 )
 def test_bad_layout_names_shape_dims_units_and_what_fits(shape, dims, units, message):

@@ -3,7 +3,7 @@
 A buffer of ``world_size * shard_size`` elements is cut into ``world_size`` equal shards; rank
 ``r`` owns ``[r * shard_size, (r + 1) * shard_size)``. Each tensor is one contiguous interval of
 the buffer. Everything here is in elements (never bytes); "blocks" are a tensor's indivisible
-units of ``block_size`` elements (a block of rows, or single elements), counted from the
+runs of ``block_size`` elements (a block of rows, or single elements), counted from the
 tensor's start; when ``block_size`` does not divide the numel the last block is shorter
 (1031 rows in blocks of 32 rows: 32 blocks of 32 rows and one of 7).
 """
@@ -200,7 +200,7 @@ class Layout:
     def local_units(self, index: int) -> tuple[int, ...]:
         """Blocks of tensor ``index`` held by each rank (the last block may be shorter).
 
-        One unit is one block of ``block_sizes[index]`` elements; the tuple has
+        A block is ``block_sizes[index]`` elements; the tuple has
         ``world_size`` entries (zeros allowed) summing to ``ceil(numels[index] / block)``.
         When the block divides the numel this is ``RaggedShard``'s ``local_units``.
         """

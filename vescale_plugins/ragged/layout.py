@@ -34,29 +34,30 @@ class RankSlice:
 class RaggedLayout:
     """Every rank's slice of one tensor under ``RaggedShard(dims, local_units)``.
 
-    ``row_numel`` is the elements in one row (the product of the trailing, never-split dims);
-    ``unit_rows`` is the rows in one unit. ``slices[r]`` is computed when asked for (from the
-    units' runs), so a layout costs the same at any world size.
+    ``local_units`` counts each rank's blocks (the tensor is cut into ``sum(local_units)``
+    equal blocks); ``row_numel`` is the elements in one row (the product of the trailing,
+    never-split dims); ``block_rows`` is the rows in one block. ``slices[r]`` is computed when
+    asked for (from the counts' runs), so a layout costs the same at any world size.
     """
 
     shape: tuple[int, ...]
     dims: tuple[int, ...]
     local_units: UnitRuns
     row_numel: int
-    unit_rows: int
+    block_rows: int
     slices: RankSlices
 
 
 class RankSlices(Sequence[RankSlice]):
     """The ranks' :class:`RankSlice` of one layout, each computed on access."""
 
-    def __init__(self, shape: tuple[int, ...], dims: tuple[int, ...], units: UnitRuns, unit_numel: int) -> None:
-        self._shape, self._dims, self._units, self._unit_numel = shape, dims, units, unit_numel
+    def __init__(self, shape: tuple[int, ...], dims: tuple[int, ...], blocks: UnitRuns, block_numel: int) -> None:
+        self._shape, self._dims, self._blocks, self._block_numel = shape, dims, blocks, block_numel
         row_numel = math.prod(shape[len(dims) :])
-        self._unit_rows = unit_numel // row_numel if row_numel else 0
+        self._block_rows = block_numel // row_numel if row_numel else 0
 
     def __len__(self) -> int:
-        return len(self._units)
+        return len(self._blocks)
 
     @overload
     def __getitem__(self, rank: int) -> RankSlice: ...
@@ -72,24 +73,24 @@ class RankSlices(Sequence[RankSlice]):
         return self._slice(rank % len(self))
 
     def _slice(self, rank: int) -> RankSlice:
-        return self._make(self._units.prefix(rank), self._units[rank])
+        return self._make(self._blocks.prefix(rank), self._blocks[rank])
 
     def __iter__(self) -> Iterator[RankSlice]:
         start = 0
-        for units in self._units:
-            yield self._make(start, units)
-            start += units
+        for blocks in self._blocks:
+            yield self._make(start, blocks)
+            start += blocks
 
-    def _make(self, start_units: int, units: int) -> RankSlice:
+    def _make(self, start_block: int, blocks: int) -> RankSlice:
         shape = self._shape
         if not self._dims:
-            local_shape = shape if units else (0, *shape[1:]) if shape else (0,)
+            local_shape = shape if blocks else (0, *shape[1:]) if shape else (0,)
         else:
-            local_shape = (units * self._unit_rows, *shape[len(self._dims) :])
-        return RankSlice(start_units * self._unit_numel, units * self._unit_numel, local_shape)
+            local_shape = (blocks * self._block_rows, *shape[len(self._dims) :])
+        return RankSlice(start_block * self._block_numel, blocks * self._block_numel, local_shape)
 
     def _key(self) -> tuple:
-        return (self._shape, self._dims, self._units, self._unit_numel)
+        return (self._shape, self._dims, self._blocks, self._block_numel)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RankSlices):
@@ -103,10 +104,10 @@ class RankSlices(Sequence[RankSlice]):
 
 
 def _divisor_hint(numel: int, row_numel: int) -> str:
-    """Unit totals that would fit: those giving whole rows per unit."""
+    """Block totals that would fit: those giving whole rows per block."""
     rows = numel // row_numel if row_numel else 0
     if rows == 0:
-        return "the tensor is empty, so any units of at least one rank fit"
+        return "the tensor is empty, so any local_units of at least one rank fit"
     divisors = [d for d in range(1, min(rows, 64) + 1) if rows % d == 0]
     return f"sum(local_units) must divide the {rows} rows, e.g. one of {divisors}"
 
@@ -114,16 +115,16 @@ def _divisor_hint(numel: int, row_numel: int) -> str:
 def validate_ragged(shape: Sequence[int], dims: Sequence[int], local_units: Sequence[int]) -> None:
     """Raise ``ValueError`` unless ``RaggedShard(dims, local_units)`` can describe ``shape``.
 
-    Rules: ``dims`` is the prefix ``(0, ..., k-1)`` of the tensor's dims; units are
-    non-negative with a positive sum; one unit (``numel // sum(units)`` elements) is a whole
-    number of rows of ``dims`` (a row = the trailing dims ``shape[k:]``).
+    Rules: ``dims`` is the prefix ``(0, ..., k-1)`` of the tensor's dims; the block counts
+    are non-negative with a positive sum; one block (``numel // sum(local_units)`` elements)
+    is a whole number of rows of ``dims`` (a row = the trailing dims ``shape[k:]``).
     """
-    shape, dims, units = tuple(shape), tuple(dims), UnitRuns.of(local_units)
+    shape, dims, blocks = tuple(shape), tuple(dims), UnitRuns.of(local_units)
 
     def where() -> str:
-        return f"RaggedShard(dims={dims}, local_units={units}) on shape {shape}"
+        return f"RaggedShard(dims={dims}, local_units={blocks}) on shape {shape}"
 
-    _validate_placement_args(dims, units, where)
+    _validate_placement_args(dims, blocks, where)
     if len(dims) > len(shape):
         raise ValueError(
             f"{where()}: dims names {len(dims)} dims but the tensor has only {len(shape)}; "
@@ -131,43 +132,44 @@ def validate_ragged(shape: Sequence[int], dims: Sequence[int], local_units: Sequ
         )
     row_numel = math.prod(shape[len(dims) :])
     numel = math.prod(shape)
-    total_units = units.total
-    if numel % total_units or (numel // total_units) % max(row_numel, 1):
+    total_blocks = blocks.total
+    if numel % total_blocks or (numel // total_blocks) % max(row_numel, 1):
         raise ValueError(
-            f"{where()}: {numel} elements do not split into {total_units} equal units of whole "
+            f"{where()}: {numel} elements do not split into {total_blocks} equal blocks of whole "
             f"rows of {row_numel} elements; {_divisor_hint(numel, row_numel)}"
         )
 
 
-def _validate_placement_args(dims: tuple[int, ...], units: UnitRuns, where: Callable[[], str]) -> None:
-    """The checks that need no tensor shape: dims form a prefix, units are sane. ``where``
-    names the placement in an error (built only then: its units may be long)."""
+def _validate_placement_args(dims: tuple[int, ...], blocks: UnitRuns, where: Callable[[], str]) -> None:
+    """The checks that need no tensor shape: dims form a prefix, block counts are sane.
+    ``where`` names the placement in an error (built only then: its counts may be long)."""
     if dims != tuple(range(len(dims))):
         raise ValueError(
             f"{where()}: dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, e.g. {tuple(range(len(dims)))}"
         )
-    if not len(units):
+    if not len(blocks):
         raise ValueError(f"{where()}: local_units is empty; give one entry per rank of the mesh dim")
-    if any((not isinstance(u, int)) or u < 0 for u, _ in units.runs):
+    if any((not isinstance(b, int)) or b < 0 for b, _ in blocks.runs):
         raise ValueError(f"{where()}: local_units must be non-negative integers")
-    if units.total == 0:
-        raise ValueError(f"{where()}: local_units are all zero; at least one rank must hold a unit")
+    if blocks.total == 0:
+        raise ValueError(f"{where()}: local_units are all zero; at least one rank must hold a block")
 
 
 def ragged_layout(shape: Sequence[int], dims: Sequence[int], local_units: Sequence[int]) -> RaggedLayout:
     """Every rank's ``(offset, length)`` in elements and its local shape.
 
-    Rank ``r`` holds units ``[sum(u[:r]), sum(u[:r+1]))`` of the flat row-major storage.
+    Rank ``r`` holds blocks ``[sum(u[:r]), sum(u[:r+1]))`` of the flat row-major storage
+    (``u = local_units``; ``sum(u)`` equal blocks).
     Its local tensor has shape ``(rows_r, *shape[k:])`` with ``k = len(dims)``, so a row-wise
     shard of a 2-D weight is 2-D with uneven rows and an element-wise shard is 1-D.
-    ``dims=()`` puts the whole tensor (one unit) on one rank, which keeps the full shape.
+    ``dims=()`` puts the whole tensor (one block) on one rank, which keeps the full shape.
     """
-    shape, dims, units = tuple(shape), tuple(dims), UnitRuns.of(local_units)
-    validate_ragged(shape, dims, units)
+    shape, dims, blocks = tuple(shape), tuple(dims), UnitRuns.of(local_units)
+    validate_ragged(shape, dims, blocks)
     row_numel = math.prod(shape[len(dims) :])
-    unit_numel = math.prod(shape) // units.total
-    unit_rows = unit_numel // row_numel if row_numel else 0
-    return RaggedLayout(shape, dims, units, row_numel, unit_rows, RankSlices(shape, dims, units, unit_numel))
+    block_numel = math.prod(shape) // blocks.total
+    block_rows = block_numel // row_numel if row_numel else 0
+    return RaggedLayout(shape, dims, blocks, row_numel, block_rows, RankSlices(shape, dims, blocks, block_numel))
 
 
 def flat_interval_boxes(shape: Sequence[int], start: int, length: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

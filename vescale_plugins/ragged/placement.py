@@ -1,10 +1,11 @@
-"""RaggedShard: a DTensor placement where each rank holds a contiguous run of whole units.
+"""RaggedShard: a DTensor placement where each rank holds a contiguous run of whole blocks.
 
 ``RaggedShard(dims, local_units)`` flattens the leading ``dims`` of a tensor into rows and
-cuts its row-major storage into ``sum(local_units)`` equal units; rank ``r`` of the mesh dim
-holds units ``[sum(u[:r]), sum(u[:r+1]))``. Zeros are allowed (that rank holds nothing), so
-one placement covers element-wise, row-wise (even = ``Shard(0)``, or uneven), block-wise
-(a unit of g rows) and whole-tensor-on-one-rank (``dims=()``, one-hot units) sharding.
+cuts its row-major storage into ``sum(local_units)`` equal blocks; rank ``r`` of the mesh dim
+holds blocks ``[sum(u[:r]), sum(u[:r+1]))`` (``local_units`` keeps the veScale paper's name:
+each rank's count of blocks). Zeros are allowed (that rank holds nothing), so one placement
+covers element-wise, row-wise (even = ``Shard(0)``, or uneven), block-wise (a block of g
+rows) and whole-tensor-on-one-rank (``dims=()``, one-hot counts) sharding.
 
 Stock DTensor code works on it: building the first one teaches torch's DTensor about it (see
 :mod:`vescale_plugins.ragged.dtensor` for the few places, and when).
@@ -37,29 +38,30 @@ def _teach_dtensor() -> None:
 
 
 class RaggedShard(Placement):
-    """Contiguous, possibly uneven, runs of whole units of a tensor per rank.
+    """Contiguous, possibly uneven, runs of whole blocks of a tensor per rank.
 
     Args:
         dims: the prefix ``(0, ..., k-1)`` of tensor dims flattened into rows; the trailing
             dims are never split. ``()`` makes the whole tensor one row.
-        local_units: one non-negative weight per rank of the mesh dim (their sum > 0).
+        local_units: each rank's count of blocks, one non-negative int per rank of the mesh
+            dim (their sum > 0: the tensor is cut into that many equal blocks).
     """
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
         super().__init__()
         _teach_dtensor()
-        dims, units = tuple(int(d) for d in dims), UnitRuns.of(local_units)
-        _validate_placement_args(dims, units, lambda: f"RaggedShard(dims={dims}, local_units={units})")
+        dims, blocks = tuple(int(d) for d in dims), UnitRuns.of(local_units)
+        _validate_placement_args(dims, blocks, lambda: f"RaggedShard(dims={dims}, local_units={blocks})")
         self.dims = dims
         # As runs: the same few pairs at any world size (hashed on every DTensor op).
-        self.local_units = units
+        self.local_units = blocks
 
     def layout(self, shape: Sequence[int]) -> RaggedLayout:
         """Every rank's slice of a tensor of ``shape`` (raises ``ValueError`` if it does not fit)."""
         return ragged_layout(shape, self.dims, self.local_units)
 
     def check_mesh_dim_size(self, mesh_dim_size: int, shape: Sequence[int]) -> None:
-        """Raise ``ValueError`` unless there is one unit weight per rank of the mesh dim."""
+        """Raise ``ValueError`` unless there is one block count per rank of the mesh dim."""
         if len(self.local_units) != mesh_dim_size:
             raise ValueError(
                 f"{self!r} on shape {tuple(shape)}: {len(self.local_units)} local_units for a mesh "
@@ -93,9 +95,9 @@ class RaggedShard(Placement):
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
 
     def __str__(self) -> str:
-        return f"RS{self.dims}{self._units_str()}"
+        return f"RS{self.dims}{self._blocks_str()}"
 
-    def _units_str(self) -> str:
+    def _blocks_str(self) -> str:
         return str(list(self.local_units)) if len(self.local_units) <= 64 else repr(self.local_units)
 
 
@@ -138,4 +140,4 @@ class StridedRaggedShard(RaggedShard):
         return f"StridedRaggedShard(dims={self.dims}, local_units={self.local_units}, split_factor={self.split_factor})"
 
     def __str__(self) -> str:
-        return f"SRS{self.dims}{self._units_str()}/{self.split_factor}"
+        return f"SRS{self.dims}{self._blocks_str()}/{self.split_factor}"

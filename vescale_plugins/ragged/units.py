@@ -1,9 +1,9 @@
-"""Per-rank unit counts of a RaggedShard, stored as runs of equal counts.
+"""Per-rank block counts of a RaggedShard (its ``local_units``), stored as runs of equal counts.
 
 A sharded parameter touches a few consecutive ranks of its shard group: zeros, a partial
 rank, whole ranks, a partial rank, zeros. As runs that is at most five pairs whatever the
 world size, so a placement, its hash and its equality cost O(runs), not O(ranks); a rank's
-count and the units before it are found by walking the runs.
+count and the blocks before it are found by walking the runs.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ class UnitRuns(Sequence[int]):
         self._len = sum(count for _, count in merged)
 
     @classmethod
-    def of(cls, units: Sequence[int]) -> UnitRuns:
-        """``units`` as runs (itself when it already is)."""
-        if isinstance(units, UnitRuns):
-            return units
-        return cls((value, len(list(group))) for value, group in itertools.groupby(units))
+    def of(cls, counts: Sequence[int]) -> UnitRuns:
+        """``counts`` as runs (itself when it already is)."""
+        if isinstance(counts, UnitRuns):
+            return counts
+        return cls((value, len(list(group))) for value, group in itertools.groupby(counts))
 
     @property
     def total(self) -> int:
