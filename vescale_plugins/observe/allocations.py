@@ -16,10 +16,8 @@ alternatives:
   patched ``UntypedStorage.resize_``) is wrong for exactly that pattern on torch 2.13: a
   storage created before the tracker (like DBuffer's unsharded buffers, made at
   ``fully_shard`` time) is not counted when it is resized, and its peak is only sampled at
-  dispatched ops, so a ``resize_(n)`` followed by ``resize_(0)`` never shows in the peak.
-  Checked by hand (a 4096-byte tensor, a pre-existing storage resized to 8000 bytes, a
-  40-byte one resized to 4000 bytes and back to 0): it reported a peak of 4136 bytes where
-  16096 had been live at once.
+  dispatched ops, so a ``resize_(n)`` followed by ``resize_(0)`` never shows in the peak
+  (docs/benchmark.md has the check).
 * A hand-written dispatch mode with storage finalizers would share those blind spots.
 
 What is counted: bytes the allocator handed out *since the tracker started* and not yet freed.
