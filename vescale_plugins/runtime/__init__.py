@@ -20,4 +20,6 @@ backward, one concern per module (FSDP2's shape):
 * :mod:`.fsdp2_semantics`: where FSDP2's semantics differ between torch releases.
 * :mod:`.traversal`: walking a module's inputs and outputs.
 * :mod:`.dynamo`: the hooks kept out of ``torch.compile``'s graphs, as FSDP2's.
+* :mod:`.torch_hooks`: what the first ``fully_shard`` installs in torch (nothing at import),
+  and the registry its one global module hook reads.
 """
