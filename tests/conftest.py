@@ -39,12 +39,20 @@ def impl(request) -> str:
     return request.config.getoption("--fsdp-impl")
 
 
+_runner = DistributedRunner()
+
+
 @pytest.fixture(scope="session")
 def dist_run():
     """``dist_run(fn, world_size, *args, timeout=...)``: run ``fn`` on that many gloo ranks."""
-    runner = DistributedRunner()
-    yield runner
-    runner.close()
+    yield _runner
+    _runner.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _runner.starts:
+        per_size = ", ".join(f"{n} at W={w}" for w, n in sorted(_runner.starts.items()))
+        terminalreporter.write_line(f"gloo worker pools started: {sum(_runner.starts.values())} ({per_size})")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark

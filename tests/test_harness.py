@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import DistributedTestError
+from tests.support.distributed import MAX_POOLS, DistributedTestError
 
 
 def _rank_and_sum():
@@ -49,11 +49,29 @@ def test_pool_is_reused_between_bodies(dist_run):
     assert dist_run(_pid, 2) == dist_run(_pid, 2)
 
 
+def test_a_pool_per_world_size_outlives_bodies_of_other_sizes(dist_run):
+    two = dist_run(_pid, 2)
+    three = dist_run(_pid, 3)
+    assert dist_run(_pid, 2) == two
+    assert dist_run(_pid, 3) == three
+
+
+def test_least_recently_used_pool_is_closed_beyond_the_bound(dist_run):
+    sizes = list(range(1, MAX_POOLS + 2))
+    first = dist_run(_pid, sizes[0])
+    for size in sizes[1:]:
+        dist_run(_pid, size)
+    assert set(dist_run(_pid, sizes[0])).isdisjoint(first)
+    with pytest.raises(ProcessLookupError):
+        os.kill(first[0], 0)
+
+
 def test_failing_rank_traceback_is_reported_and_pool_rebuilt(dist_run):
     before = dist_run(_pid, 2)
     with pytest.raises(DistributedTestError) as info:
         dist_run(_fail_on_rank_one, 2)
-    assert "rank 1 failed" in str(info.value) and "boom on rank one" in str(info.value)
+    assert "rank 1 failed" in str(info.value)
+    assert "boom on rank one" in str(info.value)
     after = dist_run(_pid, 2)
     assert set(before).isdisjoint(after)
     for pid in before:

@@ -1,20 +1,23 @@
 """Run a test body on W gloo processes, with a timeout that never lets a test hang.
 
-Workers are kept alive and run many test bodies in one process group, so a test pays for a
-process group only when the previous body failed or timed out, or asked for another world
-size: one pool is alive at a time (idle ranks of other sizes would only take CPU from the
-test that runs). Process groups a body creates (2-D meshes, subgroups) cannot be destroyed
-when it returns, as torch's DTensor caches keep the meshes built on them; each holds gloo
-threads that poll, so a pool holding more than ``MAX_EXTRA_GROUPS`` of them is replaced
-after the body. The rendezvous, the workers' bootstrap, the timeout and the failure report
-are the launcher's (``vescale_plugins.tools.launch``): on a failure, the traceback of every
-failing rank is in the pytest message; on a timeout, every rank is killed.
+Workers are kept alive and run many test bodies in one process group: one pool per world
+size, so a test pays for a process group only when the previous body on that pool failed or
+timed out, or when its world size was not used recently. At most ``MAX_POOLS`` pools are alive
+(the least recently used one is closed to start another): idle ranks wait on a queue and a
+gloo group's threads sleep, so a kept pool costs memory, not CPU. Process groups a body
+creates (2-D meshes, subgroups) cannot be destroyed when it returns, as torch's DTensor caches
+keep the meshes built on them; each holds gloo threads that poll, so a pool holding more
+than ``MAX_EXTRA_GROUPS`` of them is replaced after the body. The rendezvous, the workers'
+bootstrap, the timeout and the failure report are the launcher's
+(``vescale_plugins.tools.launch``): on a failure, the traceback of every failing rank is in
+the pytest message; on a timeout, every rank of that pool is killed.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,9 @@ SEED = 1234
 # Process groups besides the default one a pool may hold before it is replaced (each rank of
 # a 2-D mesh is in 2; each group has a gloo thread that polls while the pool is idle).
 MAX_EXTRA_GROUPS = 8
+# Pools alive at once: W=1 to 4 cover nearly every test; one for W=8 replaces the least recently
+# used. Ten idle workers hold about 2 GB and no CPU to speak of.
+MAX_POOLS = 4
 
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch.distributed", "vescale_plugins"])
@@ -65,11 +71,12 @@ class _Pool:
 
 
 class DistributedRunner:
-    """Keeps one worker pool; call it to run a body on every rank."""
+    """Keeps one worker pool per world size (``MAX_POOLS`` at most); call it to run a body on every rank."""
 
     def __init__(self) -> None:
-        self._pool: _Pool | None = None
+        self._pools: OrderedDict[int, _Pool] = OrderedDict()  # least recently used first
         self._next_task = 0
+        self.starts: dict[int, int] = {}  # world size -> pools started, for the summary line
 
     def _start(self, world_size: int) -> _Pool:
         store = launch.rendezvous_store(world_size)
@@ -86,22 +93,41 @@ class DistributedRunner:
         ]
         for p in processes:
             p.start()
+        self.starts[world_size] = self.starts.get(world_size, 0) + 1
         return _Pool(world_size, store, processes, tasks, results)
 
-    def _kill(self) -> None:
-        if self._pool is not None:
-            launch.kill(self._pool.processes)
-            self._pool = None
+    def _kill(self, world_size: int) -> None:
+        pool = self._pools.pop(world_size, None)
+        if pool is not None:
+            launch.kill(pool.processes)
+
+    def _close(self, world_size: int) -> None:
+        """Let that pool's workers leave their process group and exit; kill those that do not."""
+        pool = self._pools.get(world_size)
+        if pool is None:
+            return
+        for q in pool.tasks:
+            q.put(None)
+        for p in pool.processes:
+            p.join(timeout=5)
+        self._kill(world_size)
 
     def close(self) -> None:
-        """Let the workers leave their process group and exit; kill those that do not."""
-        if self._pool is None:
-            return
-        for q in self._pool.tasks:
-            q.put(None)
-        for p in self._pool.processes:
-            p.join(timeout=5)
-        self._kill()
+        """Close every pool."""
+        for world_size in list(self._pools):
+            self._close(world_size)
+
+    def _pool_for(self, world_size: int) -> _Pool:
+        pool = self._pools.get(world_size)
+        if pool is not None and not all(p.is_alive() for p in pool.processes):
+            self._kill(world_size)
+            pool = None
+        if pool is None:
+            while len(self._pools) >= MAX_POOLS:
+                self._close(next(iter(self._pools)))
+            pool = self._pools[world_size] = self._start(world_size)
+        self._pools.move_to_end(world_size)
+        return pool
 
     def __call__(
         self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
@@ -112,13 +138,7 @@ class DistributedRunner:
         with each failing rank's traceback, or naming the ranks that did not finish in time.
         """
         __tracebackhide__ = True
-        if self._pool is not None and not all(p.is_alive() for p in self._pool.processes):
-            self._kill()
-        if self._pool is not None and self._pool.world_size != world_size:
-            self.close()
-        if self._pool is None:
-            self._pool = self._start(world_size)
-        pool = self._pool
+        pool = self._pool_for(world_size)
         self._next_task += 1
         for q in pool.tasks:
             q.put((self._next_task, fn, args, kwargs))
@@ -126,8 +146,8 @@ class DistributedRunner:
         try:
             outcomes = launch.await_ranks(pool.results, pool.processes, self._next_task, timeout, label)
         except launch.RankFailure as failure:
-            self._kill()
+            self._kill(world_size)
             raise DistributedTestError(str(failure)) from None
         if max(groups for _, groups in outcomes) > MAX_EXTRA_GROUPS:
-            self.close()
+            self._close(world_size)
         return [value for value, _ in outcomes]
