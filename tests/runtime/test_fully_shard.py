@@ -239,7 +239,7 @@ def _thirty_two_row_blocks():
     fully_shard(model, block_size_fn=lambda name, p: 32 if p.dim() == 2 else None)
     for name, p in model.named_parameters():
         if p.dim() == 2:
-            assert p.placements[0].local_units == tuple(n // 32 for n in [p.to_local().shape[0]] * 0) or True
+            assert p.placements[0].local_units[dist.get_rank()] == p.to_local().shape[0] // 32, name
             assert p.to_local().shape[0] % 32 == 0, (name, p.to_local().shape)
             assert sum(p.placements[0].local_units) == p.shape[0] // 32
     g = torch.Generator().manual_seed(5)
