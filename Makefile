@@ -44,9 +44,13 @@ $(LINT_STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
+# The whole suite with its 15 slowest tests in the log, then FSDP2's side of the compatibility
+# suite: torch's fully_shard with our package imported and one unit of ours built in every worker
+# (tests/conftest.py), which proves that what we change in torch leaves FSDP2 as it was.
 test: $(STAMP)
 	@$(PY) -c "import torch; print('make test: torch', torch.__version__, 'in $(VENV)')"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=5 tests/fsdp2_compat --fsdp-impl=torch
 
 # The fast subset, then the compatibility suite with the tests of what differs between torch
 # releases (gradient dtypes, the 2.15 surface, torchtitan 0.3.0 where it installs).
@@ -54,7 +58,7 @@ OTHER_TORCH_TESTS := tests/fsdp2_compat tests/runtime/test_fsdp2_215_surface.py 
 test-other-torch: $(STAMP)
 	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q -m "not distributed"
-	$(PY) -m pytest -q $(OTHER_TORCH_TESTS)
+	$(PY) -m pytest -q --durations=15 $(OTHER_TORCH_TESTS)
 
 # mypy and the contracts read their configuration (and paths) from pyproject.toml.
 lint: $(LINT_STAMP)

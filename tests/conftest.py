@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch.distributed as dist
 
-from tests.support.distributed import DistributedRunner
+from tests.support.distributed import DistributedRunner, build_one_vescale_unit
 
 IMPLS = ("torch", "vescale")
 
@@ -42,9 +42,20 @@ def impl(request) -> str:
 _runner = DistributedRunner()
 
 
+def pytest_configure(config):
+    global _runner
+    if config.getoption("--fsdp-impl") == "torch":
+        # FSDP2's own side runs with our package imported and one unit of ours built in every
+        # worker, so that whatever we change in torch for the process is in place.
+        _runner = DistributedRunner(prepare=build_one_vescale_unit)
+
+
 @pytest.fixture(scope="session")
 def dist_run():
-    """``dist_run(fn, world_size, *args, timeout=...)``: run ``fn`` on that many gloo ranks."""
+    """``dist_run(fn, world_size, *args, timeout=...)``: run ``fn`` on that many gloo ranks.
+
+    Under ``--fsdp-impl=torch`` every worker first builds one unit of ours
+    (``build_one_vescale_unit``)."""
     yield _runner
     _runner.close()
 

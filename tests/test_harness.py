@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import MAX_POOLS, DistributedTestError
+from tests.support.distributed import MAX_POOLS, DistributedRunner, DistributedTestError
 
 
 def _rank_and_sum():
@@ -30,6 +30,14 @@ def _hang_on_rank_zero():
 
 def _pid():
     return os.getpid()
+
+
+def _mark_prepared():
+    os.environ["HARNESS_PREPARED"] = str(int(os.environ.get("HARNESS_PREPARED", "0")) + 1)
+
+
+def _prepared_count():
+    return os.environ.get("HARNESS_PREPARED")
 
 
 def _random_draw():
@@ -94,3 +102,13 @@ def test_bodies_are_seeded_identically_on_every_rank(dist_run):
     first = dist_run(_random_draw, 3)
     assert all(r == first[0] for r in first)
     assert dist_run(_random_draw, 3) == first
+
+
+@pytest.mark.distributed
+def test_prepare_runs_once_in_every_worker_before_its_bodies():
+    runner = DistributedRunner(prepare=_mark_prepared)
+    try:
+        assert runner(_prepared_count, 2) == ["1", "1"]
+        assert runner(_prepared_count, 2) == ["1", "1"]
+    finally:
+        runner.close()

@@ -51,10 +51,33 @@ def _seeded_body(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any
     return value, len(dist.distributed_c10d._world.pg_map) - 1
 
 
-def _worker(rank: int, world_size: int, port: int, parent_pid: int, tasks: Any, results: Any) -> None:
+def build_one_vescale_unit() -> None:
+    """Build, run forward and backward through, one tiny unit of ours on this rank's group.
+
+    A worker pool for FSDP2's own tests (``--fsdp-impl=torch``) runs this first, so that every
+    process-wide effect of ours (DTensor patches, hooks, caches) is in place while they run:
+    the compatibility suite on torch's side then proves those effects harmless to FSDP2.
+    """
+    import vescale_plugins
+
+    unit = vescale_plugins.fully_shard(torch.nn.Linear(4, 4))
+    unit(torch.ones(2, 4)).sum().backward()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    parent_pid: int,
+    tasks: Any,
+    results: Any,
+    prepare: Callable[[], None] | None,
+) -> None:
     launch.exit_when_orphaned(parent_pid)
     torch.set_num_threads(1)
     launch.join_process_group(rank, world_size, port, "gloo", DEFAULT_TIMEOUT_S)
+    if prepare is not None:
+        prepare()
     while (task := tasks.get()) is not None:
         task_id, fn, args, kwargs = task
         launch.run_and_report(results, task_id, rank, _seeded_body, fn, args, kwargs)
@@ -71,9 +94,14 @@ class _Pool:
 
 
 class DistributedRunner:
-    """Keeps one worker pool per world size (``MAX_POOLS`` at most); call it to run a body on every rank."""
+    """Keeps one worker pool per world size (``MAX_POOLS`` at most); call it to run a body on every rank.
 
-    def __init__(self) -> None:
+    ``prepare``: an importable function every worker runs once, after joining its process
+    group and before its first body (e.g. ``build_one_vescale_unit``).
+    """
+
+    def __init__(self, prepare: Callable[[], None] | None = None) -> None:
+        self._prepare = prepare
         self._pools: OrderedDict[int, _Pool] = OrderedDict()  # least recently used first
         self._next_task = 0
         self.starts: dict[int, int] = {}  # world size -> pools started, for the summary line
@@ -85,7 +113,7 @@ class DistributedRunner:
         processes = [
             _context.Process(
                 target=_worker,
-                args=(rank, world_size, store.port, os.getpid(), tasks[rank], results),
+                args=(rank, world_size, store.port, os.getpid(), tasks[rank], results, self._prepare),
                 daemon=True,
                 name=f"gloo-rank{rank}-of-{world_size}",
             )
