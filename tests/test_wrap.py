@@ -22,7 +22,8 @@ def _shard_model_then_checkpoint(path):
     world = dist.get_world_size()
     reference = make_decoder()
     model = shard_model(make_decoder())
-    assert is_sharded(model) and all(getattr(b, "_vescale_fsdp_unit", None) is not None for b in model.layers)
+    assert is_sharded(model)
+    assert all(getattr(b, "_vescale_fsdp_unit", None) is not None for b in model.layers)
     assert shard_model(model) is model  # idempotent: an already sharded model is left alone
     opt, ref_opt = adamw(model), adamw(reference)
     reference_step(reference, 0, world)

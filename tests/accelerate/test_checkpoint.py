@@ -85,7 +85,7 @@ def _resume_continues_identically(path: str, state_dict_type: str) -> None:
             assert_same_params({n: p.detach() for n, p in plain.named_parameters()}, saved, EXACT)
 
 
-@pytest.mark.parametrize("state_dict_type, world", [("SHARDED_STATE_DICT", 3), ("FULL_STATE_DICT", 2)])
+@pytest.mark.parametrize(("state_dict_type", "world"), [("SHARDED_STATE_DICT", 3), ("FULL_STATE_DICT", 2)])
 def test_save_state_load_state_resume_continues_identically(dist_run, tmp_path, state_dict_type, world):
     dist_run(_resume_continues_identically, world, str(tmp_path / "state"), state_dict_type)
 
@@ -182,4 +182,5 @@ def _mismatched_full_state_fails_on_every_rank() -> str:
 
 def test_a_mismatched_full_state_fails_on_every_rank_instead_of_hanging(dist_run):
     for message in dist_run(_mismatched_full_state_fails_on_every_rank, 2, timeout=60):
-        assert "unexpected ['not_a_parameter']" in message and "embed.weight" in message
+        assert "unexpected ['not_a_parameter']" in message
+        assert "embed.weight" in message

@@ -83,7 +83,8 @@ def test_a_stock_fsdp2_plugin_converts_with_all_its_settings(clean_fsdp_env):
         activation_checkpointing=True,
     )
     ours = VeScaleFSDPPlugin.from_fsdp_plugin(stock)
-    assert isinstance(ours, VeScaleFSDPPlugin) and VeScaleFSDPPlugin.from_fsdp_plugin(ours) is ours
+    assert isinstance(ours, VeScaleFSDPPlugin)
+    assert VeScaleFSDPPlugin.from_fsdp_plugin(ours) is ours
     for name in (
         "reshard_after_forward",
         "auto_wrap_policy",
@@ -144,7 +145,8 @@ def test_hooks_leave_stock_accelerate_alone(clean_fsdp_env):
     model = torch.nn.Linear(2, 2)
     import accelerate.accelerator
 
-    assert accelerate.accelerator.fsdp2_prepare_model(FakeAccelerator(), model) is model and calls == [model]
+    assert accelerate.accelerator.fsdp2_prepare_model(FakeAccelerator(), model) is model
+    assert calls == [model]
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator()
@@ -205,7 +207,8 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
         model = make_decoder()
         with pytest.raises(ValueError) as error:
             accelerator.prepare(model, adamw(model))
-        assert not is_sharded(model) and not any(isinstance(p, DTensor) for p in model.parameters())
+        assert not is_sharded(model)
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
     messages.append(str(error.value))
     return messages
 
@@ -213,8 +216,10 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
 def test_bad_configuration_fails_with_a_clear_message_before_any_collective(dist_run):
     messages = dist_run(_bad_configurations_fail_on_one_rank_alone, 2, timeout=60)[0]
     assert "mixed_precision='fp12'" in messages[0]
-    assert "tp_size=2 but dp_shard_size=1" in messages[1] and "set dp_shard_size > 1" in messages[1]
-    assert "NoSuchBlock" in messages[2] and "Block" in messages[2]
+    assert "tp_size=2 but dp_shard_size=1" in messages[1]
+    assert "set dp_shard_size > 1" in messages[1]
+    assert "NoSuchBlock" in messages[2]
+    assert "Block" in messages[2]
 
 
 def _train_one_step(accelerator: Accelerator) -> torch.nn.Module:
@@ -244,10 +249,12 @@ def _environment_route() -> None:
     with accelerate_env(**launch_config, ACCELERATE_USE_VESCALE_FSDP="1"):
         accelerator = Accelerator()
         plugin = accelerator.state.fsdp_plugin
-        assert isinstance(plugin, VeScaleFSDPPlugin) and plugin.reshard_after_forward is False
+        assert isinstance(plugin, VeScaleFSDPPlugin)
+        assert plugin.reshard_after_forward is False
         assert accelerator.distributed_type == DistributedType.FSDP
         model = _train_one_step(accelerator)
-        assert _sharded_by_vescale(model) and all(is_sharded(layer) for layer in model.layers)
+        assert _sharded_by_vescale(model)
+        assert all(is_sharded(layer) for layer in model.layers)
     # What transformers.Trainer does with --fsdp arguments: build a stock plugin itself.
     with accelerate_env(ACCELERATE_USE_VESCALE_FSDP="1"):
         stock = FullyShardedDataParallelPlugin(
@@ -312,9 +319,12 @@ def _hybrid_sharding_from_a_parallelism_config():
         )
         model = _train_one_step(accelerator)
     mesh = next(model.parameters()).device_mesh
-    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert tuple(mesh.shape) == (2, 2)
     for p in model.parameters():
-        assert p.device_mesh.ndim == 2 and p.placements[0] == Replicate() and isinstance(p.placements[1], RaggedShard)
+        assert p.device_mesh.ndim == 2
+        assert p.placements[0] == Replicate()
+        assert isinstance(p.placements[1], RaggedShard)
     plain = make_decoder()
     shard_model(plain, mesh=mesh)
     optimizer = adamw(plain)

@@ -132,11 +132,13 @@ def test_trainer_on_vescale_matches_ddp(vescale, ddp, run):
     baseline = run if run in DDP_RUNS else f"{name}:plain"
     for rank in range(2):
         got, want = vescale[1][rank][run], ddp[rank][baseline]
-        assert got["engine"] == "RaggedShard" and want["engine"] == "DistributedDataParallel"
+        assert got["engine"] == "RaggedShard"
+        assert want["engine"] == "DistributedDataParallel"
         # The checkpointing asked for is in place (and only that one).
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "plugin_ac")
-        assert len(got["losses"]) == 4 and len(got["grad_norms"]) == 2
+        assert len(got["losses"]) == 4
+        assert len(got["grad_norms"]) == 2
         assert_trained_alike(got, want, rank)
         torch.testing.assert_close(
             torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), msg=lambda m: f"grad norms: {m}"

@@ -56,12 +56,15 @@ def test_accelerate_launch_with_an_fsdp2_config_trains_with_vescale(tmp_path):
         ]
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["distributed_type"] == "DistributedType.FSDP" and summary["num_processes"] == 2
+    assert summary["distributed_type"] == "DistributedType.FSDP"
+    assert summary["num_processes"] == 2
     assert summary["parameter_placements"] == ["RaggedShard"]
-    assert len(summary["losses"]) == STEPS * ACCUMULATION and all(math.isfinite(x) for x in summary["losses"])
+    assert len(summary["losses"]) == STEPS * ACCUMULATION
+    assert all(math.isfinite(x) for x in summary["losses"])
     assert len(summary["grad_norms"]) == STEPS
 
     state = tmp_path / "state"
-    assert (state / "pytorch_model_fsdp_0" / ".metadata").exists() and (state / "optimizer_0" / ".metadata").exists()
+    assert (state / "pytorch_model_fsdp_0" / ".metadata").exists()
+    assert (state / "optimizer_0" / ".metadata").exists()
     plain = _example_model_module().TinyDecoder(vocab=97)
     plain.load_state_dict(load_file(tmp_path / "model" / "model.safetensors"))

@@ -48,7 +48,8 @@ def _accelerate_matches_plain_loop(accumulation: int, mixed_precision: str) -> N
         accelerator = Accelerator(
             fsdp_plugin=decoder_plugin(), gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision
         )
-        assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+        assert accelerator.distributed_type == DistributedType.FSDP
+        assert accelerator.is_fsdp2
         model = clone(initial)
         optimizer = adamw(model)
         model, optimizer, loader, lr = accelerator.prepare(

@@ -59,7 +59,8 @@ def _matches_fsdp2_and_unsharded(root: str) -> None:
         )
         wq = model.layers[0].attn.wq.weight
         assert wq.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
-        assert type(wq.placements[0]) is StridedRaggedShard and wq.placements[1] == Shard(0)
+        assert type(wq.placements[0]) is StridedRaggedShard
+        assert wq.placements[1] == Shard(0)
         batches, losses = [], []
         for tokens, targets in loader:
             batches.append((tokens.clone(), targets.clone()))

@@ -74,4 +74,5 @@ def _trainer_trains_with_vescale(output_dir: str) -> list[float]:
 
 def test_trainer_built_accelerator_uses_vescale(dist_run, tmp_path):
     losses = dist_run(_trainer_trains_with_vescale, 2, str(tmp_path), timeout=180)
-    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert losses[0] == losses[1]
+    assert len(losses[0]) == 2

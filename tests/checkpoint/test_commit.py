@@ -146,7 +146,7 @@ UNCOMMITTED_FAULTS = [("before_first_file", 1), ("mid_file", 0), ("before_commit
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault, fault_rank", [("before_first_file", 1), ("mid_file", 0)])
+@pytest.mark.parametrize(("fault", "fault_rank"), [("before_first_file", 1), ("mid_file", 0)])
 def test_killed_save_into_new_directory_never_loads(tmp_path, fault, fault_rank):
     path = tmp_path / "ckpt"
     codes = _spawn_save(path, NEW_SEED, fault, fault_rank)
@@ -166,7 +166,7 @@ def test_killed_save_into_new_directory_never_loads(tmp_path, fault, fault_rank)
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault, fault_rank", UNCOMMITTED_FAULTS + [("mid_file", 1)])
+@pytest.mark.parametrize(("fault", "fault_rank"), UNCOMMITTED_FAULTS + [("mid_file", 1)])
 def test_killed_overwrite_keeps_previous_checkpoint_exactly(old_copy, fault, fault_rank):
     codes = _spawn_save(old_copy, NEW_SEED, fault, fault_rank)
     assert codes[fault_rank] == 17
@@ -182,11 +182,13 @@ def test_killed_overwrite_keeps_previous_checkpoint_exactly(old_copy, fault, fau
 @pytest.mark.timeout(300)
 def test_killed_between_renames_loads_the_committed_new_checkpoint_then_next_save_cleans_up(old_copy):
     assert _spawn_save(old_copy, NEW_SEED, "between_renames", 0)[0] == 17
-    assert not old_copy.exists() and len(_leftovers(old_copy, "old")) == 1
+    assert not old_copy.exists()
+    assert len(_leftovers(old_copy, "old")) == 1
     with pytest.warns(UserWarning, match="interrupted while swapping"):
         _assert_state(_load(old_copy), NEW_SEED)
     save_sharded(old_copy, _model(OLD_SEED), extra={"step": torch.tensor(OLD_SEED)})
-    assert _leftovers(old_copy, "tmp") == [] and _leftovers(old_copy, "old") == []
+    assert _leftovers(old_copy, "tmp") == []
+    assert _leftovers(old_copy, "old") == []
     _assert_state(_load(old_copy), OLD_SEED)
 
 

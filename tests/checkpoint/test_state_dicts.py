@@ -64,7 +64,7 @@ def _uninterrupted_reference():
     return losses, dict(reference.named_parameters())
 
 
-@pytest.mark.parametrize("saver, loader", [("vescale", "vescale"), ("fsdp2", "vescale"), ("vescale", "fsdp2")])
+@pytest.mark.parametrize(("saver", "loader"), [("vescale", "vescale"), ("fsdp2", "vescale"), ("vescale", "fsdp2")])
 def test_save_at_two_ranks_load_at_three_and_continue(dist_run, tmp_path, saver, loader):
     path = str(tmp_path / "ckpt")
     first = dist_run(_train_and_save, SAVE_WORLD, path, saver)[0]

@@ -123,7 +123,8 @@ def _multi_buffer_parity():
         record.mark_step()
     units = {tuple(u["modules"]): u for u in record.to_dict()["sharding"]["units"]}
     block = units[("block",)]
-    assert block["buffers"] == 2 and len(block["shard_elements_per_rank"]) == 2
+    assert block["buffers"] == 2
+    assert len(block["shard_elements_per_rank"]) == 2
     named = [n for names in block["buffer_parameters"] for n in names]
     assert sorted(named) == sorted(p.fqn for p in unit.fsdp_params) and len(named) == 4, block["buffer_parameters"]
     assert all(block["buffer_parameters"]), block["buffer_parameters"]

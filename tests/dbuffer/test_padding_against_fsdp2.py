@@ -55,7 +55,7 @@ PLANNER_GAPS = {("DeepSeek-V3-671B", "moe_decoder_layer", 64): 48896}
 
 @pytest.mark.parametrize("model", sorted(CATALOG))
 @pytest.mark.parametrize(
-    "rows, cost", [(None, BufferSplitCost()), (1, CAPPED)], ids=["default", "one-row-blocks-capped"]
+    ("rows", "cost"), [(None, BufferSplitCost()), (1, CAPPED)], ids=["default", "one-row-blocks-capped"]
 )
 def test_padding_with_no_block_size_fn_is_at_most_fsdp2s(model, rows, cost):
     # Per model: at most FSDP2's, plus the 16-byte alignment FSDP2 does not do (a - 1
@@ -151,12 +151,15 @@ def test_a_dense_block_at_1024_ranks_is_cut_elementwise_in_one_buffer():
     sizes = [torch.Size(s) for s in shapes]
     assert sum(fsdp2_padding(s, 1024) for s in shapes) == 0
     rows = plan_buffers(sizes, [1] * len(sizes), torch.bfloat16, torch.bfloat16, 1024, BufferSplitCost())
-    assert len(rows) == 1 and rows[0].layout.padding_ratio > 0.06
+    assert len(rows) == 1
+    assert rows[0].layout.padding_ratio > 0.06
     default = plan(shapes, None, 1024, BufferSplitCost())
-    assert len(default) == 1 and default[0].layout.padding <= 7 * (len(shapes) + 1024)
+    assert len(default) == 1
+    assert default[0].layout.padding <= 7 * (len(shapes) + 1024)
     assert [(b.positions, b.layout) for b in plan(shapes, None, 1024)] == [(b.positions, b.layout) for b in default]
     capped = plan(shapes, 1, 1024)
-    assert len(capped) == 3 and sum(b.layout.padding for b in capped) <= 7 * (len(shapes) + 3 * 1024)
+    assert len(capped) == 3
+    assert sum(b.layout.padding for b in capped) <= 7 * (len(shapes) + 3 * 1024)
 
 
 @pytest.mark.parametrize("rows", [16, 128])

@@ -67,7 +67,8 @@ def _protocol_of_one_gather_and_reduce():
         ], api.log
         assert dbuffer.has_unsharded_grad  # the input stays until compute has waited for it
         reduce.wait()
-        assert api.log[-1] == ("wait_event", "compute", 2) and not dbuffer.has_unsharded_grad
+        assert api.log[-1] == ("wait_event", "compute", 2)
+        assert not dbuffer.has_unsharded_grad
         mean = sum(range(1, world + 1)) / world
         for index, tensor in enumerate(full):
             slot = dbuffer.slots[index]
@@ -94,7 +95,8 @@ def _trains_like_the_unsharded_model_on_side_streams():
     # Every collective's event was waited on by the compute stream, exactly once.
     recorded = [entry[2] for entry in api.log if entry[0] == "record"]
     waited = [entry[2] for entry in api.log if entry[0] == "wait_event"]
-    assert recorded and sorted(waited) == recorded
+    assert recorded
+    assert sorted(waited) == recorded
     assert all(entry[1] == "compute" for entry in api.log if entry[0] == "wait_event")
 
 
@@ -126,8 +128,10 @@ def test_post_optim_event_is_a_stream_wait_as_fsdp2(dist_run):
     """The next forward's first all-gather waits for the event on its stream (FSDP2's
     root pre-forward), the host never blocks on it, later gathers wait for compute."""
     synchronized, first_waits_for_event, later = dist_run(_post_optim_event_is_waited_on_the_all_gather_stream, 2)[0]
-    assert not synchronized and first_waits_for_event
-    assert later and all(entry == ("wait_stream", "all_gather", "compute") for entry in later)
+    assert not synchronized
+    assert first_waits_for_event
+    assert later
+    assert all(entry == ("wait_stream", "all_gather", "compute") for entry in later)
 
 
 def _reduce_scatter_schedule(max_input_buffers):

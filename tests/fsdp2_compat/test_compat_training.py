@@ -1075,7 +1075,7 @@ def _grad_acc_cases():
                 yield pytest.param(rfa, mode, rab, marks=marks, id=f"rfa{rfa}-{mode}-rab{rab}")
 
 
-@pytest.mark.parametrize("reshard_after_forward,mode,reshard_after_backward", list(_grad_acc_cases()))
+@pytest.mark.parametrize(("reshard_after_forward", "mode", "reshard_after_backward"), list(_grad_acc_cases()))
 def test_gradient_accumulation(dist_run, impl, reshard_after_forward, mode, reshard_after_backward):
     world_size = 4 if reshard_after_forward == 2 else 2
     dist_run(_gradient_accumulation, world_size, impl, reshard_after_forward, mode, reshard_after_backward, timeout=T)

@@ -119,7 +119,8 @@ def _fit(root: str, form: str) -> tuple[list[float], dict[str, torch.Tensor], in
 def _checkpointing_matches_ddp(root: str, forms: list[str]) -> None:
     with launched_by_harness():
         want_losses, want_params, plain_calls, _ = _fit(root, "ddp")
-        assert len(want_losses) == MICRO_BATCHES and plain_calls == MICRO_BATCHES * LAYERS
+        assert len(want_losses) == MICRO_BATCHES
+        assert plain_calls == MICRO_BATCHES * LAYERS
         for form in forms:
             losses, params, calls, wrappers = _fit(root, form)
             assert wrappers == (LAYERS if "policy" in form else 0), (form, wrappers)

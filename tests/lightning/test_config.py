@@ -48,7 +48,7 @@ BF16_MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch
 
 
 @pytest.mark.parametrize(
-    "precision, policy, module_dtype",
+    ("precision", "policy", "module_dtype"),
     [
         ("32-true", MixedPrecisionPolicy(), torch.float32),
         ("bf16-mixed", BF16_MIXED, torch.float32),

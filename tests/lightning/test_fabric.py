@@ -96,7 +96,8 @@ def test_save_and_load_sharded_and_full_at_another_world_size(dist_run, tmp_path
 
     # The full file loads into a plain, unsharded model and holds what the shards hold.
     full = torch.load(tmp_path / "full.ckpt", weights_only=False)
-    assert full["step"] == SAVE_AT and set(full) == {"model", "optimizer", "step"}
+    assert full["step"] == SAVE_AT
+    assert set(full) == {"model", "optimizer", "step"}
     plain = make_decoder(layers=LAYERS)
     plain.load_state_dict(full["model"])
     dcp_to_torch_save(tmp_path / "sharded", tmp_path / "converted.pt")

@@ -75,7 +75,8 @@ def test_lightning_vescale_matches_ddp(launched, run):
     baseline = f"{name}:ddp:{variant if variant in FINE_TUNING else 'plain'}"
     for rank in range(2):
         got, want = results[rank][run], results[rank][baseline]
-        assert got["engine"] == "VeScaleFSDPStrategy" and want["engine"] == "DDPStrategy"
+        assert got["engine"] == "VeScaleFSDPStrategy"
+        assert want["engine"] == "DDPStrategy"
         assert got["hf_checkpointing"] == (variant == "hf_ac")
         assert (got["checkpoint_wrappers"] > 0) == (variant == "policy_ac")
         assert len(got["losses"]) == 4

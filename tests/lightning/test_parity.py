@@ -87,7 +87,8 @@ def fabric_loop(data: Dataset, precision: str, accumulate: int, clip: float | No
         if last:
             if clip is not None:
                 norm = fabric.clip_gradients(model, optimizer, max_norm=clip)
-                assert not isinstance(norm, torch.distributed.tensor.DTensor) and norm > clip
+                assert not isinstance(norm, torch.distributed.tensor.DTensor)
+                assert norm > clip
             optimizer.step()
             optimizer.zero_grad()
     return losses, full_params(model.module), synced

@@ -114,11 +114,13 @@ def _matches_fsdp2_and_unsharded(front_end: str, root: str) -> None:
     names = (
         ("data_parallel", "tensor_parallel") if front_end == "trainer" else ("replicate", "shard", "tensor_parallel")
     )
-    assert mesh.mesh_dim_names == names and mesh.size() == DP * TP
+    assert mesh.mesh_dim_names == names
+    assert mesh.size() == DP * TP
     dp_names = names[:-1]
     wq = ours.layers[0].attn.wq.weight
     assert wq.device_mesh.mesh_dim_names == names
-    assert type(wq.placements[-2]) is StridedRaggedShard and wq.placements[-1] == Shard(0)
+    assert type(wq.placements[-2]) is StridedRaggedShard
+    assert wq.placements[-1] == Shard(0)
     assert all(p == Replicate() for p in wq.placements[:-2])  # HSDP: replicated across replicas
     assert len(batches) == STEPS
 
@@ -170,7 +172,8 @@ def _checkpoints_round_trip(root: str) -> None:
 
         fabric2, restored, restored_optimizer = _fabric_tp(_perturbed(initial))
         state = {"model": restored, "optimizer": restored_optimizer, "step": 0}
-        assert fabric2.load(f"{root}/sharded", state) == {} and state["step"] == 1
+        assert fabric2.load(f"{root}/sharded", state) == {}
+        assert state["step"] == 1
         assert_same(restored.module, model.module, "param", {"rtol": 0, "atol": 0})
         for step in (1, 2):  # the optimizer state came back too: the same updates, bit for bit
             torch.testing.assert_close(

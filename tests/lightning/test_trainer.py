@@ -106,7 +106,8 @@ def _meta_init_materialises_after_sharding(root):
             module = _SeededBeforeSetup()
         assert all(p.is_meta for p in module.parameters())
         trainer.validate(module, DataLoader(Tokens(4), batch_size=2), verbose=False)
-    assert _all_sharded(module) and not any(p.is_meta for p in module.parameters())
+    assert _all_sharded(module)
+    assert not any(p.is_meta for p in module.parameters())
     eager = make_decoder(layers=2)
     torch.manual_seed(5)
     _reset_like_lightning(eager)
@@ -156,7 +157,8 @@ def _policy_naming_no_module(root):
 
 def test_wrap_policy_naming_no_module_fails_clearly_before_setup(dist_run, tmp_path):
     messages = dist_run(_policy_naming_no_module, 2, str(tmp_path))
-    assert messages[0] == messages[1] and "Block" in messages[0]  # lists the classes that do exist
+    assert messages[0] == messages[1]
+    assert "Block" in messages[0]
 
 
 # ----------------------------------------------------------------------------------
@@ -204,7 +206,8 @@ def test_checkpoints_resume_identically_at_the_same_and_another_world_size(dist_
     uninterrupted = dist_run(_train_and_checkpoint, 2, root, timeout=180)[0]
     sharded = Path(root, "sharded", f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
     full = Path(root, "full", f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
-    assert sharded.is_dir() and full.is_file()
+    assert sharded.is_dir()
+    assert full.is_file()
     second_epoch = torch.tensor(uninterrupted[STEPS_PER_EPOCH:])
 
     for ckpt in (sharded, full):

@@ -36,20 +36,25 @@ def _recorded_run():
     units = LAYERS + 1
 
     s = d["sharding"]
-    assert s["group_size"] == world and s["group_ranks"] == list(range(world)) and s["backend"] == "gloo"
+    assert s["group_size"] == world
+    assert s["group_ranks"] == list(range(world))
+    assert s["backend"] == "gloo"
     assert [u["modules"] for u in s["units"]] == [[""]] + [[f"layers.{i}"] for i in range(LAYERS)]
     assert sum(u["parameters"] for u in s["units"]) == sum(p.numel() for p in model.parameters())
     assert all(u["largest_unsharded_bytes"] > 0 and 0 <= u["padding_ratio"] < 1 for u in s["units"])
 
     p = d["precision"]
-    assert p["sharded_parameters"] == ["float32"] and p["all_gather"] == ["bfloat16"]
-    assert p["reduce_scatter"] == ["float32"] and p["optimizer_state"] == ["float32"]
+    assert p["sharded_parameters"] == ["float32"]
+    assert p["all_gather"] == ["bfloat16"]
+    assert p["reduce_scatter"] == ["float32"]
+    assert p["optimizer_state"] == ["float32"]
 
     c = d["communication"]["summary"]
     # Each block is gathered for forward and again for backward; the root stays gathered.
     assert c["all_gather"]["count_per_step"] == 2 * LAYERS + 1, c
     assert c["reduce_scatter"]["count_per_step"] == units, c
-    assert c["reduce_scatter"]["bytes_per_step"] > 0 and c["all_gather"]["bytes_per_step"] > 0
+    assert c["reduce_scatter"]["bytes_per_step"] > 0
+    assert c["all_gather"]["bytes_per_step"] > 0
     events = d["communication"]["events"]
     assert {e["unit"] for e in events} == {"<root>", *(f"layers.{i}" for i in range(LAYERS))}
     assert all(e["end_s"] >= e["start_s"] and 0 <= e["overlap_ratio"] <= 1 for e in events)
@@ -59,7 +64,8 @@ def _recorded_run():
     assert {e["step"] for e in events} == {0, 1}
 
     m = d["memory"]
-    assert m["peak_bytes_by_kind"]["unsharded_params"] > 0 and m["peak_bytes_by_kind"]["unsharded_grads"] > 0
+    assert m["peak_bytes_by_kind"]["unsharded_params"] > 0
+    assert m["peak_bytes_by_kind"]["unsharded_grads"] > 0
     assert m["sharded_state_bytes"]["optimizer_state"] > 0
 
     # One unit's gradient buffer alive at a time: a unit's buffer is made after it reshards
@@ -74,7 +80,8 @@ def _recorded_run():
     assert m["peak_bytes_by_kind"]["comm_buffers"] < largest, m["peak_bytes_by_kind"]
     # The peak of all live tensor bytes, split by what they were: every kind accounted for.
     peak = m["peak"]
-    assert set(peak["split"]) == set(run_record.PEAK_KINDS) and sum(peak["split"].values()) == peak["total_bytes"]
+    assert set(peak["split"]) == set(run_record.PEAK_KINDS)
+    assert sum(peak["split"].values()) == peak["total_bytes"]
     state = m["sharded_state_bytes"]
     assert peak["split"]["sharded_state"] == state["parameters"] + state["optimizer_state"]
     # The root stays gathered through forward and backward, where the peak is.
@@ -95,7 +102,8 @@ def _recorded_run():
 
 def test_record_of_a_sharded_run(dist_run):
     summary = dist_run(_recorded_run, 3)[0]
-    assert "all_gather" in summary and "reduce_scatter" in summary
+    assert "all_gather" in summary
+    assert "reduce_scatter" in summary
 
 
 def test_record_leaves_a_running_profiler_alone():

@@ -105,7 +105,8 @@ def _trainer_matches_plain_loop(root):
         trainer = make_trainer(root)
         trainer.fit(module, loader(data))
         optimizer = trainer.optimizers[0]
-    assert isinstance(optimizer, Muon) and optimizer.exchange_plan is not None
+    assert isinstance(optimizer, Muon)
+    assert optimizer.exchange_plan is not None
     assert_same_params(full_params(module, prefix="model."), want, EXACT)
     initial = dict(make_decoder(seed=0, layers=LAYERS).named_parameters())
     assert all(not torch.equal(want[name], initial[name]) for name in want)  # Muon and AdamW both stepped
@@ -120,7 +121,8 @@ def _accelerate_with_muon_matches_plain_loop():
     initial = make_decoder()
     model, optimizer = _accelerate_loop(initial, _muon, steps)
     plain, _ = _plain_loop(initial, _muon, steps)
-    assert isinstance(optimizer, Muon) and optimizer.exchange_plan is not None
+    assert isinstance(optimizer, Muon)
+    assert optimizer.exchange_plan is not None
     assert_same_params(full_params(model), full_params(plain), EXACT)
 
 

@@ -186,7 +186,8 @@ def _sharded_matches_unsharded(hyper):
         opt.step()
     want = _reference_params(STEPS, **hyper)
     for i, (p, q) in enumerate(zip(params, want)):
-        assert isinstance(p, DTensor) and isinstance(opt.state[p]["momentum_buffer"], DTensor)
+        assert isinstance(p, DTensor)
+        assert isinstance(opt.state[p]["momentum_buffer"], DTensor)
         assert opt.state[p]["momentum_buffer"].placements == p.placements
         torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=0, msg=lambda m: f"{SHAPES[i]}: {m}")
     plan = opt.exchange_plan
@@ -344,7 +345,8 @@ def test_roots_balance_newton_schulz_flops_on_a_catalogue_model():
         assert assignment.lower_bound <= assignment.max_over_mean <= min(assignment.upper_bound, 1.10)
     # Fewer matrices than ranks: the largest matrix alone sets the maximum.
     few = assign_roots([9, 1, 1], 4)
-    assert few.loads == (9, 1, 1, 0) and few.max_over_mean == few.lower_bound == 9 * 4 / 11
+    assert few.loads == (9, 1, 1, 0)
+    assert few.max_over_mean == few.lower_bound == 9 * 4 / 11
 
 
 def test_newton_schulz_flops_count_the_three_matmuls_per_step():

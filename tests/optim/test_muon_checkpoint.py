@@ -75,7 +75,8 @@ def _save(path):
         _step(model, opt, step)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     momentum = [v["momentum_buffer"] for v in opt.state.values() if "momentum_buffer" in v]
-    assert momentum and all(isinstance(m, DTensor) and isinstance(m.placements[0], RaggedShard) for m in momentum)
+    assert momentum
+    assert all(isinstance(m, DTensor) and isinstance(m.placements[0], RaggedShard) for m in momentum)
     dcp.save(state, checkpoint_id=path)
 
 

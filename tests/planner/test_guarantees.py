@@ -109,7 +109,8 @@ def test_blocks_need_not_divide_the_shard():
     # must cross the boundary exactly between its blocks, so it starts at 1.
     layout = plan_layout([6, 1], [3, 1], 2)
     assert_valid(layout)
-    assert layout.shard_size == 4 and layout.offsets[0] == 1
+    assert layout.shard_size == 4
+    assert layout.offsets[0] == 1
     assert layout.local_units(0) == (1, 1)
     assert layout.shard_ranges(0) == ((1, 3), (0, 3))
 
@@ -155,7 +156,7 @@ def test_rank_range_and_tensor_slice():
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (([0, 4], [1, 1], 2), r"tensor 0: numel must be a positive int, got 0"),
         (([4, -2], [1, 1], 2), r"tensor 1: numel must be a positive int, got -2"),
@@ -222,7 +223,8 @@ def test_cost_model_picks_the_split():
     numels = [math.prod(shape) for _, shape in unit.params]
     blocks = [block_size(shape, 1) for _, shape in unit.params]
     chosen = choose_split(numels, blocks, 8192)
-    assert 1 < len(chosen.buffers) <= 4 and chosen.padding_ratio < 0.01
+    assert 1 < len(chosen.buffers) <= 4
+    assert chosen.padding_ratio < 0.01
     assert_unit_plan_valid(chosen, numels, blocks)
     assert len(choose_split(numels, blocks, 8192, cost=CollectiveCost(base_latency_s=1e3)).buffers) == 1
     assert len(choose_split(numels, blocks, 8192, max_buffers=2).buffers) <= 2
@@ -239,7 +241,7 @@ def test_cost_model_rejects_nonsense():
 
 
 @pytest.mark.parametrize(
-    "model, billions",
+    ("model", "billions"),
     [
         ("Llama-3-8B", 8.03),
         ("Llama-3-70B", 70.55),
@@ -272,7 +274,8 @@ def test_peer_padding_models():
     assert fsdp2_padding(shapes, blocks, 4) == (4 * 3 * 4 - 40) + (4 * 1 * 4 - 12) + (4 * 2 - 5)
     assert fsdp2_padding(shapes, blocks, 1) == 0
     padding, cut = flat_padding_and_cut_blocks(numels, blocks, 4)
-    assert padding == 4 * 15 - 57 and cut >= 1
+    assert padding == 4 * 15 - 57
+    assert cut >= 1
     assert flat_padding_and_cut_blocks([8], [4], 2) == (0, 0)
     assert megatron_fsdp_padding([8, 8], [4, 4], 2) == 0
     assert megatron_fsdp_padding(numels, blocks, 4) % 1 == 0

@@ -60,7 +60,7 @@ def test_moe_split_reaches_the_bound_on_any_split():
 
 
 @pytest.mark.parametrize(
-    "model, rows, world, at_least",
+    ("model", "rows", "world", "at_least"),
     [
         ("Llama-3-70B", 1, 8192, 0.0195),  # half-row down blocks: no split fills every rank
         ("Llama-3-70B", 16, 1024, 0.097),  # down has 512 blocks for 1024 ranks
@@ -84,7 +84,7 @@ def test_bound_falls_back_to_capacity_for_many_experts():
     assert bound <= within(numels, blocks, 8192, 2).padding
 
 
-@pytest.mark.parametrize("rows, world, before", [(1, 8192, 0.0231), (16, 1024, 0.0769)])
+@pytest.mark.parametrize(("rows", "world", "before"), [(1, 8192, 0.0231), (16, 1024, 0.0769)])
 def test_spilling_experts_takes_qwen3_below_one_percent(rows, world, before):
     # 128 experts: too many for the exact search over count vectors. Whole classes (and the
     # fine atoms) left the decoder layer at 2.3 % and 7.7 %: o_proj's blocks (4096 elements
@@ -95,7 +95,8 @@ def test_spilling_experts_takes_qwen3_below_one_percent(rows, world, before):
     assert unit_plan_options(numels, blocks, world)[0].padding_ratio > before
     best = within(numels, blocks, world, 4)
     assert_unit_plan_valid(best, numels, blocks)
-    assert len(best.buffers) <= 4 and best.padding_ratio < 0.003
+    assert len(best.buffers) <= 4
+    assert best.padding_ratio < 0.003
     # The target, over the whole model (embeddings and head included).
     payload = padding = 0
     for unit in CATALOG["Qwen3-30B-A3B"].units:
@@ -148,7 +149,8 @@ def test_many_experts_plan_valid_splits():
     numels = [64 * 4096] + [3 * 512] * 150 + [3 * 512] * 150
     blocks = [4096] + [512] * 150 + [768] * 150
     _, problem = unit_kinds(tuple(numels), tuple(blocks), 1024, 1)
-    assert problem.transitions > EXACT_TRANSITIONS and max(problem.counts) > SMALL_COUNT
+    assert problem.transitions > EXACT_TRANSITIONS
+    assert max(problem.counts) > SMALL_COUNT
     options = unit_plan_options(numels, blocks, 1024)
     for plan in options:
         assert_unit_plan_valid(plan, numels, blocks)
@@ -267,7 +269,8 @@ def test_split_pays_exactly_past_the_break_even_latency():
     options = unit_plan_options(numels, blocks, 256)
     one, best = options[0], options[-1]
     saved = sum(b.shard_size for b in one.buffers) - sum(b.shard_size for b in best.buffers)
-    assert saved > 0 and len(best.buffers) > 1
+    assert saved > 0
+    assert len(best.buffers) > 1
 
     def latency(seconds):  # a fixed latency per collective, 100 GB/s
         return CollectiveCost(base_latency_s=seconds, intra_step_s=0.0, inter_step_s=0.0, inter_bandwidth=100e9)
@@ -279,7 +282,8 @@ def test_split_pays_exactly_past_the_break_even_latency():
         assert cost.unit_seconds(plan.buffers, 2) == min(cost.unit_seconds(o.buffers, 2) for o in options[:4])
         counts.append(len(plan.buffers))
     assert counts == sorted(counts, reverse=True)  # more latency, never more buffers
-    assert counts[0] == len(best.buffers) and counts[-1] == 1
+    assert counts[0] == len(best.buffers)
+    assert counts[-1] == 1
     # Between one buffer and the best split alone: the split wins below the bytes it saves.
     extra = len(best.buffers) - 1
     threshold = saved * 2 * 255 / 100e9 / extra

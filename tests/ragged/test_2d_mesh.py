@@ -34,7 +34,8 @@ def _everything_on_a_2d_mesh(ragged_mesh_dim):
         assert torch.equal(d.full_tensor(), full)
 
         o = distribute_tensor(other, mesh, placements)
-        assert (d + o).placements == tuple(placements) and torch.equal((d + o).full_tensor(), full + other)
+        assert (d + o).placements == tuple(placements)
+        assert torch.equal((d + o).full_tensor(), full + other)
         torch.testing.assert_close(torch.linalg.vector_norm(d).full_tensor(), full.norm())
         torch.testing.assert_close(torch.linalg.vector_norm(d, math.inf).full_tensor(), full.abs().max())
         torch.testing.assert_close(d.sum().full_tensor(), full.sum())

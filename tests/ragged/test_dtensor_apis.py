@@ -63,7 +63,8 @@ def _construct_and_gather():
         for dtype in DTYPES:
             full = _full(shape, dtype)
             d = distribute_tensor(full, mesh, [placement])
-            assert d.placements == (placement,) and d.shape == full.shape
+            assert d.placements == (placement,)
+            assert d.shape == full.shape
             expected = placement.split_full(full, rank)
             assert d.to_local().shape == expected.shape
             assert torch.equal(d.to_local(), expected)
@@ -95,7 +96,8 @@ def _redistribute_each_way():
                 assert set(counts) <= {"all_gather", "broadcast"} and sum(counts.values()) == 1, counts
 
             back, counts = comm_counts(lambda: replicated.redistribute(mesh, [src]))
-            assert back.placements == (src,) and torch.equal(back.to_local(), src.split_full(full, rank))
+            assert back.placements == (src,)
+            assert torch.equal(back.to_local(), src.split_full(full, rank))
             assert counts == {}, counts
 
             moved, counts = comm_counts(lambda: d.redistribute(mesh, [dst]))
@@ -149,7 +151,8 @@ def _gradients_through_redistribute():
 
         y = distribute_tensor(full, mesh, [placement]).requires_grad_()
         (y.redistribute(mesh, [other]) * distribute_tensor(weight, mesh, [other])).sum().backward()
-        assert y.grad.placements == (placement,) and torch.equal(y.grad.full_tensor(), weight)
+        assert y.grad.placements == (placement,)
+        assert torch.equal(y.grad.full_tensor(), weight)
 
         z = distribute_tensor(full, mesh, [placement]).requires_grad_()
         (z.full_tensor() * weight).sum().backward()
@@ -187,15 +190,18 @@ def _elementwise_and_reductions():
 
             other = distribute_tensor(fb, mesh, [other_placement])
             mixed = a + other
-            assert mixed.placements == (p,) and torch.equal(mixed.full_tensor(), fa + fb)
+            assert mixed.placements == (p,)
+            assert torch.equal(mixed.full_tensor(), fa + fb)
             replicated_b = distribute_tensor(fb, mesh, [Replicate()])
             assert torch.equal((a * replicated_b).full_tensor(), fa * fb)
 
             c = distribute_tensor(fa.clone(), mesh, [p])
             c.add_(b).mul_(0.5)
-            assert c.placements == (p,) and torch.equal(c.full_tensor(), (fa + fb).mul(0.5))
+            assert c.placements == (p,)
+            assert torch.equal(c.full_tensor(), (fa + fb).mul(0.5))
             c.copy_(other)
-            assert c.placements == (p,) and torch.equal(c.full_tensor(), fb)
+            assert c.placements == (p,)
+            assert torch.equal(c.full_tensor(), fb)
 
             torch.testing.assert_close(a.sum().full_tensor(), fa.sum(), **tol)
             for ord in (2, 1, 3, math.inf):
@@ -274,7 +280,8 @@ def _optimizers_match_dense():
                 opt_r.step()
                 opt_d.step()
             for r, d in zip(ragged, dense):
-                assert isinstance(r.data, DTensor) and isinstance(r.placements[0], RaggedShard)
+                assert isinstance(r.data, DTensor)
+                assert isinstance(r.placements[0], RaggedShard)
                 if "fused" in name:
                     # The fused CPU kernels vectorise by length: a shard's SIMD/tail split differs
                     # from the full tensor's, so results agree to rounding, not bit for bit.

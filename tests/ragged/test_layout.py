@@ -17,7 +17,8 @@ def test_row_wise_uneven_units_with_a_zero():
         (9, 0, (0, 3)),
         (9, 12, (4, 3)),
     ]
-    assert layout.row_numel == 3 and layout.block_rows == 1
+    assert layout.row_numel == 3
+    assert layout.block_rows == 1
 
 
 def test_element_wise_shards_are_one_dimensional():
@@ -42,7 +43,7 @@ def test_whole_tensor_on_one_rank():
 
 
 @pytest.mark.parametrize(
-    "shape, dims, units, message",
+    ("shape", "dims", "units", "message"),
     [
         ((4, 4), (1,), (1, 1), "dims must be a prefix"),
         ((4, 4), (0, 2), (1, 1), "dims must be a prefix"),
@@ -60,7 +61,8 @@ def test_bad_layout_names_shape_dims_units_and_what_fits(shape, dims, units, mes
         ragged_layout(shape, dims, units)
     text = str(info.value)
     assert message in text
-    assert f"dims={tuple(dims)}" in text and f"local_units={tuple(units)}" in text
+    assert f"dims={tuple(dims)}" in text
+    assert f"local_units={tuple(units)}" in text
 
 
 def test_placement_constructor_rejects_bad_arguments_without_a_shape():

@@ -20,7 +20,7 @@ aten = torch.ops.aten
 DRAWS = [(aten.uniform_.default, (-0.3, 0.7)), (aten.normal_.default, (0.1, 2.0))]
 
 
-@pytest.mark.parametrize("op, args", DRAWS, ids=["uniform_", "normal_"])
+@pytest.mark.parametrize(("op", "args"), DRAWS, ids=["uniform_", "normal_"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_a_piecewise_draw_equals_the_slice_of_one_full_draw(monkeypatch, op, args, dtype):
     monkeypatch.setattr(bridge, "_RANDOM_PIECE", 32)
@@ -180,14 +180,15 @@ def test_philox_windows_hold_at_most_a_piece_or_a_stride():
     (launch,), _ = philox_slice.launches(50 * stride, 4, values_per_call, most)
     for piece, largest in ((1000, stride), (3 * stride + 5, 3 * stride)):
         plan = list(philox_slice.windows(launch, 7 * stride + 3, 20 * stride, values_per_call, most, piece))
-        assert plan[0].start == 7 * stride and plan[-1].start + plan[-1].numel == 20 * stride
+        assert plan[0].start == 7 * stride
+        assert plan[-1].start + plan[-1].numel == 20 * stride
         assert max(w.numel for w in plan) == largest
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.version.hip is not None, reason="torch's CUDA kernels (the device check)"
 )
-@pytest.mark.parametrize("op, args", DRAWS, ids=["uniform_", "normal_"])
+@pytest.mark.parametrize(("op", "args"), DRAWS, ids=["uniform_", "normal_"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_on_cuda_a_philox_slice_equals_the_full_draw(op, args, dtype):
     device = torch.device("cuda", torch.cuda.current_device())

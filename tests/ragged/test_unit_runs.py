@@ -15,11 +15,16 @@ _SEQUENCES = [(3,), (0, 0, 5), (2, 2, 0, 1, 1, 1), (0, 4, 4, 4, 4, 1, 0, 0), (7,
 @pytest.mark.parametrize("units", _SEQUENCES)
 def test_runs_are_the_sequence(units):
     runs = UnitRuns.of(units)
-    assert tuple(runs) == units and runs == units and runs == list(units) and len(runs) == len(units)
+    assert tuple(runs) == units
+    assert runs == units
+    assert runs == list(units)
+    assert len(runs) == len(units)
     assert [runs[i] for i in range(-len(units), len(units))] == [*units, *units]
-    assert runs[1:] == units[1:] and runs.total == sum(units)
+    assert runs[1:] == units[1:]
+    assert runs.total == sum(units)
     assert [runs.prefix(r) for r in range(len(units) + 1)] == [sum(units[:r]) for r in range(len(units) + 1)]
-    assert pickle.loads(pickle.dumps(runs)) == runs and repr(runs) == repr(units)
+    assert pickle.loads(pickle.dumps(runs)) == runs
+    assert repr(runs) == repr(units)
     with pytest.raises(IndexError):
         runs[len(units)]
 
@@ -34,7 +39,8 @@ def test_placement_equality_hash_and_pickle_match_the_tuple_form():
     world = 1 << 20
     compact = RaggedShard((0,), UnitRuns([(0, 7), (3, 1), (8, world - 9), (1, 1)]))
     expanded = RaggedShard((0,), (0,) * 7 + (3,) + (8,) * (world - 9) + (1,))
-    assert compact == expanded and hash(compact) == hash(expanded)
+    assert compact == expanded
+    assert hash(compact) == hash(expanded)
     assert compact != RaggedShard((0,), UnitRuns([(0, 7), (3, 1), (8, world - 9), (2, 1)]))
     assert pickle.loads(pickle.dumps(compact)) == compact
     assert len(pickle.dumps(compact)) < 1000  # the runs travel, not a million counts
@@ -62,5 +68,6 @@ def test_lazy_layout_matches_every_rank_of_the_explicit_one():
 def test_a_layout_at_a_million_ranks_is_a_few_runs():
     world = 1 << 20
     layout = RaggedShard((0,), UnitRuns([(0, 5), (2, 1), (4, world - 7), (1, 1)])).layout((4 * (world - 7) + 3, 8))
-    assert layout.slices[5].length == 16 and layout.slices[world - 1].offset == 8 * (2 + 4 * (world - 7))
+    assert layout.slices[5].length == 16
+    assert layout.slices[world - 1].offset == 8 * (2 + 4 * (world - 7))
     assert len(layout.local_units.runs) == 4

@@ -80,7 +80,8 @@ def _default_mesh_device_types() -> dict[str, list[str]]:
 
 def test_default_mesh_is_the_accelerators_as_fsdp2(dist_run):
     asked = dist_run(_default_mesh_device_types, 2, timeout=T)[0]
-    assert asked["torch"] and set(asked["torch"]) == {"cuda"}
+    assert asked["torch"]
+    assert set(asked["torch"]) == {"cuda"}
     assert asked["vescale"] == asked["torch"]
 
 
@@ -124,7 +125,9 @@ def _moving_with(record):
 def test_states_move_to_the_mesh_device_as_fsdp2(dist_run):
     moved = dist_run(_moved_states, 2, timeout=T)[0]
     names, device = moved["torch"]
-    assert "block.norm.running_mean" in names and "frozen.weight" not in names and device == "cpu"
+    assert "block.norm.running_mean" in names
+    assert "frozen.weight" not in names
+    assert device == "cpu"
     assert moved["vescale"] == moved["torch"]
     assert moved["vescale via shard_model"] == moved["torch"]
 

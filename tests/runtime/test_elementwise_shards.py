@@ -91,7 +91,8 @@ def _trains_like_fsdp2_and_unsharded(mp: MixedPrecisionPolicy) -> None:
             assert_matches(ours, reference, "grad")
         assert_sharded_views(ours)
         for p in ours.parameters():
-            assert p.grad.to_local().dim() == 1 and p.grad.placements == p.placements
+            assert p.grad.to_local().dim() == 1
+            assert p.grad.placements == p.placements
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -101,7 +102,7 @@ def _trains_like_fsdp2_and_unsharded(mp: MixedPrecisionPolicy) -> None:
 
 
 @pytest.mark.parametrize(
-    "world, mp",
+    ("world", "mp"),
     [
         (2, MixedPrecisionPolicy()),
         (3, MixedPrecisionPolicy()),

@@ -118,7 +118,8 @@ def _gathered_from_views_of_buffers_per_kind():
     assert not extended.dbuffer.is_unsharded  # the fp32 weights were never gathered
     assert extended.dbuffer.sharded.untyped_storage().size() == 0  # they live in the weights' own storage
     for p in extended.params:
-        assert p.owns_local and fsdp_param_of(p.sharded) is p
+        assert p.owns_local
+        assert fsdp_param_of(p.sharded) is p
     model.unshard()
     for name, value in wanted.items():
         torch.testing.assert_close(model.get_parameter(name), value, **EXACT)

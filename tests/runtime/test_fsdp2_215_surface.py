@@ -157,7 +157,9 @@ def _pending_until_finalized() -> None:
     state = model._vescale_fsdp_unit.root_state
     assert state.reduces_in_flight and state.manual_active, "backward waited for its reductions"
     model.finalize_backward()
-    assert not state.reduces_in_flight and not state.reduces_landing and state.manual_active is None
+    assert not state.reduces_in_flight
+    assert not state.reduces_landing
+    assert state.manual_active is None
     assert all(p.grad is not None for name, p in model.named_parameters() if not name.startswith("unused"))
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
@@ -196,7 +198,8 @@ def _finalization_errors(engine: str) -> list[str]:
 def _errors_like_fsdp2() -> None:
     ours = _finalization_errors("vescale")
     assert "requires manual backward finalization" in ours[0]
-    assert "root" in ours[1] and "root" in ours[2]
+    assert "root" in ours[1]
+    assert "root" in ours[2]
     assert "must be waited on" in ours[3]
     assert "invalidated" in ours[4]
     if TORCH_215:
@@ -268,7 +271,8 @@ def _param_dtype_override_like_fsdp2() -> None:
     model.unshard()
     block = model.blocks[0]
     block.unshard()
-    assert block.norm.weight.dtype == torch.float32 and block.up.weight.dtype == torch.bfloat16
+    assert block.norm.weight.dtype == torch.float32
+    assert block.up.weight.dtype == torch.bfloat16
     block.reshard()
     model.reshard()
     # An answer other than None, param_dtype or the parameter's own dtype: FSDP2's error.

@@ -95,7 +95,8 @@ def _surface():
     model = _MLP()
     vescale_plugins.fully_shard(model.in_proj)
     vescale_plugins.fully_shard(model)
-    assert isinstance(model, FSDPModule) and isinstance(model.in_proj, FSDPModule)
+    assert isinstance(model, FSDPModule)
+    assert isinstance(model.in_proj, FSDPModule)
     assert not isinstance(model.in_proj.weight, FSDPModule)
     outcome = {}
     for name, (args, _) in _CALLS.items():
@@ -175,7 +176,8 @@ def _container_new_and_deepcopy(impl: str):
     loaded = torch.load(buffer, weights_only=False)
     for key, value in sd.items():
         for other in (copied[key], loaded[key]):
-            assert isinstance(other, DTensor) and other.placements == value.placements
+            assert isinstance(other, DTensor)
+            assert other.placements == value.placements
             torch.testing.assert_close(other.to_local(), value.to_local(), rtol=0, atol=0)
             torch.testing.assert_close(other.full_tensor(), value.full_tensor(), rtol=0, atol=0)
     return type(model).__mro__.index(nn.Sequential) - type(model)._orig_cls_mro_index
@@ -191,7 +193,9 @@ def test_ragged_shard_pickles_and_compares_like_torch_placements():
 
     for placement in (RaggedShard((0,), (3, 0, 2)), RaggedShard((), (0, 1)), Shard(0)):
         for clone in (pickle.loads(pickle.dumps(placement)), copy.deepcopy(placement), copy.copy(placement)):
-            assert clone == placement and hash(clone) == hash(placement) and type(clone) is type(placement)
+            assert clone == placement
+            assert hash(clone) == hash(placement)
+            assert type(clone) is type(placement)
     assert RaggedShard((0,), (1, 2)) != RaggedShard((0,), (2, 1))
     assert RaggedShard((0,), (1, 2)) != Shard(0)
 
@@ -278,7 +282,8 @@ def _tensor_extensions_refused():
     before = {n: p for n, p in model.named_parameters()}
     with pytest.raises(TypeError, match=r"'weight'.*invalid fsdp_pre_all_gather"):
         vescale_plugins.fully_shard(model)
-    assert dict(model.named_parameters()) == before and not isinstance(model, FSDPModule)
+    assert dict(model.named_parameters()) == before
+    assert not isinstance(model, FSDPModule)
 
 
 def test_tensor_extensions_refused_before_touching_the_module(dist_run):
@@ -306,7 +311,8 @@ def _torch_register_forward_method_on_ours():
     out = model[0].forward_features(x)
     torch.testing.assert_close(out, ref[0].forward_features(x))
     out.sum().backward()
-    assert isinstance(model[0].proj.weight, DTensor) and isinstance(model[0].proj.weight.grad, DTensor)
+    assert isinstance(model[0].proj.weight, DTensor)
+    assert isinstance(model[0].proj.weight.grad, DTensor)
     with pytest.raises(NotImplementedError, match="_fsdp_param_groups"):
         _ = model._get_fsdp_state()._fsdp_param_groups
 

@@ -100,7 +100,8 @@ def _errors_match_fsdp2():
         assert isinstance(ours, type(theirs)), f"{case}: FSDP2 raises {theirs!r}, ours {ours!r}"
         assert re.search(re.escape(str(theirs)), str(ours)), f"{case}: FSDP2 says {theirs}, ours {ours}"
     named = _raised(_invalid_shard_dim(IMPLS["vescale"]))  # ours also names the parameter
-    assert "for '0.weight'" in str(named) and isinstance(named, ValueError)
+    assert "for '0.weight'" in str(named)
+    assert isinstance(named, ValueError)
     dist.barrier()  # every rank got here: no rank was left waiting in a collective
 
 

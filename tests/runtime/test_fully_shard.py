@@ -112,7 +112,8 @@ def _mixed_precision_dtypes():
     for name, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
     unit = model._vescale_fsdp_unit
-    assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16] and [b.reduce_dtype for b in unit.dbuffers] == [
+    assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16]
+    assert [b.reduce_dtype for b in unit.dbuffers] == [
         torch.float32
     ]
 
@@ -167,7 +168,8 @@ def _frozen_parameters_inside_a_unit():
     model = shard_decoder(clone(reference))
 
     def check_step(loss, reference_loss):
-        assert model.layers[1].up.weight.grad is None and model.norm.bias.grad is None
+        assert model.layers[1].up.weight.grad is None
+        assert model.norm.bias.grad is None
         assert_matches(model, reference, "grad")
 
     train_like_reference(model, reference, 3, check_step)
@@ -187,7 +189,8 @@ def _unused_parameters_inside_a_unit():
     model = shard_decoder(clone(reference))
 
     def check_step(loss, reference_loss):
-        assert model.layers[0].unused.weight.grad is None and model.layers[1].unused_first.bias.grad is None
+        assert model.layers[0].unused.weight.grad is None
+        assert model.layers[1].unused_first.bias.grad is None
         assert_matches(model, reference, "grad")
 
     train_like_reference(model, reference, 3, check_step)
@@ -288,7 +291,8 @@ def _explicit_unshard_reshard_and_prefetch():
         layer.set_modules_to_backward_prefetch([layers[i - 1]])
     handle = model.unshard(async_op=True)
     handle.wait()
-    assert isinstance(model.embed.weight, torch.Tensor) and not isinstance(model.embed.weight, DTensor)
+    assert isinstance(model.embed.weight, torch.Tensor)
+    assert not isinstance(model.embed.weight, DTensor)
     model.reshard()
     assert isinstance(model.embed.weight, DTensor)
     for unit_module in [*model.layers, model]:  # each unit's own factor, as FSDP2's

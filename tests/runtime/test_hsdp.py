@@ -40,7 +40,9 @@ def _hsdp_parity():
     for p in ours.parameters():
         # Equal, not necessarily the same object: DTensor's sharding-propagation cache hands out
         # the first equal mesh a worker saw (FSDP2's parameters too).
-        assert p.device_mesh == mesh and p.placements[0] == Replicate() and isinstance(p.placements[1], RaggedShard)
+        assert p.device_mesh == mesh
+        assert p.placements[0] == Replicate()
+        assert isinstance(p.placements[1], RaggedShard)
     opts = [adamw(m) for m in (reference, ours, theirs)]
     for step in range(STEPS):
         ref_loss = reference_step(reference, step, world)

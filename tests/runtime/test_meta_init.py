@@ -75,6 +75,6 @@ def _meta_init(mesh_shape):
     assert torch.equal(torch.rand(5), next_draw), "every generator must end where the unsharded draw leaves it"
 
 
-@pytest.mark.parametrize("world, mesh_shape", [(2, None), (3, None), (4, (2, 2))], ids=["W2", "W3", "HSDP2x2"])
+@pytest.mark.parametrize(("world", "mesh_shape"), [(2, None), (3, None), (4, (2, 2))], ids=["W2", "W3", "HSDP2x2"])
 def test_meta_init_holds_only_shards_and_takes_rank_zeros_seed(dist_run, world, mesh_shape):
     dist_run(_meta_init, world, mesh_shape, timeout=300)

@@ -38,7 +38,8 @@ def _int_reshard(k):
         # FSDP2 reshards it then) keeps 1/k of itself
         for layer in [*ours.layers, ours]:
             for dbuffer in layer._vescale_fsdp_unit.dbuffers:
-                assert dbuffer._post_forward is not None and dbuffer._post_forward.allocated
+                assert dbuffer._post_forward is not None
+                assert dbuffer._post_forward.allocated
                 assert dbuffer._post_forward.tensor.numel() * k == dbuffer.layout.buffer_size
         _, backward_sizes = _gather_group_sizes(loss.backward)
         assert set(forward_sizes) == {world}, forward_sizes

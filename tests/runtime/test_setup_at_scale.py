@@ -28,4 +28,5 @@ def test_set_up_at_a_million_ranks_allocates_less_than_a_byte_per_rank():
         # One W-tuple of ints (what a per-rank representation costs) is 8 bytes a rank.
         assert peak < world, f"{peak} bytes allocated by fully_shard at W={world}"
         placement = model[1].weight.placements[0]
-        assert len(placement.local_units) == world and len(placement.local_units.runs) <= 5
+        assert len(placement.local_units) == world
+        assert len(placement.local_units.runs) <= 5

@@ -46,7 +46,8 @@ def _every_bad_input():
     model = make_decoder()
     fully_shard(model.head)  # the head's weight is tied to the embedding, outside the head
     _expect(ValueError, r"shared between this unit and a unit inside it: 'embed.weight'", lambda: fully_shard(model))
-    assert type(model).__name__ == "Decoder" and getattr(model, "_vescale_fsdp_unit", None) is None
+    assert type(model).__name__ == "Decoder"
+    assert getattr(model, "_vescale_fsdp_unit", None) is None
     assert not isinstance(model.embed.weight, DTensor)
 
     model = make_decoder()

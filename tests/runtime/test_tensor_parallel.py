@@ -99,7 +99,8 @@ def _tp_fsdp_parity():
         (block.mlp_norm.weight, Replicate()),
         (ours.embed.weight, Shard(0)),
     ]:
-        assert param.device_mesh.mesh_dim_names == ("dp", "tp") and param.placements[1] == tp
+        assert param.device_mesh.mesh_dim_names == ("dp", "tp")
+        assert param.placements[1] == tp
         expected = StridedRaggedShard if tp == Shard(0) else RaggedShard
         assert type(param.placements[0]) is expected, param.placements
 
@@ -130,8 +131,10 @@ def _hsdp_x_tp_parity():
         tensor_parallel(copy.deepcopy(reference), mesh["tp"]), torch_fully_shard, mesh["replicate", "shard"]
     )
     wq = ours.layers[0].attn.wq.weight
-    assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp") and wq.placements[0] == Replicate()
-    assert type(wq.placements[1]) is StridedRaggedShard and wq.placements[2] == Shard(0)
+    assert wq.device_mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert wq.placements[0] == Replicate()
+    assert type(wq.placements[1]) is StridedRaggedShard
+    assert wq.placements[2] == Shard(0)
 
     def backward(step):
         tokens, targets = token_batch(step, dp_rank)
@@ -190,7 +193,8 @@ def test_tp_x_fsdp_checkpoint_loads_at_another_fsdp_size(dist_run, tmp_path):
     path = str(tmp_path / "ckpt")
     saved_params, saved_optim = dist_run(_train_and_save, 4, path)[0]
     loaded_params, loaded_optim = dist_run(_load_at_dp1_tp2, 2, path)[0]
-    assert saved_params.keys() == loaded_params.keys() and saved_optim.keys() == loaded_optim.keys()
+    assert saved_params.keys() == loaded_params.keys()
+    assert saved_optim.keys() == loaded_optim.keys()
     for name in saved_params:
         assert torch.equal(saved_params[name], loaded_params[name]), name
     for name in saved_optim:
@@ -280,7 +284,8 @@ def _ep_fsdp_parity():
         shard(model, mesh=dp_shard)
         models.append(model)
     ours, theirs = models
-    assert type(ours.experts.w1.placements[0]) is StridedRaggedShard and ours.experts.w1.placements[1] == Shard(0)
+    assert type(ours.experts.w1.placements[0]) is StridedRaggedShard
+    assert ours.experts.w1.placements[1] == Shard(0)
     assert ours.experts.w1._local_tensor.shape[1:] == (EXPERT_HIDDEN, MOE_DIM)
 
     def backward(step):
@@ -368,9 +373,13 @@ def _dp_mesh_dims_parity():
         shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
         models.append(model)
     ours, theirs = models
-    assert ours.w1.weight.device_mesh is mesh and ours.w1.weight.placements[1] == Shard(0)
+    assert ours.w1.weight.device_mesh is mesh
+    assert ours.w1.weight.placements[1] == Shard(0)
     assert (
-        type(ours.w1.weight.placements[0]) is StridedRaggedShard and type(ours.w2.weight.placements[0]) is RaggedShard
+        type(ours.w1.weight.placements[0]) is StridedRaggedShard
+    )
+    assert (
+        type(ours.w2.weight.placements[0]) is RaggedShard
     )
 
     _train_like_both(ours, theirs, reference, STEPS, _spmd_backward(ours, theirs, reference, mesh))
@@ -552,7 +561,8 @@ def _dp_mesh_dims_with_expert_meshes_parity():
         models.append(model)
     ours, theirs = models
     _assert_placements_like_fsdp2(ours, theirs)
-    assert ours.experts.w1.device_mesh is sparse and ours.proj.weight.device_mesh is dense
+    assert ours.experts.w1.device_mesh is sparse
+    assert ours.proj.weight.device_mesh is dense
 
     def backward(step):
         x, y = _moe_batch(step, dist.get_rank())
@@ -630,7 +640,8 @@ def _unsupported_combinations():
     ):
         fully_shard(lin, mesh=mesh["dp"])
     # the module is untouched: still usable as before
-    assert lin.weight.device_mesh == foreign and type(lin).__name__ == "Linear"
+    assert lin.weight.device_mesh == foreign
+    assert type(lin).__name__ == "Linear"
     dist.barrier()
 
 
@@ -647,7 +658,8 @@ def _post_forward_groups_of_a_dp_submesh():
     assert every_copy_of_mesh(dp).tolist() == [[0, 2], [1, 3]]
     # reshard_after_forward=k on a TP model's dp mesh: every rank creates every copy's groups
     group = post_forward_group(dp, 1)
-    assert dist.get_world_size(group) == 1 and dist.get_process_group_ranks(group) == [dist.get_rank()]
+    assert dist.get_world_size(group) == 1
+    assert dist.get_process_group_ranks(group) == [dist.get_rank()]
     dist.barrier()
 
 
@@ -716,7 +728,8 @@ def _mixed_precision():
     for loss in losses:
         loss.backward()
     torch.testing.assert_close(losses[0], losses[1])
-    assert ours.layers[0].w1.weight.dtype == torch.float32 and ours.layers[0].w1.weight.grad.dtype == torch.float32
+    assert ours.layers[0].w1.weight.dtype == torch.float32
+    assert ours.layers[0].w1.weight.grad.dtype == torch.float32
     assert_same(ours, theirs, "grad", dict(rtol=1e-2, atol=1e-4))
 
 
@@ -801,7 +814,8 @@ def _ep_x_tp_experts(path: str):
     theirs, ours = models
     w1 = ours.experts.w1
     assert w1.device_mesh.mesh_dim_names == ("efsdp", "ep", "tp")
-    assert type(w1.placements[0]) is StridedRaggedShard and w1.placements[1:] == (Shard(0), Shard(1))
+    assert type(w1.placements[0]) is StridedRaggedShard
+    assert w1.placements[1:] == (Shard(0), Shard(1))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (theirs, ours, reference)]
     for step in range(3):
         # a TP group reads the same tokens; EP gathers them over ep, FSDP averages over efsdp

@@ -101,7 +101,8 @@ def _dense_flex_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, 
     the mask made dense: flex_attention has no CPU backward, compiled or eager."""
     from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
-    assert score_mod is None and not return_aux.lse
+    assert score_mod is None
+    assert not return_aux.lse
     mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[-2], k.shape[-2], device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return out, AuxOutput()
@@ -242,7 +243,7 @@ def _both(typecheck: bool, steps: int) -> dict[str, dict]:
 
 # torchtitan's default, and with its debug.spmd_typechecking on (one step: the gathered
 # parameters carry their types back into the typechecked forward).
-@pytest.mark.parametrize("typecheck, steps", [(False, STEPS), (True, 1)], ids=["default", "spmd_typechecking"])
+@pytest.mark.parametrize(("typecheck", "steps"), [(False, STEPS), (True, 1)], ids=["default", "spmd_typechecking"])
 def test_torchtitan_030_default_path_matches_fsdp2(dist_run, typecheck, steps):
     """Per-step losses and the parameters after the steps are bitwise FSDP2's.
 

@@ -250,7 +250,8 @@ def _moe_recipe_like_fsdp2_and_unsharded(path: str) -> None:
         return _global_loss(loss, dp_group)
 
     probe = _moe_recipe(fully_shard, dense, sparse)  # the experts on the sparse mesh, the rest on the dense one
-    assert probe.layers["0"].experts.w1.device_mesh == sparse and probe.layers["0"].w_in.weight.device_mesh == dense
+    assert probe.layers["0"].experts.w1.device_mesh == sparse
+    assert probe.layers["0"].w_in.weight.device_mesh == dense
     runs = {
         engine: _run_with_resume(
             lambda init=True, shard=shard: _moe_recipe(shard, dense, sparse, init),

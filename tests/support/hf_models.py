@@ -184,7 +184,8 @@ def assert_fine_tuned(name: str, variant: str, trained: dict[str, Any]) -> None:
     before = full_parameters(initial)
     assert trained["params"].keys() == before.keys()
     adapters = [key for key in before if "lora_" in key]
-    assert adapters and all(dtypes[key] == torch.float32 for key in adapters)
+    assert adapters
+    assert all(dtypes[key] == torch.float32 for key in adapters)
     base_dtype = torch.bfloat16 if variant == "qlora" else torch.float32
     for key, value in before.items():
         if key in adapters:

@@ -15,7 +15,8 @@ from vescale_plugins.planner import Layout, plan_layout, shard_size_lower_bound
 def assert_valid(layout: Layout) -> None:
     """The four structural guarantees, recomputed from scratch."""
     shard, world = layout.shard_size, layout.world_size
-    assert shard >= 1 and shard % layout.alignment == 0
+    assert shard >= 1
+    assert shard % layout.alignment == 0
     intervals = sorted((layout.offsets[i], layout.offsets[i] + layout.numels[i], i) for i in range(len(layout.numels)))
     previous_end = 0
     for start, stop, index in intervals:

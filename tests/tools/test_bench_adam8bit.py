@@ -43,11 +43,13 @@ def test_cli_smoke(tmp_path, capsys):
         ]
     )
     printed = capsys.readouterr().out
-    assert "optimizer step, median (ms)" in printed and "quality" in printed
+    assert "optimizer step, median (ms)" in printed
+    assert "quality" in printed
     results = json.loads(out.read_text())["results"]
     for name in adam8bit.PAIRS["adamw"]:
         figures = results[name]
-        assert figures["optimizer_step_s"] > 0 and figures["peak_bytes"] > 0
+        assert figures["optimizer_step_s"] > 0
+        assert figures["peak_bytes"] > 0
         # fp32 AdamW: two fp32 moments per element, plus the step counters.
         assert 8.0 <= figures["state_bytes"] / figures["parameter_elements"] < 8.01
         assert figures["quality_final_loss"] > 0

@@ -8,7 +8,7 @@ from vescale_plugins.bench.__main__ import parse_args
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--world-size", "0"], "argument --world-size: 0 is too small: it must be at least 1"),
         (["--block-rows", "0"], "argument --block-rows: 0 is too small: it must be at least 1"),
@@ -49,11 +49,15 @@ def test_the_zero3_config_is_sized_to_the_units_and_frees_after_forward():
     zero = config["zero_optimization"]
     largest = max(sum(p.numel() for m in modules for p in m.parameters()) for _, modules in model.fsdp_units())
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == largest  # not DeepSpeed's 5e8
-    assert zero["stage3_max_reuse_distance"] == 0 and zero["stage3_max_live_parameters"] == 2 * largest
+    assert zero["stage3_max_reuse_distance"] == 0
+    assert zero["stage3_max_live_parameters"] == 2 * largest
     # The norms stay whole, every matrix is partitioned (as FSDP shards it).
     assert zero["stage3_param_persistence_threshold"] == PRESETS["small"].hidden_size
     assert min(p.numel() for p in model.parameters() if p.dim() == 2) > zero["stage3_param_persistence_threshold"]
-    assert "bf16" not in config and "offload_param" not in zero and "offload_optimizer" not in zero
+    assert "bf16" not in config
+    assert "offload_param" not in zero
+    assert "offload_optimizer" not in zero
     kept = zero3_config(model, batch_size=4, mixed_precision=True, free_after_forward=False)
     assert "stage3_max_reuse_distance" not in kept["zero_optimization"]
-    assert kept["bf16"] == {"enabled": True} and kept["communication_data_type"] == "fp32"
+    assert kept["bf16"] == {"enabled": True}
+    assert kept["communication_data_type"] == "fp32"

@@ -25,10 +25,12 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
         "--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps 3",
         *("--json", str(result_json), "--plot", str(plot), "--record", str(record)),
     )
-    assert "veScale / FSDP2" in completed.stdout and "parity:" in completed.stdout
+    assert "veScale / FSDP2" in completed.stdout
+    assert "parity:" in completed.stdout
 
     data = json.loads(result_json.read_text())
-    assert data["environment"]["world_size"] == 2 and data["environment"]["backend"] == "gloo"
+    assert data["environment"]["world_size"] == 2
+    assert data["environment"]["backend"] == "gloo"
     assert data["settings"]["config"]["vocab_size"] == 1009
     summary = data["summary"]
     for name in ("fsdp2", "vescale"):
@@ -44,15 +46,18 @@ def test_bench_cli_writes_every_figure_and_parity_holds(tmp_path):
             "copy_ms_per_step",
         ):
             assert figures[key] >= 0, (name, key)
-        assert figures["peak_bytes"] > 0 and figures["sharded_state_bytes"] > 0
+        assert figures["peak_bytes"] > 0
+        assert figures["sharded_state_bytes"] > 0
     assert summary["engines"]["vescale"]["copy_ms_per_step"] == 0
     assert summary["engines"]["fsdp2"]["copy_ms_per_step"] > 0
     assert set(summary["ratios"]) >= {"step_time", "step_time_paired", "peak_memory", "sharded_state", "padding"}
     parity = summary["parity"]
-    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
+    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5
+    assert parity["max_param_diff"] < 1e-5
     assert plot.stat().st_size > 1000
     ranks = json.loads(record.read_text())["ranks"]
-    assert len(ranks) == 2 and ranks[0]["communication"]["summary"]["reduce_scatter"]["count"] > 0
+    assert len(ranks) == 2
+    assert ranks[0]["communication"]["summary"]["reduce_scatter"]["count"] > 0
 
 
 @pytest.mark.distributed
@@ -72,7 +77,8 @@ def test_bench_cli_through_lightning_fabric_and_accelerate(tmp_path, frontend):
     gathered = [engines[name]["all_gather_bytes_per_step"] for name in ("fsdp2", "vescale")]
     assert abs(gathered[0] - gathered[1]) <= 0.01 * gathered[0], gathered
     parity = data["summary"]["parity"]
-    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
+    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5
+    assert parity["max_param_diff"] < 1e-5
 
 
 @pytest.mark.distributed
@@ -85,9 +91,11 @@ def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
         timeout=400,
     )
     data = json.loads(result_json.read_text())
-    assert data["settings"]["replicate"] == 2 and data["environment"]["world_size"] == 4
+    assert data["settings"]["replicate"] == 2
+    assert data["environment"]["world_size"] == 4
     parity = data["summary"]["parity"]
-    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5 and parity["max_param_diff"] < 1e-5
+    assert abs(parity["loss"]["fsdp2"] - parity["loss"]["vescale"]) < 1e-5
+    assert parity["max_param_diff"] < 1e-5
     # sharded over the 2 ranks of a shard group, not 4: parameters, gradients and AdamW's two
     # moments (16 bytes per fp32 parameter) of half the model per rank
     from vescale_plugins.bench.llama import PRESETS, Llama
@@ -97,7 +105,7 @@ def test_bench_cli_hsdp_on_a_2x2_mesh(tmp_path):
         assert data["summary"]["engines"][name]["sharded_state_bytes"] == pytest.approx(half_model_bytes, rel=1e-2)
 
 
-@pytest.mark.parametrize("text, expected", [("true", True), ("false", False), ("default", None), ("2", 2)])
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("false", False), ("default", None), ("2", 2)])
 def test_reshard_after_forward_takes_a_bool_or_a_number_of_ranks(text, expected):
     from vescale_plugins.bench.__main__ import parse_args
 
@@ -105,7 +113,7 @@ def test_reshard_after_forward_takes_a_bool_or_a_number_of_ranks(text, expected)
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--world-size", "4", "--hsdp", "3"], "--hsdp 3 must divide the world size (4)"),
         (["--world-size", "4", "--hsdp", "2", "--frontend", "fabric"], "--hsdp runs with --frontend plain"),

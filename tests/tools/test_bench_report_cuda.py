@@ -34,4 +34,6 @@ def test_cuda_table_shows_reserved_memory_and_allocator_retries():
     out = io.StringIO()
     Console(file=out, width=200).print(render_table(summary))
     retries = next(line for line in out.getvalue().splitlines() if "CUDA allocator retries" in line)
-    assert "3" in retries and "0" in retries and "CUDA max reserved" in out.getvalue()
+    assert "3" in retries
+    assert "0" in retries
+    assert "CUDA max reserved" in out.getvalue()

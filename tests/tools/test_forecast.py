@@ -61,7 +61,8 @@ def test_alpha_beta_fit_recovers_the_constants():
     sizes = [2**k for k in range(16, 25, 2)]
     times = [(n - 1) * (alpha + b / n / beta) for b in sizes]
     fitted_alpha, fitted_beta = fit_alpha_beta(sizes, times, n)
-    assert fitted_alpha == pytest.approx(alpha) and fitted_beta == pytest.approx(beta)
+    assert fitted_alpha == pytest.approx(alpha)
+    assert fitted_beta == pytest.approx(beta)
     with pytest.raises(ValueError, match="do not grow with size"):
         fit_alpha_beta([1, 2], [0.2, 0.1], n)
 
@@ -73,9 +74,12 @@ def test_calibrate_writes_a_hardware_file_the_forecast_loads(tmp_path):
     path = tmp_path / "cpu.json"
     figures = calibrate(str(path), sizes_bytes=[2**12, 2**24], repeats=3, timeout_s=240, ranks=3)
     hardware = load_hardware("h100", str(path))
-    assert hardware.gpus_per_node == 3 and "3 ranks" in hardware.name
+    assert hardware.gpus_per_node == 3
+    assert "3 ranks" in hardware.name
     assert hardware.intra_node_bandwidth == figures["intra_node_bandwidth"] > 0
-    assert hardware.peak_flops_fp32 > 0 and hardware.memory_bandwidth > 0 and not hardware.overlaps_communication
+    assert hardware.peak_flops_fp32 > 0
+    assert hardware.memory_bandwidth > 0
+    assert not hardware.overlaps_communication
     assert set(figures["measured"]["timings"]) == {
         "fsdp2_all_gather",
         "fsdp2_reduce_scatter",
@@ -179,7 +183,8 @@ def test_gpt_oss_at_256_gpus_of_80_gb():
     spec = resolve_model("GPT-OSS-120B")
     for gpu in ("h100", "a100"):
         entry = forecast_world_size(spec, load_hardware(gpu), 256, ForecastSettings())
-        assert entry["engines"]["fsdp2"]["oom"] and not entry["engines"]["vescale"]["oom"]
+        assert entry["engines"]["fsdp2"]["oom"]
+        assert not entry["engines"]["vescale"]["oom"]
 
 
 def test_hsdp_shards_over_the_group_and_all_reduces_across_replicas():
@@ -263,7 +268,8 @@ def test_hardware_file_overrides_fields(tmp_path):
     path = tmp_path / "hw.json"
     path.write_text(json.dumps({"inter_node_bandwidth": 1e9, "gpus_per_node": 4}))
     hardware = load_hardware("h100", str(path))
-    assert hardware.inter_node_bandwidth == 1e9 and hardware.gpus_per_node == 4
+    assert hardware.inter_node_bandwidth == 1e9
+    assert hardware.gpus_per_node == 4
     assert hardware.peak_flops_bf16 == GPUS["h100"].peak_flops_bf16
     path.write_text(json.dumps({"nvlink": 1}))
     with pytest.raises(ValueError, match=r"unknown hardware fields \['nvlink'\]"):
@@ -297,11 +303,12 @@ def test_cli_writes_tables_json_and_plot(tmp_path, capsys):
     assert [e["world_size"] for e in result["world_sizes"]] == [8, 64]
     assert plot.stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "Llama-3-8B on 64 x H200" in printed and "tokens/s per GPU" in printed
+    assert "Llama-3-8B on 64 x H200" in printed
+    assert "tokens/s per GPU" in printed
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    ("argv", "message"),
     [
         (["--gpus", "8,x"], "comma-separated integers"),
         (["--gpus", "64", "--hsdp", "3"], "--hsdp 3 does not divide --gpus [64]"),

@@ -28,7 +28,8 @@ def _check_outputs(out: Path, report: dict, names: list[str]) -> None:
     records = [json.loads(line) for line in (out / "parts.jsonl").read_text().splitlines()]
     assert [r["part"] for r in records] == names
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in lines[:-1]] == names and "wrote" in lines[-1]
+    assert [line.split(":")[0] for line in lines[:-1]] == names
+    assert "wrote" in lines[-1]
     for name in names:
         figures = report["checks"][name]
         assert figures["status"] in STATUSES and figures["seconds"] >= 0, (name, figures)
@@ -54,13 +55,18 @@ def test_a_failing_or_overrunning_part_is_recorded_and_the_next_one_runs(tmp_pat
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     _check_outputs(tmp_path, report, [p.name for p in plan])
     checks = report["checks"]
-    assert checks["raises"]["status"] == "failed" and "this part fails" in checks["raises"]["error"]
-    assert checks["overruns"]["status"] == "failed" and "overran its budget of 2 s" in checks["overruns"]["error"]
-    assert checks["not_built"]["status"] == "skipped" and "not built yet" in checks["not_built"]["reason"]
+    assert checks["raises"]["status"] == "failed"
+    assert "this part fails" in checks["raises"]["error"]
+    assert checks["overruns"]["status"] == "failed"
+    assert "overran its budget of 2 s" in checks["overruns"]["error"]
+    assert checks["not_built"]["status"] == "skipped"
+    assert "not built yet" in checks["not_built"]["reason"]
     assert checks["cuda_only"].items() >= {"status": "skipped", "reason": "CUDA only: a reason"}.items()
     assert "budget_s" not in checks["cuda_only"]  # skipped before any process started
-    assert checks["skips"]["status"] == "skipped" and checks["skips"]["reason"] == "its subject is absent"
-    assert checks["passes"]["status"] == "passed" and checks["passes"]["summary"] == "ran with world 1"
+    assert checks["skips"]["status"] == "skipped"
+    assert checks["skips"]["reason"] == "its subject is absent"
+    assert checks["passes"]["status"] == "passed"
+    assert checks["passes"]["summary"] == "ran with world 1"
     assert report["ok"] is False
 
 
@@ -69,7 +75,9 @@ def test_the_probe_sets_how_the_multi_rank_parts_get_their_ranks():
     shared = gpu_check._ranks_after_probe(ctx, {"status": "passed"})
     assert (shared.world, shared.ranks_on_one_gpu, shared.speed_claim) == (2, True, False)
     refused = gpu_check._ranks_after_probe(ctx, {"status": "failed", "error": "ncclInvalidUsage: duplicate GPU\n..."})
-    assert refused.world == 1 and "NCCL refused" in refused.world_note and "duplicate GPU" in refused.world_note
+    assert refused.world == 1
+    assert "NCCL refused" in refused.world_note
+    assert "duplicate GPU" in refused.world_note
     eight = gpu_check._ranks_after_probe(PartContext("cuda", 8, 1, False, "", 0), {"status": "passed"})
     assert (eight.world, eight.ranks_on_one_gpu, eight.speed_claim) == (8, False, True)
     cpu = gpu_check._ranks_after_probe(PartContext("cpu", 0, 1, False, "", 0), {"status": "skipped"})
@@ -94,7 +102,9 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     report = json.loads(out.read_text())
-    assert report["mode"] == "cpu-fallback" and "no CUDA" in report["note"] and report["ok"] is True
+    assert report["mode"] == "cpu-fallback"
+    assert "no CUDA" in report["note"]
+    assert report["ok"] is True
     checks = report["checks"]
     assert {
         "parity_multi_rank",
@@ -113,19 +123,25 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     assert checks["optimizer_host_syncs"]["status"] == "passed"
     assert set(checks["optimizer_host_syncs"]["optimizers"]) == {"flat AdamW", "AdamW8bit", "Muon"}
     parity = checks["parity_multi_rank"]
-    assert parity["status"] == "passed" and parity["world_size"] == 2
-    assert parity["fp32"]["max_param_diff_vs_unsharded"] <= 1e-4 and parity["fp32"]["max_param_diff_vs_fsdp2"] <= 1e-4
+    assert parity["status"] == "passed"
+    assert parity["world_size"] == 2
+    assert parity["fp32"]["max_param_diff_vs_unsharded"] <= 1e-4
+    assert parity["fp32"]["max_param_diff_vs_fsdp2"] <= 1e-4
     assert (
         checks["bf16_mixed"]["max_param_diff_vs_fsdp2"] <= 2e-2
-        and checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
+    )
+    assert (
+        checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
     )
     # Off CUDA: one stream, nothing recorded, and never a record_stream.
     assert checks["comm_streams"].items() >= {"enabled": False, "events_recorded": 0, "record_stream_calls": 0}.items()
     bench = checks["bench"]
-    assert bench["status"] == "passed" and bench["environment"]["backend"] == "gloo"
+    assert bench["status"] == "passed"
+    assert bench["environment"]["backend"] == "gloo"
     assert bench["speed_claim"] is False
     for name in ("fsdp2", "vescale"):
-        assert bench["engines"][name]["peak_bytes"] > 0 and bench["engines"][name]["page_faults_per_step"] >= 0
+        assert bench["engines"][name]["peak_bytes"] > 0
+        assert bench["engines"][name]["page_faults_per_step"] >= 0
     assert checks["triton_kernels"]["status"] in ("skipped", "passed")
     if checks["triton_kernels"]["status"] == "skipped":
         assert checks["triton_kernels"]["reason"]

@@ -59,7 +59,8 @@ def test_sleeps_land_on_the_side_stream_before_each_collective(monkeypatch):
         ("sleep", "all_reduce", 7),
         ("collective", "all_reduce"),
     ]
-    assert counts == {"side_stream_sleeps": 3} and CommStreams.issue_on is original
+    assert counts == {"side_stream_sleeps": 3}
+    assert CommStreams.issue_on is original
     log.clear()
     with provoked_streams(5, which="reduce_scatter") as counts:
         _issue_both(streams, log)

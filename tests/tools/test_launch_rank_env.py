@@ -22,4 +22,5 @@ def test_each_rank_joins_with_its_own_environment():
     seen = launch_ranks(_environment_seen, 2, timeout_s=90, backend="gloo", threads=1, rank_env=one_gpu_rank_env)
     assert seen == [one_gpu_rank_env(0), one_gpu_rank_env(1)]
     assert seen[0]["NCCL_HOSTID"] != seen[1]["NCCL_HOSTID"]
-    assert seen[0]["NCCL_SOCKET_IFNAME"] == "lo" and seen[0]["NCCL_P2P_DISABLE"] == "1"
+    assert seen[0]["NCCL_SOCKET_IFNAME"] == "lo"
+    assert seen[0]["NCCL_P2P_DISABLE"] == "1"

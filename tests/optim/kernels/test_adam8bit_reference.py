@@ -51,7 +51,8 @@ def test_quantize_applies_torchaos_rule_at_every_rounding_threshold(signed):
     )
     assert torch.equal(quantize(x, signed), rule(x))
     out = torch.empty(x.shape, dtype=torch.uint8)
-    assert quantize(x, signed, out=out) is out and torch.equal(out, rule(x))
+    assert quantize(x, signed, out=out) is out
+    assert torch.equal(out, rule(x))
 
 
 def _nearest_code(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,7 @@ def _loop_step(p, g, mc, ms, vc, vs, tile_h, tile_w, h: AdamHyper):
 
 
 @pytest.mark.parametrize(
-    "shape, tile", [((70, 45), 32), ((33,), 4), ((5, 3, 4), 2), ((), 32), ((40, 64), 32), ((9, 17), 8)]
+    ("shape", "tile"), [((70, 45), 32), ((33,), 4), ((5, 3, 4), 2), ((), 32), ((40, 64), 32), ((9, 17), 8)]
 )
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_reference_equals_the_per_tile_loop(shape, tile, decoupled):
@@ -144,4 +145,5 @@ def test_bands_of_tile_rows_step_like_the_whole_matrix(monkeypatch):
     adam8bit_step_(p, g, *state, 32, 32, hyper)
     monkeypatch.setattr(reference, "_BAND_ELEMENTS", 32 * 70)  # one tile row per band
     adam8bit_step_(banded_p, g, *banded_state, 32, 32, hyper)
-    assert torch.equal(p, banded_p) and all(torch.equal(a, b) for a, b in zip(state, banded_state))
+    assert torch.equal(p, banded_p)
+    assert all(torch.equal(a, b) for a, b in zip(state, banded_state))

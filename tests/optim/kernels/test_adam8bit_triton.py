@@ -111,7 +111,8 @@ def test_triton_kernel_compiles_for_hopper_with_vector_loads_and_correctly_round
     # nearest (the interpreter's and CUDA's fused Adam's), not the approximations.
     for instruction in ("div.s64", "rem.s64", "div.u64", "rem.u64", "sqrt.approx", "div.full", "div.approx"):
         assert instruction not in aligned, instruction
-    assert "sqrt.rn.f32" in aligned and "div.rn.f32" in aligned
+    assert "sqrt.rn.f32" in aligned
+    assert "div.rn.f32" in aligned
     # Parameter and gradient rows come in 16-byte vectors when the table is aligned, and
     # per element when it is not (the mapping is the same; only the alignment differs).
     assert "ld.global.v4.b32" in aligned
