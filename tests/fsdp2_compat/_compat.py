@@ -13,9 +13,11 @@ import types
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_utils import TestCase
 
-__all__ = ["api", "tc", "broadcast_params", "allreduce_avg_grads"]
+__all__ = ["api", "tc", "broadcast_params", "allreduce_avg_grads", "state_dict_save_load"]
 
 
 def api(impl: str) -> types.SimpleNamespace:
@@ -69,3 +71,40 @@ def allreduce_avg_grads(module: torch.nn.Module) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad.div_(world_size)
+
+
+def state_dict_save_load(model: torch.nn.Module, impl: str) -> None:
+    """``test_fully_shard_state_dict.py``'s ``_test_state_dict_save_load``: the sharded state
+    dict holds the parameters' own storage and loads in place (shared by the 1-D, DP x TP and
+    HSDP x TP cases)."""
+    rank = dist.get_rank()
+    for name, param in model.named_parameters():
+        tc.assertIsInstance(param, DTensor, f"{name} is {type(param)}")
+    old_fill_value, new_fill_value = 1, 42 + rank
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(old_fill_value)
+    name_to_data_ptr = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+    ref_sharded_sizes = [p.size() for p in model.parameters()]
+    state_dict = model.state_dict()
+    for param, ref_size in zip(model.parameters(), ref_sharded_sizes):
+        tc.assertEqual(param.size(), ref_size)
+        tc.assertTrue(isinstance(param, nn.Parameter))
+    tc.assertEqual(set(state_dict.keys()), set(name_to_data_ptr.keys()))
+    for name, tensor in state_dict.items():
+        tc.assertTrue(isinstance(tensor, DTensor))
+        if name_to_data_ptr[name] == 0:
+            if impl == "torch":  # only trailing ranks are empty under FSDP2's Shard(0) (README)
+                tc.assertGreater(rank, 0)
+            tc.assertEqual(torch.count_nonzero(tensor.to_local()).item(), 0)
+        else:
+            tc.assertEqual(tensor.to_local().data_ptr(), name_to_data_ptr[name])
+    new_state_dict = {n: t.detach().clone().fill_(new_fill_value) for n, t in state_dict.items()}
+    for param in model.parameters():
+        tc.assertEqual(param.to_local(), torch.ones_like(param.to_local()) * old_fill_value)
+    model.load_state_dict(new_state_dict)
+    for name, param in model.named_parameters():
+        tc.assertEqual(param.to_local(), torch.ones_like(param.to_local()) * new_fill_value)
+        local = param.to_local()
+        if local.size(0) * param.device_mesh.size() == param.size(0):
+            tc.assertEqual(local.data_ptr(), name_to_data_ptr[name])

@@ -19,44 +19,10 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import MLP
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer, TransformerBlock
 
-from ._compat import api, tc
+from ._compat import api, state_dict_save_load, tc
 
 T = 180
 vescale_xfail = lambda reason: pytest.mark.vescale_xfail(reason)
-
-
-def _state_dict_save_load(model, impl):
-    rank = dist.get_rank()
-    for name, param in model.named_parameters():
-        tc.assertIsInstance(param, DTensor, f"{name} is {type(param)}")
-    old_fill_value, new_fill_value = 1, 42 + rank
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(old_fill_value)
-    name_to_data_ptr = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
-    ref_sharded_sizes = [p.size() for p in model.parameters()]
-    state_dict = model.state_dict()
-    for param, ref_size in zip(model.parameters(), ref_sharded_sizes):
-        tc.assertEqual(param.size(), ref_size)
-        tc.assertTrue(isinstance(param, nn.Parameter))
-    tc.assertEqual(set(state_dict.keys()), set(name_to_data_ptr.keys()))
-    for name, tensor in state_dict.items():
-        tc.assertTrue(isinstance(tensor, DTensor))
-        if name_to_data_ptr[name] == 0:
-            if impl == "torch":  # only trailing ranks are empty under FSDP2's Shard(0) (README)
-                tc.assertGreater(rank, 0)
-            tc.assertEqual(torch.count_nonzero(tensor.to_local()).item(), 0)
-        else:
-            tc.assertEqual(tensor.to_local().data_ptr(), name_to_data_ptr[name])
-    new_state_dict = {n: t.detach().clone().fill_(new_fill_value) for n, t in state_dict.items()}
-    for param in model.parameters():
-        tc.assertEqual(param.to_local(), torch.ones_like(param.to_local()) * old_fill_value)
-    model.load_state_dict(new_state_dict)
-    for name, param in model.named_parameters():
-        tc.assertEqual(param.to_local(), torch.ones_like(param.to_local()) * new_fill_value)
-        local = param.to_local()
-        if local.size(0) * param.device_mesh.size() == param.size(0):
-            tc.assertEqual(local.data_ptr(), name_to_data_ptr[name])
 
 
 def _dp_state_dict_save_load(impl, mlp_dim):
@@ -69,12 +35,12 @@ def _dp_state_dict_save_load(impl, mlp_dim):
     for module in model1:
         fully_shard_fn(module)
     fully_shard_fn(model1)
-    _state_dict_save_load(model1, impl)
+    state_dict_save_load(model1, impl)
     model2 = copy.deepcopy(base_model)
     for module in model2:
         fully_shard_fn(module, reshard_after_forward=False)
     fully_shard_fn(model2, reshard_after_forward=False)
-    _state_dict_save_load(model2, impl)
+    state_dict_save_load(model2, impl)
     ref_sharded_sd = model2.state_dict()
     model2(torch.randn((2, mlp_dim)))  # parameters are not resharded after this forward
     sharded_sd = model2.state_dict()

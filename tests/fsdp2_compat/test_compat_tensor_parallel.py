@@ -22,8 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.common_fsdp import MLP, MLPStack
 
-from ._compat import api, tc
-from .test_compat_state_dict import _state_dict_save_load
+from ._compat import api, state_dict_save_load, tc
 
 T = 180  # seconds per case
 
@@ -174,7 +173,7 @@ def test_2d_state_dict_correctness(dist_run, impl):
 def _dp_tp_state_dict_save_load(impl, mlp_dim):
     global_mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp"], global_mesh["tp"])
-    _state_dict_save_load(model, impl)
+    state_dict_save_load(model, impl)
 
 
 @pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
@@ -187,7 +186,7 @@ def _hsdp_tp_state_dict_save_load(impl, mlp_dim):
         "cpu", (2, 2, dist.get_world_size() // 4), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
     )
     _, model = _tp_mlps(impl, mlp_dim, global_mesh["dp_replicate", "dp_shard"], global_mesh["tp"])
-    _state_dict_save_load(model, impl)
+    state_dict_save_load(model, impl)
 
 
 @pytest.mark.parametrize("mlp_dim", [4, 6, 8, 10])
