@@ -143,7 +143,8 @@ def _full_weights_for_a_plain_model(path: str) -> None:
         plain = make_decoder(seed=9)
         missing, unexpected = plain.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=False)
         # safetensors stores a tied weight once; the plain model re-ties it on load.
-        assert unexpected == [] and set(missing) <= {"head.weight", "embed.weight"}, (missing, unexpected)
+        assert unexpected == [], (missing, unexpected)
+        assert set(missing) <= {"head.weight", "embed.weight"}, (missing, unexpected)
         assert_same_params({n: p.detach() for n, p in plain.named_parameters()}, trained, EXACT)
 
 

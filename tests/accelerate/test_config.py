@@ -192,10 +192,10 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
     if dist.get_rank() != 0:
         return None
     messages = []
-    with accelerate_env(), pytest.raises(ValueError) as error:
+    with accelerate_env(), pytest.raises(ValueError, match="mixed_precision='fp12'") as error:
         Accelerator(mixed_precision="fp12", fsdp_plugin=decoder_plugin())
     messages.append(str(error.value))
-    with accelerate_env(), pytest.raises(ValueError) as error:
+    with accelerate_env(), pytest.raises(ValueError, match="tp_size=2 but dp_shard_size=1") as error:
         Accelerator(fsdp_plugin=decoder_plugin(), parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=1))
     messages.append(str(error.value))
     with accelerate_env():
@@ -205,7 +205,7 @@ def _bad_configurations_fail_on_one_rank_alone() -> list[str] | None:
             )
         )
         model = make_decoder()
-        with pytest.raises(ValueError) as error:
+        with pytest.raises(ValueError, match="NoSuchBlock") as error:
             accelerator.prepare(model, adamw(model))
         assert not is_sharded(model)
         assert not any(isinstance(p, DTensor) for p in model.parameters())

@@ -84,7 +84,8 @@ def _state_dicts_keep_names_and_round_trip():
         if name == "position_scale":
             assert not isinstance(value, DTensor)
             continue
-        assert isinstance(value, DTensor) and isinstance(value.placements[0], RaggedShard), name
+        assert isinstance(value, DTensor), name
+        assert isinstance(value.placements[0], RaggedShard), name
 
     # full state dict (what a plain model loads) and back into a sharded model
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

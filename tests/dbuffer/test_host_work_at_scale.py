@@ -71,7 +71,8 @@ def test_gradient_copy_in_is_a_few_ops_per_parameter_at_any_world_size():
 @pytest.mark.distributed
 def test_presence_flags_are_filled_on_the_device_not_copied_from_the_host():
     counts = _ops_per_step(8)
-    assert "aten::lift_fresh" not in counts and "aten::_to_copy" not in counts, counts
+    assert "aten::lift_fresh" not in counts, counts
+    assert "aten::_to_copy" not in counts, counts
 
 
 @pytest.mark.distributed
@@ -89,4 +90,5 @@ def test_sharded_gradients_reuse_their_parameters_dtensor_spec():
     # As FSDP2 builds its gradients from the parameter's cached sharding spec: no DTensorSpec
     # (placements, tensor meta, hash) made per gradient per step.
     _, shared = _step_at(1024)
-    assert shared and all(shared), shared
+    assert shared, shared
+    assert all(shared), shared

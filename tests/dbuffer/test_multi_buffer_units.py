@@ -126,7 +126,8 @@ def _multi_buffer_parity():
     assert block["buffers"] == 2
     assert len(block["shard_elements_per_rank"]) == 2
     named = [n for names in block["buffer_parameters"] for n in names]
-    assert sorted(named) == sorted(p.fqn for p in unit.fsdp_params) and len(named) == 4, block["buffer_parameters"]
+    assert sorted(named) == sorted(p.fqn for p in unit.fsdp_params), block["buffer_parameters"]
+    assert len(named) == 4, block["buffer_parameters"]
     assert all(block["buffer_parameters"]), block["buffer_parameters"]
     assert units[("",)]["buffers"] == 1
     assert "2 buffer(s)" in record.summary()

@@ -171,7 +171,8 @@ def test_reduce_scatter_is_waited_at_the_next_post_backward_as_fsdp2(dist_run):
     the last ones at the end of backward."""
     schedule = dist_run(_reduce_scatter_schedule, 2, 1)[0]
     first = schedule[0]
-    assert first[0] == "issue" and schedule.index("gather") < schedule.index(("wait", first[1])), schedule
+    assert first[0] == "issue", schedule
+    assert schedule.index("gather") < schedule.index(("wait", first[1])), schedule
     assert _in_flight(schedule) == (1, set()), schedule
 
 
@@ -223,7 +224,8 @@ def test_hsdp_all_reduce_on_its_stream_waited_at_the_end_of_backward_as_fsdp2(di
     log, _, _ = dist_run(_after_reduce_scatter_log, 4, True, None)[0]
     reduce_events = [entry[2] for entry in log if entry[:2] == ("record", "reduce_scatter")]
     followed, compute_waits = _after_reduce_scatter_schedule(log, "all_reduce")
-    assert reduce_events and sorted(followed) == reduce_events, log
+    assert reduce_events, log
+    assert sorted(followed) == reduce_events, log
     last_issue = max(i for i, entry in enumerate(log) if entry[:2] == ("record", "reduce_scatter"))
     # each reduce-scatter waited for before the last is issued; each all-reduce only after it
     assert all(compute_waits[event] < last_issue for event in reduce_events[:-1]), log
@@ -239,4 +241,5 @@ def test_all_reduce_hook_runs_on_the_all_reduce_stream_as_fsdp2(dist_run):
         log, hooked_on, units = dist_run(_after_reduce_scatter_log, 4 if hsdp else 2, hsdp, stream)[0]
         assert hooked_on == [stream] * units, (hsdp, stream, hooked_on)
         followed, compute_waits = _after_reduce_scatter_schedule(log, stream)
-        assert len(followed) == units and all(done in compute_waits for done in followed.values()), log
+        assert len(followed) == units, log
+        assert all(done in compute_waits for done in followed.values()), log

@@ -128,7 +128,8 @@ def _ours_copy_nothing():
     # Both paths ran; the all-gather's dispatches no op at all when no profiler runs (its scope
     # is marked only under one), the reduce-scatter's its division and output.
     assert recorder.entered == {"all_gather", "reduce_scatter"}, recorder.entered
-    assert "reduce_scatter" in recorder.ops and set(recorder.ops) <= {"all_gather", "reduce_scatter"}, recorder.ops
+    assert "reduce_scatter" in recorder.ops, recorder.ops
+    assert set(recorder.ops) <= {"all_gather", "reduce_scatter"}, recorder.ops
     for path, ops in recorder.ops.items():
         assert not ops & COPY_OPS, (path, sorted(ops))
 

@@ -61,7 +61,8 @@ def _sharded_equals_unsharded(steps: int):
         assert torch.equal(full, ref.detach()), (name, (full - ref).abs().max())
         for key in ADAM8BIT_STATE_KEYS:
             ours, theirs = _full(opt.state[p][key]), ref_opt.state[ref][key]
-            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (name, key)
+            assert ours.dtype == theirs.dtype, (name, key)
+            assert ours.shape == theirs.shape, (name, key)
             assert torch.equal(ours, theirs), (name, key)
         # Tiles are whole on every rank: the shard starts on a tile row (or 1024-element block).
         start = sum(s.length for s in p.placements[0].layout(p.shape).slices[: dist.get_rank()])

@@ -74,7 +74,7 @@ def _hsdp_hook_parities_and_refusal():
     _, ours, theirs = reference_ours_and_fsdp2s(mesh=hsdp)
     messages = []
     for model in (ours, theirs):
-        with pytest.raises(ValueError) as error:
+        with pytest.raises(ValueError, match="stream cannot be set when using native HSDP") as error:
             model.set_all_reduce_hook(_add_one, stream=object())
         messages.append(str(error.value))
     return messages

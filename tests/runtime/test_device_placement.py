@@ -69,7 +69,7 @@ def _default_mesh_device_types() -> dict[str, list[str]]:
             return cpu_mesh
 
         with (
-            mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")),
+            mock.patch.object(torch._C, "_get_accelerator", return_value=torch.device("cuda")),
             mock.patch.object(_fsdp_init, "init_device_mesh", record),
             mock.patch.object(placement, "init_device_mesh", record),
         ):
@@ -135,7 +135,7 @@ def test_states_move_to_the_mesh_device_as_fsdp2(dist_run):
 def test_the_mesh_device_is_fsdp2s():
     """A CUDA mesh keeps states on the current CUDA device, as FSDP2's (pretend device 3)."""
     cuda_mesh = mock.Mock(device_type="cuda")
-    with mock.patch.object(_fsdp_init, "_get_device_handle", lambda _: mock.Mock(current_device=lambda: 3)):
+    with mock.patch.object(_fsdp_init, "_get_device_handle", return_value=mock.Mock(current_device=lambda: 3)):
         assert (
             placement.mesh_device(cuda_mesh) == _fsdp_init._get_device_from_mesh(cuda_mesh) == torch.device("cuda", 3)
         )

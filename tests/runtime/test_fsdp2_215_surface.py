@@ -77,6 +77,12 @@ def _sharded(engine: str, **kwargs) -> Model:
     return model
 
 
+def _shard_and_run(shard, mp_policy: MixedPrecisionPolicy) -> None:
+    model = Model()
+    shard(model, mp_policy=mp_policy)
+    model(_batches(1)[0])
+
+
 def _batches(micro: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
     return [torch.randn(4, DIM, generator=generator) for _ in range(micro)]
@@ -155,7 +161,8 @@ def _pending_until_finalized() -> None:
     model.set_manual_backward_finalization(True)
     model(_batches(1)[0]).sum().backward()
     state = model._vescale_fsdp_unit.root_state
-    assert state.reduces_in_flight and state.manual_active, "backward waited for its reductions"
+    assert state.reduces_in_flight, "backward waited for its reductions"
+    assert state.manual_active, "backward waited for its reductions"
     model.finalize_backward()
     assert not state.reduces_in_flight
     assert not state.reduces_landing
@@ -279,10 +286,8 @@ def _param_dtype_override_like_fsdp2() -> None:
     bad = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float16)
     messages = []
     for shard in (fully_shard, torch_fully_shard):
-        with pytest.raises(ValueError) as error:
-            model = Model()
-            shard(model, mp_policy=bad)
-            model(_batches(1)[0])  # FSDP2 checks at its lazy init
+        with pytest.raises(ValueError, match="param_dtype_override_fn must return None, param_dtype, or the") as error:
+            _shard_and_run(shard, bad)  # FSDP2 checks at its lazy init
         messages.append(str(error.value))
     assert messages[0] == messages[1]
 

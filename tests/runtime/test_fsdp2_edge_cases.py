@@ -214,7 +214,8 @@ def _replaced_after_meta_init(how):
         model.position_scale.copy_(eager.position_scale)
     train_like_reference(model, eager, 2)
     for name, p in model.named_parameters():
-        assert isinstance(p, DTensor) and p.device.type == "cpu", name
+        assert isinstance(p, DTensor), name
+        assert p.device.type == "cpu", name
 
 
 @pytest.mark.parametrize("how", ["assign", "setattr"])
@@ -382,6 +383,20 @@ def _raise_in_backward(grad):
     raise _Boom("backward")
 
 
+def _fail_in_forward(model, tokens, targets):
+    handle = model.layers[1].register_forward_hook(lambda *a: (_ for _ in ()).throw(_Boom("forward")))
+    try:
+        model(tokens)
+    finally:
+        handle.remove()
+
+
+def _fail_in_backward(model, tokens, targets):
+    out = model(tokens)
+    out.register_hook(_raise_in_backward)
+    loss_fn(out, targets).backward()
+
+
 def _recovery_after_exceptions():
     world = dist.get_world_size()
     reference, ours, theirs = reference_ours_and_fsdp2s()
@@ -390,19 +405,9 @@ def _recovery_after_exceptions():
         if step in (1, 2):  # every rank fails at the same point, in forward then in backward
             for model in (ours, theirs):
                 tokens, targets = local_batch(step)
-                with pytest.raises(_Boom):
-                    if step == 1:
-                        handle = model.layers[1].register_forward_hook(
-                            lambda *a: (_ for _ in ()).throw(_Boom("forward"))
-                        )
-                        try:
-                            model(tokens)
-                        finally:
-                            handle.remove()
-                    else:
-                        out = model(tokens)
-                        out.register_hook(_raise_in_backward)
-                        loss_fn(out, targets).backward()
+                fail, where = (_fail_in_forward, "forward") if step == 1 else (_fail_in_backward, "backward")
+                with pytest.raises(_Boom, match=where):
+                    fail(model, tokens, targets)
                 model.reset_iter_state()
                 for p in model.parameters():
                     p.grad = None

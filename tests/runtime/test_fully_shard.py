@@ -110,12 +110,11 @@ def _mixed_precision_dtypes():
     assert logits.dtype == torch.bfloat16
     loss_fn(logits, targets).backward()
     for name, p in model.named_parameters():
-        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+        assert p.dtype == torch.float32, name
+        assert p.grad.dtype == torch.float32, name
     unit = model._vescale_fsdp_unit
     assert [b.param_dtype for b in unit.dbuffers] == [torch.bfloat16]
-    assert [b.reduce_dtype for b in unit.dbuffers] == [
-        torch.float32
-    ]
+    assert [b.reduce_dtype for b in unit.dbuffers] == [torch.float32]
 
 
 def test_mixed_precision_keeps_fp32_shards_and_grads(dist_run):
@@ -147,7 +146,8 @@ def _gradient_accumulation_without_communication(keep_unsharded):
         else:
             assert not any(blocks_gathered)
             # Who got gradients rides in the reduce-scatters: no other collective.
-            assert counts.get("reduce_scatter") == len(model.layers) + 1 and "all_reduce" not in counts, counts
+            assert counts.get("reduce_scatter") == len(model.layers) + 1, counts
+            assert "all_reduce" not in counts, counts
     for micro in range(2):
         (reference_step(reference, micro, world) * 0).sum()
     # the reference accumulated two mean-loss gradients; ours accumulated halves
@@ -344,7 +344,8 @@ def _eval_forward_then_state_dict_and_dtype_change():
     reference = make_decoder().to(torch.bfloat16)
     model.to(torch.bfloat16)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        assert p.dtype == torch.bfloat16 and p._local_tensor.dtype == torch.bfloat16, name
+        assert p.dtype == torch.bfloat16, name
+        assert p._local_tensor.dtype == torch.bfloat16, name
         assert torch.equal(p.full_tensor(), q), name
     assert_sharded_views(model)
     loss_fn(model(tokens), local_batch(0)[1]).backward()
@@ -417,7 +418,8 @@ def _gradients_from_other_ranks_only():
         ddp_backward(reference, tokens, targets, per_rank)
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         _, counts = comm_counts(loss_fn(model(tokens[rows]), targets[rows]).backward)
-        assert "all_reduce" not in counts and counts.get("reduce_scatter") == 2, counts
+        assert "all_reduce" not in counts, counts
+        assert counts.get("reduce_scatter") == 2, counts
         assert_ddp_gradients(model, reference)
 
     train_together(model, reference, 3, backward)

@@ -70,7 +70,8 @@ def _hsdp_collectives():
     _, counts = comm_counts(loss.backward)
     units = len(model.layers) + 1
     # one reduce-scatter per unit buffer in the shard group, one all-reduce per unit across replicas
-    assert counts.get("reduce_scatter") == units and counts.get("all_reduce") == units, counts
+    assert counts.get("reduce_scatter") == units, counts
+    assert counts.get("all_reduce") == units, counts
 
 
 def test_hsdp_reduce_scatters_in_the_shard_group_then_all_reduces_across_replicas(dist_run):

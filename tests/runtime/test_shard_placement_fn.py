@@ -78,7 +78,9 @@ def _parity_and_checkpoint(path: str) -> None:
         fully_shard(Experts(), shard_placement_fn=_experts_on_dim_1)  # warned once per process
     ours_warned = [w for w in caught if "shard_placement_fn" in str(w.message)]
     messages = [str(w.message) for w in ours_warned]
-    assert len(messages) == 1 and "'experts' (Shard(dim=1))" in messages[0] and "RaggedShard" in messages[0], messages
+    assert len(messages) == 1, messages
+    assert "'experts' (Shard(dim=1))" in messages[0], messages
+    assert "RaggedShard" in messages[0], messages
     assert ours_warned[0].filename == __file__  # it points at the fully_shard call
     assert isinstance(ours.experts.placements[0], RaggedShard)
 

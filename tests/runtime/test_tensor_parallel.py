@@ -375,12 +375,8 @@ def _dp_mesh_dims_parity():
     ours, theirs = models
     assert ours.w1.weight.device_mesh is mesh
     assert ours.w1.weight.placements[1] == Shard(0)
-    assert (
-        type(ours.w1.weight.placements[0]) is StridedRaggedShard
-    )
-    assert (
-        type(ours.w2.weight.placements[0]) is RaggedShard
-    )
+    assert type(ours.w1.weight.placements[0]) is StridedRaggedShard
+    assert type(ours.w2.weight.placements[0]) is RaggedShard
 
     _train_like_both(ours, theirs, reference, STEPS, _spmd_backward(ours, theirs, reference, mesh))
 
@@ -404,7 +400,8 @@ def _dp_mesh_dims_replicate_only_parity():
         models.append(model)
     ours, theirs = models
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-        assert p.device_mesh is mesh and p.placements == q.placements, (name, p.placements, q.placements)
+        assert p.device_mesh is mesh, (name, p.placements, q.placements)
+        assert p.placements == q.placements, (name, p.placements, q.placements)
     with pytest.raises(ValueError, match=r"its parameter 'weight' is already sharded by fully_shard .* bottom-up"):
         fully_shard(ours.w2, mesh=mesh, dp_mesh_dims=dims)  # the root's unit already has it
 
@@ -437,7 +434,8 @@ def _assert_placements_like_fsdp2(ours: nn.Module, theirs: nn.Module) -> None:
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         assert p.device_mesh == q.device_mesh, (name, p.device_mesh, q.device_mesh)
         ragged = [i for i, t in enumerate(p.placements) if type(t) in fsdp2_of]
-        assert len(ragged) == 1 and type(q.placements[ragged[0]]) is fsdp2_of[type(p.placements[ragged[0]])], name
+        assert len(ragged) == 1, name
+        assert type(q.placements[ragged[0]]) is fsdp2_of[type(p.placements[ragged[0]])], name
         assert all(t == u for i, (t, u) in enumerate(zip(p.placements, q.placements)) if i != ragged[0]), name
 
 
@@ -780,7 +778,8 @@ def _int_reshard_with_tp():
         dist.all_reduce(global_loss, group=mesh.get_group("dp"))
         torch.testing.assert_close(global_loss / dp_size, ref_loss.detach(), **TOL)
         # every backward all-gather spans 2 dp ranks that hold the same TP shard
-        assert sizes and set(sizes) == {2}, sizes
+        assert sizes, sizes
+        assert set(sizes) == {2}, sizes
         me = dist.get_rank()
         assert all(me in group and all(r % 2 == me % 2 for r in group) for group in ranks), ranks
         sizes.clear()

@@ -203,7 +203,8 @@ def assert_saved_adapter_matches(saved_dir: Any, name: str, variant: str, traine
     import safetensors.torch
 
     saved = safetensors.torch.load_file(f"{saved_dir}/adapter_model.safetensors")
-    assert saved and all("lora_" in key for key in saved), sorted(saved)
+    assert saved, sorted(saved)
+    assert all("lora_" in key for key in saved), sorted(saved)
     base = make_model(name)
     model = peft.PeftModel.from_pretrained(base.to(torch.bfloat16) if variant == "qlora" else base, saved_dir)
     model.eval()

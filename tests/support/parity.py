@@ -123,7 +123,8 @@ def assert_sharded_views(model):
             continue
         for m in unit.fsdp_params:
             dbuffer = m.dbuffer
-            assert isinstance(m.sharded, DTensor) and isinstance(m.sharded.placements[0], RaggedShard), m.fqn
+            assert isinstance(m.sharded, DTensor), m.fqn
+            assert isinstance(m.sharded.placements[0], RaggedShard), m.fqn
             assert (
                 m.sharded._local_tensor.untyped_storage().data_ptr() == dbuffer.sharded.untyped_storage().data_ptr()
             ), m.fqn

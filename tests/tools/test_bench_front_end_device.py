@@ -32,8 +32,8 @@ def _asked(front_end: str, backend: str) -> dict:
     engine = engines._fabric_engine if front_end == "fabric" else engines._accelerate_engine
     with (
         mock.patch.object(*target, record),
-        mock.patch.object(engines.dist, "get_backend", lambda: backend),
-        mock.patch.object(engines.dist, "get_world_size", lambda: 2),
+        mock.patch.object(engines.dist, "get_backend", return_value=backend),
+        mock.patch.object(engines.dist, "get_world_size", return_value=2),
         pytest.raises(_Asked),
     ):
         engine(nn.Linear(2, 2), settings)

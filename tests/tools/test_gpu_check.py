@@ -32,7 +32,8 @@ def _check_outputs(out: Path, report: dict, names: list[str]) -> None:
     assert "wrote" in lines[-1]
     for name in names:
         figures = report["checks"][name]
-        assert figures["status"] in STATUSES and figures["seconds"] >= 0, (name, figures)
+        assert figures["status"] in STATUSES, (name, figures)
+        assert figures["seconds"] >= 0, (name, figures)
         if figures["status"] == "skipped":
             assert figures["reason"], name
 
@@ -127,12 +128,8 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     assert parity["world_size"] == 2
     assert parity["fp32"]["max_param_diff_vs_unsharded"] <= 1e-4
     assert parity["fp32"]["max_param_diff_vs_fsdp2"] <= 1e-4
-    assert (
-        checks["bf16_mixed"]["max_param_diff_vs_fsdp2"] <= 2e-2
-    )
-    assert (
-        checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
-    )
+    assert checks["bf16_mixed"]["max_param_diff_vs_fsdp2"] <= 2e-2
+    assert checks["bf16_mixed"]["grad_dtype"] == "torch.float32"
     # Off CUDA: one stream, nothing recorded, and never a record_stream.
     assert checks["comm_streams"].items() >= {"enabled": False, "events_recorded": 0, "record_stream_calls": 0}.items()
     bench = checks["bench"]
