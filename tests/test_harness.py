@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.distributed import MAX_POOLS, DistributedRunner, DistributedTestError
+from tests.support.distributed import MAX_POOLS, DistributedRunner, DistributedTestError, build_one_vescale_unit
 
 
 def _rank_and_sum():
@@ -38,6 +38,12 @@ def _mark_prepared():
 
 def _prepared_count():
     return os.environ.get("HARNESS_PREPARED")
+
+
+def _patches_installed():
+    from vescale_plugins.ragged.dtensor import is_installed
+
+    return is_installed()
 
 
 def _random_draw():
@@ -110,5 +116,16 @@ def test_prepare_runs_once_in_every_worker_before_its_bodies():
     try:
         assert runner(_prepared_count, 2) == ["1", "1"]
         assert runner(_prepared_count, 2) == ["1", "1"]
+    finally:
+        runner.close()
+
+
+@pytest.mark.distributed
+def test_fsdp2s_side_runs_with_our_torch_patches_installed_in_every_worker():
+    """What ``--fsdp-impl=torch`` gives every worker (tests/conftest.py): our unit built, so our
+    patches are in place while FSDP2's own cases run."""
+    runner = DistributedRunner(prepare=build_one_vescale_unit)
+    try:
+        assert runner(_patches_installed, 2) == [True, True]
     finally:
         runner.close()

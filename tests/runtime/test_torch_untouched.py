@@ -130,7 +130,8 @@ def _run_script(script: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO
     )
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
 def test_importing_changes_nothing_until_a_ragged_shard_then_fully_shard_adds_the_hook():
