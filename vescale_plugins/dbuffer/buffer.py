@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
-from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
+from vescale_plugins.dbuffer.handles import (
+    AfterReduceScatter,
+    GatherHandle,
+    GradientLanding,
+    IssuedReduceScatter,
+    ReduceScatterHandle,
+    ReduceScatterSpec,
+)
 from vescale_plugins.dbuffer.observer import (
     ALL_GATHER_REGION,
     COMM_BUFFER_REGION,
@@ -476,22 +483,26 @@ class DBuffer:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(
-            self,
-            work,
-            out,
-            sharded_grad,
-            reduction,
-            accumulate,
-            in_place,
-            token,
-            temp_bytes,
-            done_event,
-            after,
-            partial,
+            self._gradient_landing(),
+            ReduceScatterSpec(reduction, accumulate, in_place, after, partial),
+            IssuedReduceScatter(work, out, sharded_grad, token, temp_bytes, done_event),
         )
         if not async_op:
             handle.wait()
         return handle
+
+    def _gradient_landing(self) -> GradientLanding:
+        """What a reduce-scatter handle does with its output, as callbacks (handles sit below
+        the DBuffer). Made per reduce-scatter: held by the DBuffer itself, its bound methods
+        would be a reference cycle and keep its buffers alive until a garbage collection."""
+        return GradientLanding(
+            streams=self.streams,
+            shard_size=self.shard_size,
+            release_input=self.release_unsharded_grad,
+            land=self.land_reduced,
+            keep_partial=self.keep_partial,
+            take_partial=self.take_partial,
+        )
 
     def land_reduced(self, reduced: torch.Tensor, sharded_grad: torch.Tensor) -> None:
         """Write the reduced shard (on the device) into the sharded gradient buffer; under CPU

@@ -20,10 +20,17 @@ from vescale_plugins.dbuffer.storage import set_version_counter
 from vescale_plugins.dbuffer.streams import CommStreams
 
 if TYPE_CHECKING:
-    from vescale_plugins.dbuffer.buffer import DBuffer
     from vescale_plugins.dbuffer.reduction import GradientReduction
 
-__all__ = ["AfterReduceScatter", "GatherHandle", "ReduceScatterHandle", "wait_collective"]
+__all__ = [
+    "AfterReduceScatter",
+    "GatherHandle",
+    "GradientLanding",
+    "IssuedReduceScatter",
+    "ReduceScatterHandle",
+    "ReduceScatterSpec",
+    "wait_collective",
+]
 
 
 def wait_collective(work: Any) -> None:
@@ -87,6 +94,53 @@ class AfterReduceScatter:
     stream: Any = None
 
 
+@dataclass(frozen=True)
+class GradientLanding:
+    """The DBuffer's side of its reduce-scatters, made once per DBuffer: its streams, its
+    shard size (elements) and what it does with a reduce output, as callbacks (a handle sits
+    below the DBuffer that issued it and never calls into it by name).
+
+    ``release_input`` frees the unsharded gradient buffer; ``land(reduced, sharded_grad)``
+    writes a reduce output into the sharded gradient buffer; ``keep_partial(reduced)`` and
+    ``take_partial()`` hold back and hand over HSDP sums awaiting their all-reduce."""
+
+    streams: CommStreams
+    shard_size: int
+    release_input: Callable[[], None]
+    land: Callable[[torch.Tensor, torch.Tensor], None]
+    keep_partial: Callable[[torch.Tensor], None]
+    take_partial: Callable[[], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class ReduceScatterSpec:
+    """What a reduce-scatter was asked to do: scale as ``reduction`` says, ``accumulate``
+    onto the existing sharded gradients, whether it wrote ``in_place`` into the sharded
+    gradient buffer, what follows it (``after``) and whether it is ``partial`` (HSDP
+    without the all-reduce this backward)."""
+
+    reduction: GradientReduction
+    accumulate: bool
+    in_place: bool
+    after: AfterReduceScatter | None = None
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class IssuedReduceScatter:
+    """One reduce-scatter as issued: the backend's ``work`` (gloo; ``None`` on a side
+    stream), its output ``out``, the ``sharded_grad`` buffer it lands in, the observer's
+    ``token``, the bytes of a temporary output (``temp_bytes``, 0 if in place) and the event
+    recorded after it (``done_event``, CUDA)."""
+
+    work: Any
+    out: torch.Tensor
+    sharded_grad: torch.Tensor
+    token: Any
+    temp_bytes: int
+    done_event: Any
+
+
 class ReduceScatterHandle:
     """An issued reduce-scatter, finished in two phases.
 
@@ -100,26 +154,13 @@ class ReduceScatterHandle:
     kept back.
     """
 
-    def __init__(
-        self,
-        dbuffer: DBuffer,
-        work: Any,
-        out: torch.Tensor,
-        sharded_grad: torch.Tensor,
-        reduction: GradientReduction,
-        accumulate: bool,
-        in_place: bool,
-        token: Any,
-        temp_bytes: int,
-        done_event: Any,
-        after: AfterReduceScatter | None,
-        partial: bool,
-    ) -> None:
-        self._dbuffer, self._work, self._sharded_grad = dbuffer, work, sharded_grad
-        self._out: torch.Tensor | None = out  # dropped once done
-        self._reduction, self._accumulate, self._in_place = reduction, accumulate, in_place
-        self._token, self._temp_bytes, self._done_event = token, temp_bytes, done_event
-        self._after, self._partial = after, partial
+    def __init__(self, landing: GradientLanding, spec: ReduceScatterSpec, issued: IssuedReduceScatter) -> None:
+        self._landing, self._streams = landing, landing.streams
+        self._work, self._sharded_grad = issued.work, issued.sharded_grad
+        self._out: torch.Tensor | None = issued.out  # dropped once done
+        self._reduction, self._accumulate, self._in_place = spec.reduction, spec.accumulate, spec.in_place
+        self._token, self._temp_bytes, self._done_event = issued.token, issued.temp_bytes, issued.done_event
+        self._after, self._partial = spec.after, spec.partial
         self._after_issued = False
         self._after_work: Any = None  # gloo: the all-reduce in flight
         self._after_event: Any = None  # CUDA: recorded after the all-reduce and the hook
@@ -128,13 +169,13 @@ class ReduceScatterHandle:
         self.done = False
         # Run once the sharded gradients are final (post-accumulate-grad hooks).
         self.after_wait: Callable[[], None] | None = None
-        if after is not None and dbuffer.streams.enabled:
+        if self._after is not None and self._streams.enabled:
             self._issue_after_reduce_scatter()
 
     @property
     def on_host(self) -> bool:
         """Whether it is a host collective (gloo's ``Work``), with no side stream."""
-        return not self._dbuffer.streams.enabled
+        return not self._streams.enabled
 
     def wait_reduce_scatter(self) -> None:
         """Complete the reduce-scatter and free its input; finish now if nothing follows it."""
@@ -145,19 +186,19 @@ class ReduceScatterHandle:
     def _complete_reduce_scatter(self) -> None:
         if not self.reduce_scatter_done:
             assert self._out is not None
-            wait_started = _wait_started(self._token, self._work, self._dbuffer.streams)
+            wait_started = _wait_started(self._token, self._work, self._streams)
             with observer.region(REDUCE_SCATTER_REGION):
                 if self._work is not None:
                     wait_collective(self._work)
                     self._work = None
                 # The compute stream waits before it reads the result or frees the input.
-                self._dbuffer.streams.wait(self._done_event)
+                self._streams.wait(self._done_event)
                 _report_done(self._token, wait_started)
                 if self._partial:
-                    self._dbuffer.keep_partial(self._out)
+                    self._landing.keep_partial(self._out)
                 elif self._after is not None and not self._after_issued:
                     self._issue_after_reduce_scatter()
-            self._dbuffer.release_unsharded_grad()
+            self._landing.release_input()
             self.reduce_scatter_done = True
 
     def wait(self) -> None:
@@ -173,7 +214,7 @@ class ReduceScatterHandle:
                     wait_collective(self._after_work)
                     self._after_work = None
                     self._run_hook(out)  # gloo: once the all-reduce's result is here
-                self._dbuffer.streams.wait(self._after_event)
+                self._streams.wait(self._after_event)
             if not self._partial:
                 self._finish_gradients(out, self._sharded_grad)
             watcher = observer.current()
@@ -190,13 +231,13 @@ class ReduceScatterHandle:
     def _issue_after_reduce_scatter(self) -> None:
         """HSDP's all-reduce (with the sums kept back), then the hook, on their stream once the
         reduce-scatter is done; asynchronous on gloo, where the hook waits for :meth:`wait`."""
-        after, out, streams = self._after, self._out, self._dbuffer.streams
+        after, out, streams = self._after, self._out, self._streams
         assert after is not None and out is not None
         self._after_issued = True
         stream = after.stream if after.stream is not None else streams.all_reduce
         with streams.issue_on(stream, after=self._done_event):
             if after.replicate_group is not None:
-                self._kept_partial = self._dbuffer.take_partial()
+                self._kept_partial = self._landing.take_partial()
                 if self._kept_partial is not None:
                     out.add_(self._kept_partial)
                 op = dist.ReduceOp.AVG if self._reduction.all_reduce_average else dist.ReduceOp.SUM
@@ -214,7 +255,7 @@ class ReduceScatterHandle:
             return
         # The gradient shard with its padding (what FSDP2's reduce output holds), without the
         # presence flags that follow it.
-        after.hook(out[: self._dbuffer.shard_size])
+        after.hook(out[: self._landing.shard_size])
 
     def _finish_gradients(self, out: torch.Tensor, sharded_grad: torch.Tensor) -> None:
         post_divide = self._reduction.post_divide
@@ -223,8 +264,8 @@ class ReduceScatterHandle:
         if self._accumulate:
             # CPU offload: the host adds what it has fully received (as FSDP2, a blocking copy).
             out = out.to(sharded_grad.device)
-            shard_size = self._dbuffer.shard_size
+            shard_size = self._landing.shard_size
             sharded_grad[:shard_size].add_(out[:shard_size])
             sharded_grad[shard_size:].copy_(out[shard_size:])  # this reduce's presence flags
         elif not self._in_place:
-            self._dbuffer.land_reduced(out, sharded_grad)
+            self._landing.land(out, sharded_grad)
