@@ -349,10 +349,43 @@ class VeScaleFSDPModule(FSDPModule):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         # to_empty / to(device) replace local tensors; move them back into the DBuffers.
-        # Past FSDPModule: its _apply reads FSDP2's private state.
+        # to_empty of a meta-built unit allocates its DBuffers first and swaps their views in
+        # (one copy of the shard at the peak, as FSDP2). Past FSDPModule: its _apply reads
+        # FSDP2's private state.
+        unit = self._vescale_fsdp_unit
+        device = _to_empty_device(fn)
+        if device is not None:
+            faces = unit.materialize_empty(device, set(cast(nn.Module, self).modules()))
+            if faces:
+                fn = _SwapInFaces(faces, fn)
         result = super(FSDPModule, self)._apply(fn, *args, **kwargs)  # type: ignore[misc]  # mypy cannot see the module class after FSDPModule in the MRO
-        self._vescale_fsdp_unit.readopt_sharded_params()
+        unit.readopt_sharded_params()
         return result
+
+
+class _SwapInFaces:
+    """``to_empty``'s function, except for the sharded faces given a view of their new
+    DBuffer: those get it (by the face's id) instead of a freshly allocated empty tensor."""
+
+    def __init__(self, faces: dict[int, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.faces, self.fn = faces, fn
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        face = self.faces.pop(id(tensor), None)
+        return self.fn(tensor) if face is None else face
+
+
+def _to_empty_device(fn: Any) -> torch.device | None:
+    """The device of ``nn.Module.to_empty``'s function (``torch.empty_like(t, device=...)``,
+    which allocates without reading its input), else ``None``; also through another unit's
+    :class:`_SwapInFaces` (nested units)."""
+    inner = fn
+    while isinstance(inner, _SwapInFaces):
+        inner = inner.fn
+    if getattr(inner, "__qualname__", None) != "Module.to_empty.<locals>.<lambda>":
+        return None
+    probe = inner(torch.empty(0, device="meta"))
+    return None if probe.device.type == "meta" else probe.device
 
 
 _CLASS_CACHE: dict[type, type] = {}

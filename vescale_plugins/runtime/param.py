@@ -193,6 +193,15 @@ class FSDPParam:
                 view.copy_(old_local)
         set_local_tensor(self.sharded, view)
 
+    def face_over_own_view(self) -> DTensor:
+        """A DTensor like the sharded face over its view of the (new) DBuffer: what
+        ``to_empty`` swaps into the face (see ``FSDPParamGroup.materialize_empty``)."""
+        self.unsharded = None
+        old = self.sharded
+        return make_dtensor(
+            self.dbuffer.sharded_view(self.slot), old.device_mesh, old.placements, old.shape, old.stride()
+        )
+
     def holds_its_view(self) -> bool:
         """Whether the sharded face still is its view of the DBuffer (``to_empty``/``_apply``
         replace local tensors)."""

@@ -248,6 +248,45 @@ class FSDPParamGroup:
                 fsdp_param.readopt_local(old_local)
             buffer.release_unused_shards()
 
+    def materialize_empty(self, device: torch.device, within: set[nn.Module]) -> dict[int, torch.Tensor]:
+        """``to_empty(device)`` on a meta-built unit: a new DBuffer on ``device`` for each of
+        its meta DBuffers whose parameters ``within`` holds, and, by each sharded face's id,
+        the DTensor over its view of it that ``_apply`` swaps in instead of an empty copy.
+
+        The shard is allocated once, as FSDP2's ``to_empty`` does: letting ``_apply`` allocate
+        each parameter's local tensor and copying it into a new DBuffer afterwards would hold
+        two copies at its peak. DBuffers with a parameter that keeps its own local tensor (an
+        all-gather extension), or under CPU offload to another device than the host, go the
+        general way (:meth:`readopt_sharded_params`)."""
+        faces: dict[int, torch.Tensor] = {}
+        if self.offload is not None and device.type != "cpu":
+            return faces  # refused by readopt_sharded_params, with FSDP2's error
+        for buffer in self.buffers:
+            old = buffer.dbuffer
+            members = buffer.params
+            if (
+                not members
+                or old.sharded.device.type != "meta"
+                or any(p.owns_local or p.sharded._local_tensor.device.type != "meta" for p in members)
+                or any(module not in within for p in members for module, _ in p.owners)
+            ):
+                continue
+            buffer.dbuffer = self._new_dbuffer(
+                [s.shape for s in old.slots],
+                [s.block_rows for s in old.slots],
+                old.dtype,
+                device,
+                old.group,
+                old.layout,
+                buffer.mp_policy,
+                buffer.grad_dtype,
+            )
+            buffer.dbuffer.label = old.label
+            buffer.extensions = None
+            for fsdp_param in members:
+                faces[id(fsdp_param.sharded)] = fsdp_param.face_over_own_view()
+        return faces
+
     def adopt_assigned(self, fsdp_param: FSDPParam, value: nn.Parameter) -> nn.Parameter | None:
         """``module.<name> = value`` on a managed parameter (``load_state_dict(assign=True)``
         too): keep the sharded DTensor in its DBuffer and take ``value``'s data for this rank.
