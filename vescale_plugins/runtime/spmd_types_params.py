@@ -22,17 +22,29 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from vescale_plugins.runtime.fsdp2_semantics import takes_spmd_typed_parameters
 
-if TYPE_CHECKING:
-    from vescale_plugins.runtime.tensor_parallel import SpmdMesh
-
 __all__ = ["SpmdTypes", "annotations_of", "storage_of"]
+
+
+class SpmdMesh(Protocol):
+    """What the translation reads of ``tensor_parallel.SpmdMesh``: the full mesh and its
+    data-parallel (shard and replicate) dims."""
+
+    @property
+    def mesh(self) -> DeviceMesh: ...
+
+    @property
+    def shard_dims(self) -> tuple[int, ...]: ...
+
+    @property
+    def replicate_dims(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
