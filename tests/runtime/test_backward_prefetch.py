@@ -54,7 +54,7 @@ def _backward_log(unshard_embedding_in_backward: bool = True) -> dict[str, list]
         original_unshard, original_pre_backward = group_class.unshard, getattr(group_class, pre_backward)
 
         def gathered(group) -> bool:
-            pending = getattr(group, "_all_gather_result", None) or getattr(group, "_pending_unshard", None)
+            pending = getattr(group, "_all_gather_result", None) or getattr(group, "has_pending_unshard", None)
             return bool(group.is_unsharded or pending)
 
         def unshard(group, *args, log=log, original=original_unshard, **kwargs):
@@ -113,9 +113,9 @@ def _head_unit_log() -> list[tuple[str, str]]:
     original_unshard, original_after_gradient = FSDPParamGroup.unshard, FSDPParamGroup._after_gradient
 
     def unshard(group, *args, **kwargs):
-        before = group.is_unsharded or bool(group._pending_unshard)
+        before = group.is_unsharded or group.has_pending_unshard
         result = original_unshard(group, *args, **kwargs)
-        if in_backward[0] and not before and (group.is_unsharded or bool(group._pending_unshard)):
+        if in_backward[0] and not before and (group.is_unsharded or group.has_pending_unshard):
             log.append(("gather", names[id(group.modules[0])]))
         return result
 

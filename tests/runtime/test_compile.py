@@ -130,7 +130,7 @@ def test_compiled_training_matches_fsdp2(dist_run, mode, backend):
 # a hook inlined down to bookkeeping Dynamo refuses) names none of them.
 _EAGER_BACKWARD_HOOKS = (
     "FSDPParamGroup._pre_backward_hook",
-    "FSDPParamGroup._post_backward_from_inputs",
+    "FSDPParamGroup.post_backward_from_inputs",
     "RootState.final_callback",
 )
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from tests.support.extension_tensors import BLOCK, Float8Weight, MXFP8Weight
 from tests.support.parity import EXACT, PARAM_TOL, TOL
 from vescale_plugins import fully_shard
-from vescale_plugins.runtime.param import fsdp_param_of
+from vescale_plugins.runtime.registry import fsdp_param_of
 
 STEPS = 3
 T = 120

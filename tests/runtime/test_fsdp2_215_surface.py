@@ -160,7 +160,7 @@ def _pending_until_finalized() -> None:
     model = _sharded("vescale")
     model.set_manual_backward_finalization(True)
     model(_batches(1)[0]).sum().backward()
-    state = model._vescale_fsdp_unit.root_state
+    state = model._vescale_fsdp_unit.context
     assert state.reduces_in_flight, "backward waited for its reductions"
     assert state.manual_active, "backward waited for its reductions"
     model.finalize_backward()

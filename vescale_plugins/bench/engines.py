@@ -332,7 +332,7 @@ def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, in
     if engine.name == "vescale":
         # Whatever units the front end chose (its own wrap policy), the root last.
         found = groups_under([engine.model])
-        found.sort(key=lambda unit: unit.root_state is not None and unit.root_state.root is unit)
+        found.sort(key=lambda unit: unit.is_root)
         padding = sum(b.layout.padding for unit in found for b in unit.dbuffers) // world
         unit_elements = [sum(b.layout.buffer_size for b in unit.dbuffers) for unit in found]
         reshard = [unit.reshard_after_forward for unit in found]

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES
-from vescale_plugins.runtime.param import dbuffer_of
+from vescale_plugins.runtime.registry import dbuffer_of
 
 __all__ = ["Member", "Run", "contiguous_runs", "local_of"]
 

@@ -22,7 +22,9 @@ from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
 from vescale_plugins.runtime.placement import mesh_device, move_unit_states
-from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup, record_sharded
+from vescale_plugins.runtime.registry import record_sharded
+from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup
+from vescale_plugins.runtime.state import post_forward, pre_forward
 
 __all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -100,7 +102,7 @@ def fully_shard(
     group = FSDPParamGroup(
         modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
     )
-    record_sharded(modules, unit.params)
+    record_sharded(modules, [(spec.fqn, spec.param) for spec in unit.params])
     register_as_fully_shard(modules)
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
@@ -113,12 +115,12 @@ def fully_shard(
 
 @eager_hook
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return group_of(module).pre_forward(module, args, kwargs)
+    return pre_forward(group_of(module), module, args, kwargs)
 
 
 @eager_hook
 def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
-    return group_of(module).post_forward(module, output)
+    return post_forward(group_of(module), module, output)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -127,8 +129,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     original = getattr(module, method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = group.pre_forward(module, args, kwargs)
-        return group.post_forward(module, original(*args, **kwargs))
+        args, kwargs = pre_forward(group, module, args, kwargs)
+        return post_forward(group, module, original(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 

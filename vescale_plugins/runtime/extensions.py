@@ -25,23 +25,23 @@ pads to FSDP2's chunk size is refused, on every rank, naming the parameter.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle
 from vescale_plugins.dbuffer.input_buffers import InputBuffer
 from vescale_plugins.dbuffer.planning import row_numel
 
-if TYPE_CHECKING:
-    from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer
-
-__all__ = ["ExtensionGather", "check_extension_param", "defines_extension", "has_extension"]
+__all__ = ["ExtensionGather", "ExtensionParam", "check_extension_param", "defines_extension", "has_extension"]
 
 _PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 _SIGNATURE = (
@@ -104,6 +104,32 @@ def check_extension_param(
         )
 
 
+class ExtensionParam(Protocol):
+    """What the extensions read of a managed parameter (``runtime.param.FSDPParam``): its
+    name, slot, DBuffer, the modules holding it, its sharded face and unsharded face."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def dbuffer(self) -> DBuffer: ...
+
+    @property
+    def owners(self) -> tuple[tuple[nn.Module, str], ...]: ...
+
+    @property
+    def sharded(self) -> Any: ...
+
+    @property
+    def unsharded(self) -> nn.Parameter | None: ...
+
+    @property
+    def unsharded_by_extension(self) -> bool: ...
+
+
 @dataclass
 class _Gathered:
     """One parameter's extension state between its pre- and post-all-gather (FSDP2's
@@ -115,10 +141,11 @@ class _Gathered:
 
 
 class ExtensionGather:
-    """The extension all-gathers of one DBuffer's parameters (see the module docstring)."""
+    """The extension all-gathers of one DBuffer's parameters (see the module docstring); made
+    again when the parameters move to another DBuffer (``to_empty``, ``module.to``)."""
 
-    def __init__(self, buffer: ShardedBuffer) -> None:
-        self.buffer = buffer
+    def __init__(self, dbuffer: DBuffer) -> None:
+        self.dbuffer = dbuffer
         self._signature: tuple | None = None
         # Each input buffer and the (slot, input index) it holds of each parameter.
         self.inputs: list[tuple[InputBuffer, list[tuple[int, int]]]] = []
@@ -132,7 +159,7 @@ class ExtensionGather:
         return bool(self.inputs) and all(b.is_unsharded for b, _ in self.inputs)
 
     def all_gather(
-        self, members: list[FSDPParam], mp_policy: MixedPrecisionPolicy, async_op: bool
+        self, members: Sequence[ExtensionParam], mp_policy: MixedPrecisionPolicy, async_op: bool
     ) -> list[GatherHandle]:
         """Run each member's pre-all-gather, copy its inputs in and gather every input buffer."""
         first = self._signature is None
@@ -155,7 +182,7 @@ class ExtensionGather:
             # The inputs' layout is built once, from every rank's answer: an extension that fails
             # or answers differently on some ranks fails the same way on all of them, before the
             # first all-gather.
-            _agree(signature, error, self.buffer.dbuffer.group)
+            _agree(signature, error, self.dbuffer.group)
         if signature != self._signature:
             if not first:
                 raise ValueError(
@@ -172,7 +199,7 @@ class ExtensionGather:
         self.awaiting_post = set(self.ran_on)
         return [buffer.all_gather(async_op=async_op) for buffer, _ in self.inputs]
 
-    def _pre_all_gather(self, fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> list[torch.Tensor]:
+    def _pre_all_gather(self, fsdp_param: ExtensionParam, mp_policy: MixedPrecisionPolicy) -> list[torch.Tensor]:
         dbuffer = fsdp_param.dbuffer
         local = fsdp_param.sharded._local_tensor
         if local.device != dbuffer.device:  # CPU offload, as FSDP2
@@ -204,11 +231,11 @@ class ExtensionGather:
         state.metadata, state.trailing = metadata, tuple(tuple(t.shape[1:]) for t in result)
         return list(result)
 
-    def _build(self, members: list[FSDPParam], inputs: dict[int, list[torch.Tensor]]) -> None:
+    def _build(self, members: Sequence[ExtensionParam], inputs: dict[int, list[torch.Tensor]]) -> None:
         """One input buffer per (input position, dtype, elements per row against the
         parameter's): a buffer's members then fit the DBuffer's rank boundaries exactly."""
         kinds: dict[tuple[int, torch.dtype, Fraction], list[tuple[int, int]]] = {}
-        dbuffer = self.buffer.dbuffer
+        dbuffer = self.dbuffer
         for p in members:
             param_row = row_numel(dbuffer.slots[p.slot].shape)
             for index, t in enumerate(inputs[p.slot]):
@@ -223,7 +250,7 @@ class ExtensionGather:
             for slot, _ in pieces:
                 self._buffers_of[slot].append(buffer)
 
-    def post_all_gather(self, fsdp_param: FSDPParam, param_dtype: torch.dtype) -> torch.Tensor | None:
+    def post_all_gather(self, fsdp_param: ExtensionParam, param_dtype: torch.dtype) -> torch.Tensor | None:
         """The unsharded parameter's tensor from the gathered inputs (views), or ``None`` when
         the extension refilled the existing one (``out=``, every all-gather after the first)."""
         slot = fsdp_param.slot

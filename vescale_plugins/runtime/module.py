@@ -18,7 +18,7 @@ from vescale_plugins.runtime.setup import (
     normalise_reshard_after_forward,
     refuse_with_parameter_meshes,
 )
-from vescale_plugins.runtime.state import RootState, groups_under
+from vescale_plugins.runtime.state import RootState, groups_under, post_forward, pre_forward, root_state_of
 
 __all__ = ["GradientReductionHandle", "UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
 
@@ -33,7 +33,7 @@ class UnshardHandle(_TorchUnshardHandle):
 
     def wait(self) -> None:
         if self._unit is not None:
-            if self._unit._pending_unshard:  # not yet waited for (nor resharded) elsewhere
+            if self._unit.has_pending_unshard:  # not yet waited for (nor resharded) elsewhere
                 self._unit.use_unsharded_params()
             self._unit = None  # as FSDP2: keep no reference after waiting
 
@@ -66,10 +66,10 @@ class _FSDPStateAdapter:
         self._module = module
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return group_of(module).pre_forward(module, args, kwargs)
+        return pre_forward(group_of(module), module, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return group_of(module).post_forward(module, output)
+        return post_forward(group_of(module), module, output)
 
     def __getattr__(self, name: str) -> Any:
         raise NotImplementedError(
@@ -257,16 +257,17 @@ class VeScaleFSDPModule(FSDPModule):
         collective in flight is finished, every unit resharded, and the aborted iteration's
         gradients and no-sync accumulation are dropped."""
         group = self._vescale_fsdp_unit
-        if group.root_state is None:  # never ran forward: nothing under a root yet
+        state = root_state_of(group)
+        if state is None:  # never ran forward: nothing under a root yet
             for unit in groups_under([cast(nn.Module, self)]):
                 unit.reset_iteration_state()
             return
-        if group.root_state.root is not group:
+        if state.root is not group:
             raise RuntimeError(
                 "reset_iter_state() must be called on the root module (the one fully_shard was "
                 "applied to last, which runs forward first), not on a unit inside it"
             )
-        group.root_state.reset_iteration()
+        state.reset_iteration()
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: with ``False``, backward reduce-scatters within the shard group but does not
@@ -282,7 +283,7 @@ class VeScaleFSDPModule(FSDPModule):
         last gradient reductions in flight and the units it left gathered as they are, and
         :meth:`finalize_backward` completes them (call it before reading gradients)."""
         unit = self._vescale_fsdp_unit
-        state = unit.root_state
+        state = root_state_of(unit)
         if state is not None and state.root is not unit:
             raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")
         if enabled != unit.manual_backward_finalization and torch._C._current_graph_task_id() != -1:
@@ -297,7 +298,7 @@ class VeScaleFSDPModule(FSDPModule):
         ``async_op=True``) and reshard as ``reshard_after_backward`` says. A no-op before the
         first forward."""
         unit = self._vescale_fsdp_unit
-        state = unit.root_state
+        state = root_state_of(unit)
         if state is None:
             return GradientReductionHandle() if async_op else None
         if state.reduction_pending is not None:

@@ -26,6 +26,7 @@ from vescale_plugins.ragged.placement import RaggedShard
 from vescale_plugins.runtime.extensions import ExtensionGather, defines_extension
 from vescale_plugins.runtime.fsdp2_semantics import hand_gradients_over_in
 from vescale_plugins.runtime.mesh import UnitMesh
+from vescale_plugins.runtime.registry import register_sharded_face
 from vescale_plugins.runtime.tensor_parallel import ParallelSpec
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 else:
     ShardedParameter = DTensor
 
-__all__ = ["FSDPParam", "ShardedBuffer", "dbuffer_of", "fsdp_param_of"]
+__all__ = ["FSDPParam", "ShardedBuffer"]
 
 
 @dataclass
@@ -157,7 +158,7 @@ class FSDPParam:
             )
         sharded = cast("ShardedParameter", nn.Parameter(dtensor, requires_grad=param.requires_grad))
         self._keep_grad_dtype(sharded)
-        _BY_SHARDED[id(sharded)] = self
+        register_sharded_face(sharded, self)
         return sharded
 
     def _keep_grad_dtype(self, sharded: nn.Parameter) -> None:
@@ -178,7 +179,7 @@ class FSDPParam:
             ),
         )
         self._keep_grad_dtype(self.sharded)
-        _BY_SHARDED[id(self.sharded)] = self
+        register_sharded_face(self.sharded, self)
         self.register(self.sharded)
 
     def readopt_local(self, old_local: torch.Tensor) -> None:
@@ -328,27 +329,6 @@ class FSDPParam:
             self.dbuffer.wait_for_offloaded_grads()  # a hook reads the gradient on the host
             for hook in list(hooks.values()):
                 hook(self.sharded)
-
-
-# The FSDPParam of each sharded face, by the face's id: optimizers ask which DBuffer a
-# parameter views. Not a weak reference to the parameter (``module._apply`` swaps a DTensor
-# parameter's contents in place, which torch refuses for a weakly referenced tensor); the
-# lookup checks identity, so a reused id never answers.
-_BY_SHARDED: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
-
-
-def fsdp_param_of(param: torch.Tensor) -> FSDPParam | None:
-    """The :class:`FSDPParam` whose sharded face ``param`` is, or ``None``."""
-    fsdp_param = _BY_SHARDED.get(id(param))
-    return fsdp_param if fsdp_param is not None and fsdp_param.sharded is param else None
-
-
-def dbuffer_of(param: torch.Tensor) -> DBuffer | None:
-    """The DBuffer whose sharded buffer ``param`` (a sharded parameter) is a view of, or
-    ``None`` for any other tensor. A flat optimizer reads :meth:`DBuffer.sharded_padding`
-    from it to step across the padding between parameters."""
-    fsdp_param = fsdp_param_of(param)
-    return fsdp_param.dbuffer if fsdp_param is not None and not fsdp_param.owns_local else None
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

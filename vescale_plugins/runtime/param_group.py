@@ -5,8 +5,10 @@ more DBuffers, grouped by (mesh, dtype, requires_grad) and split where the plann
 pays. Its forward gathers them (and starts the next unit's gather), its backward gathers
 them again if they were resharded, and its post-backward moves autograd's gradients into the
 gradient buffers, which leave by one reduce-scatter per DBuffer (then, under HSDP, one
-all-reduce across replicas). State shared by every unit under one root lives in
-:class:`~vescale_plugins.runtime.state.RootState`.
+all-reduce across replicas). What the units under one root share (the orders, the
+reductions in flight) is below them, in :class:`~vescale_plugins.runtime.iteration.
+IterationContext`; the end of backward is driven from above, by the root's
+:class:`~vescale_plugins.runtime.state.RootState`, which the unit never calls.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -39,10 +40,10 @@ from vescale_plugins.runtime.fsdp2_semantics import (
     spmd_no_typecheck,
     upcast_gradient,
 )
+from vescale_plugins.runtime.iteration import IterationContext, TrainingState
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer
 from vescale_plugins.runtime.setup import ParamSpec
-from vescale_plugins.runtime.state import RootState, TrainingState
 from vescale_plugins.runtime.torch_hooks import track_slots
 from vescale_plugins.runtime.traversal import (
     cast_floating,
@@ -99,10 +100,11 @@ class FSDPParamGroup:
         self.all_reduce_hook_stream: Any = None
         # Whether the hook sees the sum rather than the mean (the reduction itself always sums).
         self.force_sum_reduction_for_comms = False
-        self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit (see RootState)
+        self.forward_prefetch: list[FSDPParamGroup] | None = None  # None: the next unit
         self.backward_prefetch: list[FSDPParamGroup] | None = None
-        # Set at the first forward under a root (the first unit to run forward is the root).
-        self.root_state: RootState | None = None
+        # Shared with the units under the same root; set at the first forward under a root
+        # (the first unit to run forward is the root).
+        self.context: IterationContext[FSDPParamGroup] | None = None
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0  # _PostBackward nodes of this forward not yet run
         # Those nodes, weakly (whether a backward will run them, under compiled autograd).
@@ -327,6 +329,31 @@ class FSDPParamGroup:
     def is_unsharded(self) -> bool:
         return all(b.is_unsharded for b in self.buffers)
 
+    @property
+    def has_pending_unshard(self) -> bool:
+        """Whether an all-gather was issued (``unshard(async_op=True)``, a prefetch) and not
+        yet waited for."""
+        return bool(self._pending_unshard)
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this unit is the root of the units it runs with (set at the first forward)."""
+        return self.context is not None and self.context.root is self
+
+    @property
+    def forward_in_progress(self) -> bool:
+        """Whether some but not all of a grouped unit's modules ran this forward."""
+        return bool(self._modules_run)
+
+    def clear_partial_forward(self) -> None:
+        """Forget which of a grouped unit's modules ran (its forward is over)."""
+        self._modules_run.clear()
+
+    def forget_post_backward_nodes(self) -> None:
+        """(End of backward) No ``_PostBackward`` node of this iteration is pending any more."""
+        self._pending_post_backward = 0
+        self.post_backward_nodes = []
+
     def check_materialized(self, names: dict[int, str] | None = None) -> None:
         """Refuse to gather parameters still on the meta device, with FSDP2's error; ``names``
         maps a sharded parameter's id to its name from the root (FSDP2's), else the unit's."""
@@ -371,7 +398,7 @@ class FSDPParamGroup:
                     group_size=is_group_size(self.reshard_after_forward),
                 )
             if buffer.extensions is None:
-                buffer.extensions = ExtensionGather(buffer)
+                buffer.extensions = ExtensionGather(buffer.dbuffer)
             handles += buffer.extensions.all_gather(extended, buffer.mp_policy, async_op)
         return handles
 
@@ -435,25 +462,39 @@ class FSDPParamGroup:
         # A module of a grouped unit run again before the others ran (a head called per chunk
         # of a chunked loss) starts a new forward of the unit, with its own post-backward.
         self._modules_run = {id(module)}
-        if self.root_state is None:
-            RootState.init_under(self)
-        root_state = self.root_state
-        assert root_state is not None  # init_under gives this unit one
-        if root_state.root is self:
-            if root_state.reduction_pending is not None:
+        context = self.context
+        assert context is not None  # the root state's pre_forward made it
+        if context.root is self:
+            if context.reduction_pending is not None:
                 raise RuntimeError("The previous gradient reduction must be waited on before forward")
-            root_state.start_forward()
+            context.start_forward()
         if torch.is_grad_enabled():
-            root_state.forward_order.append(self)
+            context.forward_order.append(self)
         self.use_unsharded_params()
         with spmd_no_typecheck():
-            for group in root_state.forward_prefetch_targets(self):
+            for group in self._forward_prefetch_targets(context):
                 group.unshard(async_op=True)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.is_grad_enabled():
             self.training_state = TrainingState.FORWARD
             args, kwargs = self._attach_post_backward((args, kwargs))
         return args, kwargs
+
+    def _forward_prefetch_targets(self, context: IterationContext[FSDPParamGroup]) -> list[FSDPParamGroup]:
+        """The units set by ``set_modules_to_forward_prefetch``, else the unit that ran next
+        in the previous training forward.
+
+        On CUDA, FSDP2 overlaps the next all-gather with compute implicitly (the CPU runs
+        ahead of the GPU and issues it early); a CPU backend has no run-ahead, so the next
+        unit is gathered explicitly. It costs one more unit's parameters during forward.
+        """
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = context.previous_forward_order
+        if self not in order:
+            return []
+        position = order.index(self) + 1
+        return [order[position]] if position < len(order) and order[position] is not self else []
 
     def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``MixedPrecisionPolicy(cast_forward_inputs=True)``: floating-point inputs to
@@ -474,10 +515,15 @@ class FSDPParamGroup:
         if len(self._modules_run) < len(self.modules):
             return self._cast_output(output)  # each module of a grouped unit, as FSDP2
         output = self.complete_forward(output)
-        root_state = self.root_state
-        assert root_state is not None  # set at the first forward (RootState.init_under)
-        if root_state.root is self:
-            output = root_state.complete_partial_forwards(output)
+        context = self.context
+        assert context is not None  # set at the first forward (RootState.init_under)
+        if context.root is self:
+            # Finish the forward of grouped units some of whose modules did not run (a
+            # chunked loss calls the head after forward), on the root's output, as FSDP2
+            # does: they reshard, and their backward starts with the root's.
+            for group in reversed(context.groups):
+                if group is not self and group.forward_in_progress:
+                    output = group.complete_forward(output)
         return self._cast_output(output)
 
     def complete_forward(self, output: Any) -> Any:
@@ -490,8 +536,8 @@ class FSDPParamGroup:
                 else:
                     self.reshard()
         if torch.is_grad_enabled():
-            assert self.root_state is not None  # set at the first forward (RootState.init_under)
-            self.root_state.post_forward_order.append(self)
+            assert self.context is not None  # set at the first forward (RootState.init_under)
+            self.context.post_forward_order.append(self)
             with spmd_no_typecheck():
                 output = register_on_tensors(output, self._pre_backward_hook)
         return output
@@ -500,8 +546,7 @@ class FSDPParamGroup:
         if not torch.is_grad_enabled():
             return True  # no backward will need the parameters (evaluation, inference)
         if self.reshard_after_forward is None:
-            assert self.root_state is not None  # set at the first forward (RootState.init_under)
-            return self.root_state.root is not self
+            return not self.is_root
         return bool(self.reshard_after_forward)  # a group size k (an int >= 2) reshards
 
     # -- backward ---------------------------------------------------------------------
@@ -530,16 +575,9 @@ class FSDPParamGroup:
             # reduction's, as FSDP2 does.
             self._backward_again = True
         self.training_state = TrainingState.PRE_BACKWARD
-        root_state = self.root_state
-        assert root_state is not None  # set at the first forward (RootState.init_under)
+        assert self.context is not None  # set at the first forward (RootState.init_under)
         compiled_autograd = in_compiled_autograd()
-        if not root_state.callback_queued:
-            root_state.callback_queued = True
-            root_state.backward_starts()
-            if compiled_autograd:
-                root_state.end_after_counted_events()
-            else:
-                Variable._execution_engine.queue_callback(root_state.final_callback)
+        self.context.backward_starts()  # the first unit's: the root state queues the end
         if self.unshard_in_backward:
             # Else (FSDP2's set_unshard_in_backward(False)) the unit's backward reads no
             # parameter (an embedding's): its gradients reach the unsharded parameters the
@@ -577,8 +615,8 @@ class FSDPParamGroup:
         """
         if not self._backward_prefetched and self.training_state is not TrainingState.FORWARD:
             self._prefetch_for_backward()  # (FORWARD: see post_backward)
-        assert self.root_state is not None  # set at the first forward (RootState.init_under)
-        self.root_state.count_backward_event()
+        assert self.context is not None  # set at the first forward (RootState.init_under)
+        self.context.count_backward_event()
 
     def prefetches_at_first_gradient(self) -> bool:
         """(In its backward) Whether this unit has still to prefetch its default targets,
@@ -608,13 +646,39 @@ class FSDPParamGroup:
         if self._backward_prefetched:
             return
         self._backward_prefetched = True
-        root_state = self.root_state
-        assert root_state is not None  # set at the first forward (RootState.init_under)
-        targets = [group for group in root_state.backward_prefetch_targets(self) if group.unshard_in_backward]
+        context = self.context
+        assert context is not None  # set at the first forward (RootState.init_under)
+        targets = [group for group in self._backward_prefetch_targets(context) if group.unshard_in_backward]
         if targets:
-            root_state.wait_for_host_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+            context.wait_for_host_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
         for group in targets:
             group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self, context: IterationContext[FSDPParamGroup]) -> list[FSDPParamGroup]:
+        """The units set by ``set_modules_to_backward_prefetch``, else the latest unit to
+        finish its forward before this one did whose backward has not started (FSDP2's
+        post-forward order: the root gathers the last block during the head's backward).
+
+        None where a unit passed over on the way is in its backward and has yet to prefetch
+        that same unit at its first gradient: a root without parameters, whose pre-backward
+        runs with the head's on the logits' gradient, leaves the last block to the head, so
+        it is not gathered while the logits' gradient is alive (the head's backward frees it
+        before the head's first gradient; see ``_prefetch_for_backward``).
+        """
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = context.post_forward_order
+        if self not in order:
+            return []
+        position = order.index(self)
+        for earlier in reversed(order[:position]):
+            if earlier is self:
+                continue
+            if earlier.training_state is TrainingState.PRE_BACKWARD and earlier.prefetches_at_first_gradient():
+                return []
+            if earlier.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+                return [earlier]
+        return []
 
     def _recomputing(self) -> bool:
         """Whether a forward starting now recomputes one inside the unit's backward."""
@@ -623,13 +687,15 @@ class FSDPParamGroup:
         return self.training_state is TrainingState.POST_BACKWARD and torch._C._current_graph_task_id() != -1
 
     @eager_hook
-    def _post_backward_from_inputs(self, node: Any) -> None:
+    def post_backward_from_inputs(self, node: Any) -> None:
+        """(A ``_PostBackward`` node of this unit ran) Once the backward reaches no other
+        forward of the unit, its post-backward."""
         self._pending_post_backward -= 1
         self.post_backward_nodes = [ref for ref in self.post_backward_nodes if ref() not in (None, node)]
         if self.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and self._backward_done():
             self.post_backward()
-        assert self.root_state is not None  # set at the first forward (RootState.init_under)
-        self.root_state.count_backward_event()
+        assert self.context is not None  # set at the first forward (RootState.init_under)
+        self.context.count_backward_event()
 
     def _backward_done(self) -> bool:
         """(At a ``_PostBackward``) Whether the backward running now reaches no other forward
@@ -669,14 +735,21 @@ class FSDPParamGroup:
         if self.requires_gradient_sync:
             self._reduce_gradients()
             if not in_models_backward and not in_compiled_autograd():
-                assert self.root_state is not None  # set at the first forward (RootState.init_under)
-                self.root_state.finish_reductions_after_this_backward()
+                assert self.context is not None  # set at the first forward (RootState.init_under)
+                self.context.finish_reductions_after_this_backward()
         else:
             self._backward_again = False  # nothing reduced: the gradients accumulate as usual
             for fsdp_param in self.fsdp_params:
                 fsdp_param.accumulate_in(fsdp_param.dbuffer.reduce_dtype)
             # Under manual finalization, finalize_backward reduces them (sync on by then).
-            self.post_backward_pending = bool(self.root_state is not None and self.root_state.manual_active)
+            self.post_backward_pending = bool(self.context is not None and self.context.manual_active)
+
+    def reduce_when_finalized(self) -> None:
+        """(``finalize_backward``, manual finalization) The reduction that waited for it."""
+        self.post_backward_pending = False
+        self._backward_prefetched = True  # backward is over: nothing to prefetch
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.post_backward()
 
     def _reduce_gradients(self) -> None:
         """Move the unit's gradients into its gradient buffers and reduce-scatter them
@@ -692,17 +765,17 @@ class FSDPParamGroup:
         reduce-scatters, and for what follows each (HSDP's all-reduce, the all-reduce hook),
         at the end of backward.
         """
-        root_state = self.root_state
-        assert root_state is not None  # set at the first forward (RootState.init_under)
-        root_state.wait_for_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
+        context = self.context
+        assert context is not None  # set at the first forward (RootState.init_under)
+        context.wait_for_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
         if self._backward_again:
             # The unit's second reduction in this backward adds to its first: that one lands
             # first, and the gradients it gave only through other ranks are attached, so
             # that no slot of it counts as empty below.
             self._backward_again = False
-            root_state.wait_for_gradients()
-            if root_state.reduced_without_local_grad:
-                root_state._attach_remote_gradients()
+            context.wait_for_gradients()
+            if context.reduced_without_local_grad:
+                context.attach_remote_gradients()
         issued: list[ReduceScatterHandle] = []
         for buffer in self.buffers:
             members = [p for p in buffer.params if p.sharded.requires_grad]
@@ -753,9 +826,9 @@ class FSDPParamGroup:
                 else:
                     sharded_grad = dbuffer.sharded_grad
                     assert sharded_grad is not None  # the reduce-scatter's handle holds it
-                    root_state.reduced_without_local_grad.append((p, sharded_grad))
+                    context.reduced_without_local_grad.append((p, sharded_grad))
         if issued:
-            root_state.reduces_in_flight.append(issued)
+            context.reduces_in_flight.append(issued)
 
     def reset_iteration_state(self) -> None:
         """Forget this iteration (after an exception aborted it): no gradient, no gather."""
@@ -800,5 +873,5 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.group._post_backward_from_inputs(ctx)  # ctx is this autograd node
+        ctx.group.post_backward_from_inputs(ctx)  # ctx is this autograd node
         return (None, *grads)

@@ -24,12 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, _is_composable_with_fsdp
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
 from vescale_plugins.runtime.mesh import is_group_size
-from vescale_plugins.runtime.param import fsdp_param_of
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
+from vescale_plugins.runtime.registry import fsdp_param_of, sharded_by_another_call
 from vescale_plugins.runtime.tensor_parallel import (
     ParallelSpec,
     SpmdMesh,
@@ -48,7 +47,6 @@ __all__ = [
     "check_reshard_after_forward",
     "normalise_reshard_after_forward",
     "plan_unit_setup",
-    "record_sharded",
     "refuse_with_parameter_meshes",
 ]
 
@@ -371,22 +369,9 @@ def _check_not_already_sharded(module: nn.Module, params: Sequence[tuple[str, An
             )
 
 
-# Every parameter a fully_shard call replaced, held weakly, with where it went: a module
-# outside that unit still holding one (a weight tied across sibling units) would otherwise be
-# sharded a second time into a separate, silently untied copy.
-_SHARDED_BY_ANOTHER_CALL: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def record_sharded(modules: list[nn.Module], specs: list[ParamSpec]) -> None:
-    """Remember which unit took each parameter (see ``_refuse_parameters_of_sibling_units``)."""
-    where = " + ".join(type(m).__name__ for m in modules)
-    for spec in specs:
-        _SHARDED_BY_ANOTHER_CALL[spec.param] = f"{spec.fqn!r} of the {where} unit"
-
-
 def _refuse_parameters_of_sibling_units(modules: list[nn.Module], specs: list[ParamSpec]) -> None:
     for spec in specs:
-        managed_as = _SHARDED_BY_ANOTHER_CALL.get(spec.param)
+        managed_as = sharded_by_another_call(spec.param)
         if managed_as is not None:
             here = " + ".join(type(m).__name__ for m in modules)
             raise ValueError(
