@@ -31,7 +31,6 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -40,6 +39,7 @@ from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import GatherHandle
 from vescale_plugins.dbuffer.input_buffers import InputBuffer
 from vescale_plugins.dbuffer.planning import row_numel
+from vescale_plugins.runtime.agreement import agree_across_ranks
 
 __all__ = ["ExtensionGather", "ExtensionParam", "check_extension_param", "defines_extension", "has_extension"]
 
@@ -164,25 +164,30 @@ class ExtensionGather:
         """Run each member's pre-all-gather, copy its inputs in and gather every input buffer."""
         first = self._signature is None
         inputs: dict[int, list[torch.Tensor]] = {}
-        error: tuple[str, Exception] | None = None
-        for p in members:
-            try:
+        running: list[str] = [""]  # the parameter whose pre-all-gather runs (named if it fails)
+
+        def pre_all_gathers() -> dict[int, list[torch.Tensor]]:
+            for p in members:
+                running[0] = p.fqn
                 inputs[p.slot] = self._pre_all_gather(p, mp_policy)
-            except Exception as e:  # any failure of the extension, agreed on at the first all-gather
-                if not first:
-                    raise
-                error = (p.fqn, e)
-                break
-        signature = tuple(
-            (p.fqn, tuple((str(t.dtype), self.gathered[p.slot].trailing[i]) for i, t in enumerate(inputs[p.slot])))
-            for p in members
-            if p.slot in inputs
-        )
+            return inputs
+
         if first:
             # The inputs' layout is built once, from every rank's answer: an extension that fails
-            # or answers differently on some ranks fails the same way on all of them, before the
-            # first all-gather.
-            _agree(signature, error, self.dbuffer.group)
+            # (any exception) or answers differently on some ranks fails the same way on all of
+            # them, before the first all-gather.
+            agree_across_ranks(
+                pre_all_gathers,
+                lambda _: self._signature_of(members, inputs),
+                self.dbuffer.group,
+                catch=(Exception,),
+                explain=lambda error: (running[0], f"{type(error).__name__}: {error}"),
+                remote_failure=_remote_extension_failure,
+                mismatch=_extension_mismatch,
+            )
+        else:
+            pre_all_gathers()
+        signature = self._signature_of(members, inputs)
         if signature != self._signature:
             if not first:
                 raise ValueError(
@@ -198,6 +203,14 @@ class ExtensionGather:
         self.ran_on = {p.slot for p in members}
         self.awaiting_post = set(self.ran_on)
         return [buffer.all_gather(async_op=async_op) for buffer, _ in self.inputs]
+
+    def _signature_of(self, members: Sequence[ExtensionParam], inputs: dict[int, list[torch.Tensor]]) -> tuple:
+        """What every rank must agree on: each member's inputs' dtypes and trailing shapes."""
+        return tuple(
+            (p.fqn, tuple((str(t.dtype), self.gathered[p.slot].trailing[i]) for i, t in enumerate(inputs[p.slot])))
+            for p in members
+            if p.slot in inputs
+        )
 
     def _pre_all_gather(self, fsdp_param: ExtensionParam, mp_policy: MixedPrecisionPolicy) -> list[torch.Tensor]:
         dbuffer = fsdp_param.dbuffer
@@ -296,23 +309,21 @@ def _shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[names[-1]]
 
 
-def _agree(signature: tuple, error: tuple[str, Exception] | None, group: dist.ProcessGroup) -> None:
-    """Raise on every rank if the extension failed on some rank (there its own error) or ranks
-    disagree."""
-    answers: list[Any] = [None] * dist.get_world_size(group)
-    failure = None if error is None else (error[0], f"{type(error[1]).__name__}: {error[1]}")
-    dist.all_gather_object(answers, (signature, failure), group=group)
-    if error is not None:
-        raise error[1]
-    for rank, (_, failed) in enumerate(answers):
-        if failed is not None:
-            raise RuntimeError(
-                f"fsdp_pre_all_gather of parameter {failed[0]!r} failed on rank {rank} of the shard group: {failed[1]}"
-            )
-    for rank, (other, _) in enumerate(answers):
+def _remote_extension_failure(rank: int, failed: tuple[str, str]) -> Exception:
+    return RuntimeError(
+        f"fsdp_pre_all_gather of parameter {failed[0]!r} failed on rank {rank} of the shard group: {failed[1]}"
+    )
+
+
+def _extension_mismatch(signatures: list[Any], own_rank: int) -> Exception:
+    """The first rank whose inputs differ from this rank's, and the first parameter that does."""
+    signature = tuple(signatures[own_rank])
+    for rank, answer in enumerate(signatures):
+        other = tuple(answer)
         if other != signature:
             differing = next((a[0] for a, b in zip(signature, other) if a != b), "the parameter list")
-            raise ValueError(
+            return ValueError(
                 f"all-gather extension inputs differ between ranks at {differing!r} (this rank {signature}, "
                 f"rank {rank} {other}): every rank must give every parameter the same extension"
             )
+    return ValueError("all-gather extension inputs differ between ranks")

@@ -3,19 +3,18 @@
 A distributed set-up that fails on one rank only hangs (or aborts) the others at their first
 collective, far from the cause. So :func:`plan_unit_setup` checks what each rank can check
 alone (arguments, the mesh, that a module is not already inside a unit), then plans the
-unit's parameters under :func:`agree_on_plan`, which exchanges one small fingerprint of the
-plan per rank: a ``block_size_fn`` (or a model) that differs between ranks, or an error
-raised on some ranks only, becomes the same clear error on every rank. Nothing here touches
+unit's parameters under :func:`.agreement.agree_across_ranks`, which exchanges one small
+fingerprint of the plan per rank: a ``block_size_fn`` (or a model) that differs between
+ranks, or an error raised on some ranks only, becomes the same clear error on every rank. Nothing here touches
 the modules, so bad input leaves them as they were.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, _is_composable_with_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
+from vescale_plugins.runtime.agreement import agree_across_ranks
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
 from vescale_plugins.runtime.mesh import is_group_size
 from vescale_plugins.runtime.placement import default_mesh, mesh_device
@@ -43,14 +43,12 @@ __all__ = [
     "PlanMismatchError",
     "SetupAssertionError",
     "UnitSetup",
-    "agree_on_plan",
     "check_reshard_after_forward",
     "normalise_reshard_after_forward",
     "plan_unit_setup",
     "refuse_with_parameter_meshes",
 ]
 
-T = TypeVar("T")
 BlockSizeFn = Callable[[str, nn.Parameter], "int | None"]
 PlanEntry = tuple[str, tuple[int, ...], str, int | None]  # (name, shape, dtype, block rows or None)
 
@@ -65,7 +63,7 @@ class SetupAssertionError(AssertionError, ValueError):
     argument to ``fully_shard``."""
 
 
-# The errors agree_on_plan carries from the ranks that raise them to the others (by name).
+# The errors the plan's agreement carries from the ranks that raise them to the others (by name).
 _CHECKED_ERRORS = (SetupAssertionError, ValueError, TypeError, NotImplementedError)
 
 
@@ -117,7 +115,8 @@ def plan_unit_setup(
     block_size_fn: BlockSizeFn | None,
 ) -> UnitSetup:
     """Check every argument and plan the unit's parameters, the same on every rank of the
-    unit's shard group (see :func:`agree_on_plan`); raises before the modules change."""
+    unit's shard group (see :func:`.agreement.agree_across_ranks`); raises before the modules
+    change."""
     _check_modules_and_policies(modules, reshard_after_forward, offload_policy)
     spmd: SpmdMesh | None = None
     if dp_mesh_dims is not None:
@@ -163,13 +162,20 @@ def plan_unit_setup(
     # Tensor-parallel parameters are planned by their local (TP) shape; a parameter on its own
     # mesh by its global shape (the unit's group may span its expert-parallel ranks, whose
     # local shapes differ where experts split unevenly).
-    specs = agree_on_plan(
+    # Every rank raises the same error if any rank failed or planned differently (a
+    # rank-dependent block_size_fn or model): each describes its plan as (name, shape, dtype,
+    # block rows) per parameter.
+    specs = agree_across_ranks(
         plan,
         lambda specs: [
             (s.fqn, tuple(s.local.shape if s.mesh is None else s.param.shape), str(s.param.dtype), s.block_rows)
             for s in specs
         ],
         mesh.get_group(mesh.ndim - 1),
+        catch=_CHECKED_ERRORS,
+        explain=lambda error: (type(error).__name__, str(error)),
+        remote_failure=_remote_plan_failure,
+        mismatch=_plan_mismatch,
     )
     return UnitSetup(mesh, normalise_reshard_after_forward(reshard_after_forward, mesh), specs)
 
@@ -456,7 +462,7 @@ def _check_shard_placements(
             "rows of dim 0 per rank (uneven where needed, so tensors with fewer rows than ranks need no other dim). "
             "Training is the same; the sharded parameters' placement is RaggedShard, not Shard(d). "
             "(Warned once per process.)",
-            stacklevel=6,  # the user's fully_shard call (via plan_unit_setup, agree_on_plan, plan)
+            stacklevel=6,  # the user's fully_shard call (via plan_unit_setup, agree_across_ranks, plan)
         )
     return own_mesh, placed
 
@@ -504,67 +510,14 @@ def refuse_with_parameter_meshes(first_fqn: str, reshard_after_forward: Any) -> 
 # -- agreement across ranks -----------------------------------------------------------------
 
 
-def _fingerprint(entries: Sequence[PlanEntry]) -> bytes:
-    return hashlib.sha256(repr(list(entries)).encode()).digest()
+def _remote_plan_failure(rank: int, explained: tuple[str, str]) -> Exception:
+    class_name, text = explained
+    error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
+    return error_class(f"fully_shard failed on rank {rank} of the mesh: {text}")
 
 
-_DIGEST_WORDS = 4  # 56-bit words of the fingerprint (exact in int64, signs never overflow)
-
-
-def _exchange_outcome(group: dist.ProcessGroup, failed: bool, fingerprint: bytes) -> tuple[int, bool]:
-    """One all-reduce of a fixed-size vector (whatever the world size): the first rank of
-    ``group`` that failed (or the group's size) and whether every rank's fingerprint is the
-    same. MAX over ``(-first failed, words, -words)`` gives the least failing rank, and each
-    word's maximum and minimum."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    words = [int.from_bytes(fingerprint[7 * i : 7 * i + 7], "big") for i in range(_DIGEST_WORDS)]
-    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
-    vector = torch.tensor([-(rank if failed else size), *words, *(-w for w in words)], dtype=torch.int64, device=device)
-    dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
-    values = vector.tolist()
-    highest, lowest = values[1 : 1 + _DIGEST_WORDS], [-v for v in values[1 + _DIGEST_WORDS :]]
-    return -values[0], highest == lowest
-
-
-def agree_on_plan(
-    plan: Callable[[], T], describe: Callable[[T], Sequence[PlanEntry]], group: dist.ProcessGroup | None
-) -> T:
-    """``plan()`` on every rank of ``group``, then one fixed-size exchange: every rank raises
-    the same error if any rank failed or planned differently; else the plan is returned.
-
-    ``describe(plan)`` lists ``(name, shape, dtype, block rows)`` per parameter. Only on a
-    failure or a mismatch do ranks exchange more (the error, or every rank's plan to name
-    the first difference).
-    """
-    error: Exception | None = None
-    fingerprint = b""
-    try:
-        result = plan()
-        entries = list(describe(result))
-        fingerprint = _fingerprint(entries)
-    except _CHECKED_ERRORS as raised:
-        error = raised
-    # From here on, result is set unless error is (which is raised first).
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise error
-        return result
-    first_failed, agreed = _exchange_outcome(group, error is not None, fingerprint)
-    if first_failed < dist.get_world_size(group):
-        # Errors travel as (class name, message): the exception object itself may not pickle.
-        message: list[Any] = [(type(error).__name__, str(error)) if error is not None else None]
-        dist.broadcast_object_list(message, group=group, group_src=first_failed)
-        if error is not None:
-            raise error
-        class_name, text = message[0]
-        error_class = next((c for c in _CHECKED_ERRORS if c.__name__ == class_name), ValueError)
-        raise error_class(f"fully_shard failed on rank {first_failed} of the mesh: {text}")
-    if agreed:
-        return result
-    # Fingerprints differ: one more exchange names the first parameter that differs.
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, entries, group=group)
-    raise PlanMismatchError(_describe_mismatch(everyone))
+def _plan_mismatch(plans: list[list[PlanEntry]], rank: int) -> Exception:
+    return PlanMismatchError(_describe_mismatch(plans))
 
 
 def _describe_mismatch(plans: list[list[PlanEntry]]) -> str:
