@@ -21,10 +21,10 @@ from vescale_plugins.runtime.composable import register_as_fully_shard
 from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
-from vescale_plugins.runtime.placement import mesh_device, move_unit_states
 from vescale_plugins.runtime.registry import record_sharded
 from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup
 from vescale_plugins.runtime.state import post_forward, pre_forward
+from vescale_plugins.runtime.unit_device import mesh_device, move_unit_states
 
 __all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 

@@ -21,13 +21,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult, _is_composable_with_fsdp
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
 from vescale_plugins.runtime.agreement import agree_across_ranks
+from vescale_plugins.runtime.discovery import collect_params
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
 from vescale_plugins.runtime.mesh import is_group_size
-from vescale_plugins.runtime.placement import default_mesh, mesh_device
 from vescale_plugins.runtime.registry import fsdp_param_of, sharded_by_another_call
 from vescale_plugins.runtime.tensor_parallel import (
     ParallelSpec,
@@ -36,6 +36,7 @@ from vescale_plugins.runtime.tensor_parallel import (
     resolve_dp_mesh_dims,
     spmd_mesh_of,
 )
+from vescale_plugins.runtime.unit_device import default_mesh, mesh_device
 
 __all__ = [
     "BlockSizeFn",
@@ -127,7 +128,7 @@ def plan_unit_setup(
     ignored = set(ignored_params or ())
 
     def plan() -> list[ParamSpec]:
-        params, shared = _collect_params(modules, ignored)
+        params, shared = collect_params(modules, ignored)
         _check_not_already_sharded(modules[0], params)
         _check_dtensors_on(device, params)
         own_mesh, placed = (
@@ -292,63 +293,6 @@ def _resolve_spmd_mesh(
 
 
 # -- the parameters ---------------------------------------------------------------------
-
-
-def _collect_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter]
-) -> tuple[list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]], list[str]]:
-    """This unit's parameters ``(fqn, owners, parameter)``: those under ``modules`` not
-    already managed by a unit inside them; and those shared with such a unit (refused)."""
-    managed_below: dict[int, str] = {}
-    for root in modules:
-        for sub in root.modules():
-            unit = getattr(sub, "_vescale_fsdp_unit", None)
-            if unit is not None:
-                for fsdp_param in unit.fsdp_params:
-                    managed_below[id(fsdp_param.sharded)] = fsdp_param.fqn
-                    original = fsdp_param.original()
-                    if original is not None:
-                        managed_below[id(original)] = fsdp_param.fqn
-    found: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
-    shared_with_child: list[str] = []
-    for root in modules:
-        for module_name, module in root.named_modules(remove_duplicate=False):
-            if _under_other_api(root, module_name):
-                continue
-            for name, param in module._parameters.items():
-                if param is None or param in ignored:
-                    continue
-                fqn = f"{module_name}.{name}" if module_name else name
-                if id(param) in managed_below:
-                    if not _under_managing_unit(root, module_name):
-                        shared_with_child.append(f"{fqn!r} (managed as {managed_below[id(param)]!r})")
-                    continue
-                entry = found.setdefault(id(param), (fqn, [], param))
-                if (module, name) not in entry[1]:
-                    entry[1].append((module, name))
-    return list(found.values()), shared_with_child
-
-
-def _under_other_api(root: nn.Module, module_name: str) -> bool:
-    """Whether the module at ``module_name`` (below ``root``) sits in a subtree another
-    composable API manages (torch's ``replicate``, which all-reduces its gradients itself):
-    FSDP2 leaves such subtrees out of the unit (``_is_composable_with_fsdp``)."""
-    module = root
-    for part in module_name.split(".") if module_name else []:
-        module = getattr(module, part)
-        if not _is_composable_with_fsdp(module):
-            return True
-    return False
-
-
-def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
-    """Whether the module at ``module_name`` sits inside a unit (so its params are that unit's)."""
-    module = root
-    for part in module_name.split(".") if module_name else []:
-        module = getattr(module, part)
-        if getattr(module, "_vescale_fsdp_unit", None) is not None:
-            return True
-    return False
 
 
 def _check_dtensors_on(device: torch.device, params: Sequence[tuple[str, Any, nn.Parameter]]) -> None:
