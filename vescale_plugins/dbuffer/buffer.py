@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
@@ -47,6 +48,7 @@ from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
 from vescale_plugins.planner import Layout
+from vescale_plugins.planner.bounds import round_up
 from vescale_plugins.ragged.layout import ragged_layout
 from vescale_plugins.ragged.units import UnitRuns
 
@@ -227,7 +229,7 @@ class DBuffer:
         if slot.numel == 0:
             return None
         shape = _local_shape(slot)
-        return shape, _contiguous_strides(shape), slot.local_offset
+        return shape, make_contiguous_strides_for(shape), slot.local_offset
 
     def _local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.slots[index]
@@ -628,22 +630,10 @@ def slot_units(layout: Layout, index: int, unit: int) -> UnitRuns:
     return UnitRuns(runs)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def grad_shard_elements(shard_size: int, num_params: int, itemsize: int) -> int:
     """One rank's chunk of the unsharded gradient buffer, in elements of ``itemsize`` bytes: its
     shard, one presence flag per parameter, rounded up so that every chunk starts aligned."""
-    return _round_up(shard_size + num_params, max(1, ALIGNMENT_BYTES // itemsize))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    return round_up(shard_size + num_params, max(1, ALIGNMENT_BYTES // itemsize))
 
 
 def _gaps(intervals: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:

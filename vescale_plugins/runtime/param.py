@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement
 
@@ -154,7 +155,7 @@ class FSDPParam:
             )
         else:
             dtensor = make_dtensor(
-                local, self.buffer.mesh.mesh, self.placements(), slot.shape, _contiguous_stride(slot.shape)
+                local, self.buffer.mesh.mesh, self.placements(), slot.shape, make_contiguous_strides_for(slot.shape)
             )
         sharded = cast("ShardedParameter", nn.Parameter(dtensor, requires_grad=param.requires_grad))
         self._keep_grad_dtype(sharded)
@@ -334,14 +335,6 @@ class FSDPParam:
 def _local(param: torch.Tensor) -> torch.Tensor:
     """What a unit's DBuffer holds of a parameter: a DTensor's (TP/EP) local tensor."""
     return param._local_tensor if isinstance(param, DTensor) else param
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
