@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
 import vescale_plugins
-from vescale_plugins.runtime import placement
+from vescale_plugins.runtime import unit_device
 from vescale_plugins.wrap import shard_model
 
 T = 120
@@ -71,7 +71,7 @@ def _default_mesh_device_types() -> dict[str, list[str]]:
         with (
             mock.patch.object(torch._C, "_get_accelerator", return_value=torch.device("cuda")),
             mock.patch.object(_fsdp_init, "init_device_mesh", record),
-            mock.patch.object(placement, "init_device_mesh", record),
+            mock.patch.object(unit_device, "init_device_mesh", record),
         ):
             _shard(impl, _Model())
         asked[name] = calls
@@ -104,7 +104,7 @@ def _moved_states() -> dict[str, tuple[list[str], str]]:
 
         with (
             mock.patch.object(_fully_shard, "_get_modules_and_states", _moving_with(record)),
-            mock.patch.object(placement, "_move_states_to_device", record),
+            mock.patch.object(unit_device, "_move_states_to_device", record),
         ):
             _shard(impl, model)
         moved[name] = (sorted(n for call, _ in calls for n in call), calls[-1][1])
@@ -137,6 +137,6 @@ def test_the_mesh_device_is_fsdp2s():
     cuda_mesh = mock.Mock(device_type="cuda")
     with mock.patch.object(_fsdp_init, "_get_device_handle", return_value=mock.Mock(current_device=lambda: 3)):
         assert (
-            placement.mesh_device(cuda_mesh) == _fsdp_init._get_device_from_mesh(cuda_mesh) == torch.device("cuda", 3)
+            unit_device.mesh_device(cuda_mesh) == _fsdp_init._get_device_from_mesh(cuda_mesh) == torch.device("cuda", 3)
         )
-    assert placement.mesh_device(mock.Mock(device_type="cpu")) == torch.device("cpu")
+    assert unit_device.mesh_device(mock.Mock(device_type="cpu")) == torch.device("cpu")
