@@ -15,7 +15,7 @@ initialisers, and five ``DTensor`` methods (``__create_write_items__``,
 ``__create_chunk_list__``, ``__get_tensor_shard__``, ``__deepcopy__``, ``__reduce_ex__``);
 and ``fully_shard`` adds one global module parameter-registration hook. Each hands anything
 without a RaggedShard, or outside a sharded unit, to torch unchanged
-(:mod:`vescale_plugins.ragged.dtensor`, :mod:`vescale_plugins.runtime.torch_hooks`).
+(:mod:`vescale_plugins.ragged.dtensor`, :mod:`vescale_plugins.runtime.registry`).
 """
 
 from vescale_plugins import ragged as _ragged

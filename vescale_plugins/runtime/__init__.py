@@ -17,9 +17,8 @@ types):
 * :mod:`.param`: ``FSDPParam``, one parameter's sharded and unsharded faces and gradients.
 * :mod:`.extensions`: FSDP2's all-gather extensions over DBuffers.
 * :mod:`.registry`: the lookups kept across units (which parameter a sharded face is, which
-  call took a parameter).
-* :mod:`.torch_hooks`: what the first ``fully_shard`` installs in torch (nothing at import),
-  and the registry its one global module hook reads (the managed slots).
+  call took a parameter, which module slots hold one), and what the first ``fully_shard``
+  installs in torch (nothing at import): our DTensor patches and the one global module hook.
 * :mod:`.tensor_parallel`, :mod:`.spmd_types_params`: parameters that are already DTensors
   (TP, EP, SPMD meshes) or carry spmd_types annotations.
 * :mod:`.agreement`: the one cross-rank agreement (set-up's plan, the extensions' inputs).

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost
-from vescale_plugins.runtime import torch_hooks
+from vescale_plugins.runtime import registry
 from vescale_plugins.runtime.composable import register_as_fully_shard
 from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, group_of
@@ -86,7 +86,7 @@ def fully_shard(
     parameters and buffers move to the mesh's device first (meta ones stay for deferred init).
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
     """
-    torch_hooks.install()  # our torch patches and hook: at the first unit, never at import
+    registry.install()  # our torch patches and hook: at the first unit, never at import
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     unit = plan_unit_setup(
         modules,

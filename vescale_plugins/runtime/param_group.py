@@ -43,8 +43,8 @@ from vescale_plugins.runtime.fsdp2_semantics import (
 from vescale_plugins.runtime.iteration import IterationContext, TrainingState
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer
+from vescale_plugins.runtime.registry import track_slots
 from vescale_plugins.runtime.setup import ParamSpec
-from vescale_plugins.runtime.torch_hooks import track_slots
 from vescale_plugins.runtime.traversal import (
     cast_floating,
     map_grad_tensors,
