@@ -20,6 +20,7 @@ import torch.nn as nn
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.fsdp import FSDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -43,7 +44,7 @@ from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
 from .activation_checkpointing import ActivationCheckpointingPolicy
-from .common import VeScaleFSDPCommon
+from .common import VeScaleFSDPCommon, shadow_fsdp1_members
 from .model_setup import (
     gradient_sync_disabled,
     has_meta_tensors,
@@ -63,7 +64,7 @@ from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
 __all__ = ["VeScaleFSDPFabricStrategy"]
 
 
-class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
+class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
     """Fully sharded data parallel training with veScale-FSDP, for Fabric.
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
@@ -91,18 +92,22 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
+        mixed_precision: MixedPrecision | None = None,
         auto_wrap_policy: WrapPolicy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        sharding_strategy: str | ShardingStrategy | None = None,
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: DeviceMeshRequest = None,
         reshard_after_forward: bool | int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         block_size_fn: BlockSizeFn | None = None,
-        state_dict_type: StateDictType = "sharded",
-        device_mesh: DeviceMeshRequest = None,
-        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
-        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        **kwargs: Any,
     ) -> None:
         self._configure(
             process_group_backend,
@@ -118,12 +123,18 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
             data_parallel_size,
             tensor_parallel_size,
             cpu_offload,
+            sharding_strategy=sharding_strategy,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            fsdp1_kwargs=kwargs,
         )
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(
                 f"parallelize_fn must be a function (module, device_mesh) -> module, got {parallelize_fn!r}"
             )
-        super().__init__(
+        # Not FSDPStrategy.__init__ (FSDP1's configuration): the strategy is a ParallelStrategy.
+        ParallelStrategy.__init__(
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -160,6 +171,10 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
         self._num_nodes = num_nodes
 
     # -- processes -----------------------------------------------------------------------
+
+    def _set_world_ranks(self) -> None:
+        # Fabric's connector calls this on strategies that have it (DDP, FSDP) once they are configured.
+        self.set_world_ranks()
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -205,6 +220,10 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, ParallelStrategy):
     def module_to_device(self, module: nn.Module) -> None:
         if not has_meta_tensors(module):  # meta tensors are materialised on the device after sharding
             module.to(self.root_device)
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        # Fabric's deprecated sharded_model(): sharding happens in setup_module, nothing to do here.
+        return nullcontext()
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         # With empty_init the model is built on the meta device; setup shards it, then each rank
@@ -352,3 +371,6 @@ def _restore_metadata(
         else:
             state[key] = value
     return metadata
+
+
+shadow_fsdp1_members(VeScaleFSDPFabricStrategy, FSDPStrategy, ParallelStrategy)

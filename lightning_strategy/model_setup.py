@@ -9,15 +9,18 @@ switched off through the FSDP2 method the sharded modules carry.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from vescale_plugins import VeScaleFSDPModule
 from vescale_plugins.observe.summary import sharding_summary
@@ -27,6 +30,7 @@ from .options import ShardingOptions
 
 __all__ = [
     "shard_for_training",
+    "broadcast_module_states",
     "materialize",
     "parameter_names",
     "rebind_optimizers",
@@ -56,6 +60,8 @@ def shard_for_training(
         if not has_meta_tensors(module):
             # Shard where the model will live: the DBuffers are allocated on the parameters' device.
             module.to(device)
+            if options.sync_module_states:
+                broadcast_module_states(module)
         shard_model(
             module,
             unit_fn=lambda _: units,
@@ -65,11 +71,34 @@ def shard_for_training(
             block_size_fn=options.block_size_fn,
             offload_policy=options.offload_policy,
         )
+    _set_prefetch(module, options)
     if options.find_unused_parameters:  # DDP's switch: data-dependent routing (MoE, conditional branches)
         cast(VeScaleFSDPModule, module).set_find_unused_parameters(True)
     materialize(module, device)
     rank_zero_info(sharding_summary(module))
     return module
+
+
+def broadcast_module_states(module: nn.Module) -> None:
+    """FSDP1's ``sync_module_states=True``: every rank starts from rank 0's parameters and buffers.
+
+    Plain tensors only: DTensors (units the user sharded, tensor-parallel shards) hold each
+    rank's own piece already.
+    """
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=0)
+
+
+def _set_prefetch(module: nn.Module, options: ShardingOptions) -> None:
+    """``forward_prefetch`` / ``backward_prefetch`` set to off: no unit starts another's all-gather."""
+    for unit in module.modules():
+        if isinstance(unit, VeScaleFSDPModule):
+            if options.forward_prefetch is False:
+                unit.set_modules_to_forward_prefetch([])
+            if options.backward_prefetch is False:
+                unit.set_modules_to_backward_prefetch([])
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

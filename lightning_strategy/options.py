@@ -70,6 +70,11 @@ class ShardingOptions:
     block_size_fn: BlockSizeFn | None = None
     find_unused_parameters: bool = False
     offload_policy: CPUOffloadPolicy | None = None
+    # FSDP1's keywords, as Lightning's FSDPStrategy passes them (see fsdp_arguments.py): broadcast
+    # rank 0's parameters and buffers before sharding; prefetch switched off where False.
+    sync_module_states: bool = False
+    forward_prefetch: bool | None = None
+    backward_prefetch: bool | None = None
 
     @classmethod
     def from_arguments(
@@ -80,6 +85,9 @@ class ShardingOptions:
         block_size_fn: BlockSizeFn | None,
         find_unused_parameters: bool = False,
         cpu_offload: Any = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool | None = None,
+        backward_prefetch: bool | None = None,
     ) -> ShardingOptions:
         """Check a strategy's sharding arguments and normalise the wrap policy."""
         if (
@@ -111,6 +119,9 @@ class ShardingOptions:
             block_size_fn,
             find_unused_parameters,
             _offload_policy(cpu_offload),
+            sync_module_states,
+            forward_prefetch,
+            backward_prefetch,
         )
 
     def units(self, model: nn.Module) -> list[nn.Module]:

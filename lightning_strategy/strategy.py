@@ -12,9 +12,10 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn as nn
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import ReduceOp
@@ -23,11 +24,12 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.fsdp import FSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.optim import Optimizer
 
 from vescale_plugins import BlockSizeFn
@@ -41,7 +43,7 @@ from vescale_plugins.wrap import is_sharded
 
 from . import checkpoints, processes
 from .activation_checkpointing import ActivationCheckpointingPolicy
-from .common import VeScaleFSDPCommon
+from .common import VeScaleFSDPCommon, shadow_fsdp1_members
 from .model_setup import gradient_sync_disabled, reshard_all, shard_for_training
 from .options import (
     DeviceMeshRequest,
@@ -54,7 +56,7 @@ from .precision import VeScaleFSDPPrecision, as_vescale_precision
 __all__ = ["VeScaleFSDPStrategy"]
 
 
-class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
+class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     """Fully sharded data parallel training with veScale-FSDP (RaggedShard parameters, flat buffers).
 
     Args:
@@ -99,6 +101,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
     """
 
     strategy_name = processes.STRATEGY_NAME
+    _registered_strategies: ClassVar[list[str]] = [processes.STRATEGY_NAME]
     _launcher_class = _SubprocessScriptLauncher
     _mesh_exists = "set up (Trainer.fit / validate / ...)"
 
@@ -111,17 +114,21 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
+        mixed_precision: MixedPrecision | None = None,
         auto_wrap_policy: WrapPolicy = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        sharding_strategy: str | ShardingStrategy | None = None,
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: DeviceMeshRequest = None,
         reshard_after_forward: bool | int | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
         block_size_fn: BlockSizeFn | None = None,
-        state_dict_type: StateDictType = "sharded",
-        device_mesh: DeviceMeshRequest = None,
-        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         find_unused_parameters: bool = False,
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
-        cpu_offload: bool | CPUOffload | CPUOffloadPolicy | None = None,
+        **kwargs: Any,
     ) -> None:
         self._configure(
             process_group_backend,
@@ -137,9 +144,15 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
             data_parallel_size,
             tensor_parallel_size,
             cpu_offload,
+            sharding_strategy=sharding_strategy,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
+            fsdp1_kwargs=kwargs,
         )
         self._checkpointed_model: torch.nn.Module | None = None
-        super().__init__(
+        # Not FSDPStrategy.__init__ (FSDP1's configuration): the strategy is a ParallelStrategy.
+        ParallelStrategy.__init__(
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -149,6 +162,10 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
         self.num_nodes = 1
 
     # -- configuration -------------------------------------------------------------------
+
+    @classmethod
+    def get_registered_strategies(cls) -> list[str]:
+        return list(cls._registered_strategies)
 
     @property
     def precision_plugin(self) -> VeScaleFSDPPrecision:
@@ -372,3 +389,6 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, ParallelStrategy):
                 checkpoints.check_optimizer_state_keys(state)
                 load_full_optimizer_state_dict(self.model, optimizer, state)
         return checkpoint
+
+
+shadow_fsdp1_members(VeScaleFSDPStrategy, FSDPStrategy, ParallelStrategy)
