@@ -195,7 +195,9 @@ def shadow_fsdp1_members(cls: type, fsdp_strategy: type, base: type) -> type:
     weight init) take their FSDP branch, which is the right one for a sharded model. Every
     member ``FSDPStrategy`` defines and ``cls`` does not define itself is taken from ``base``
     (Lightning's ``ParallelStrategy``, what the strategy was before), or, where ``base`` has
-    no such member (FSDP1-only helpers), replaced by one that raises.
+    no such member (FSDP1-only helpers), replaced by one that raises. For the same reason
+    the strategies call ``ParallelStrategy``'s methods by name, never through ``super()``
+    (which would reach ``FSDPStrategy``'s).
     """
     ours = {name for klass in cls.__mro__[: cls.__mro__.index(fsdp_strategy)] for name in vars(klass)}
     for name in vars(fsdp_strategy):

@@ -177,7 +177,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
         self.set_world_ranks()
 
     def setup_environment(self) -> None:
-        super().setup_environment()
+        ParallelStrategy.setup_environment(self)  # not super(): that is FSDPStrategy, FSDP1
         reset_seed()
         self._set_up_processes()
 
@@ -242,7 +242,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip by the global norm over all ranks' shards; returns that norm as a plain tensor."""
-        norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        norm = ParallelStrategy.clip_gradients_norm(self, module, optimizer, max_norm, norm_type, error_if_nonfinite)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # -- checkpoints ---------------------------------------------------------------------

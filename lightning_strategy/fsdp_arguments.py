@@ -42,10 +42,16 @@ __all__ = [
     "sharding_strategy_in_force",
 ]
 
-# FSDP1's constructor keywords, which Lightning's FSDPStrategy forwards through **kwargs.
+# FSDP1's constructor keywords that Lightning's FSDPStrategy forwards through **kwargs (the
+# others it names itself).
 FSDP1_KEYWORDS: frozenset[str] = frozenset(inspect.signature(FullyShardedDataParallel.__init__).parameters) - {
     "self",
     "module",
+    "sharding_strategy",
+    "cpu_offload",
+    "auto_wrap_policy",
+    "mixed_precision",
+    "device_mesh",
 }
 # Keywords that only tune how FSDP1 runs; veScale-FSDP's behaviour is stated in the log line.
 _ACCEPTED = {
@@ -101,11 +107,6 @@ def translate_fsdp_arguments(
             f"{strategy_name}.__init__() got an unexpected keyword argument {unknown[0]!r}: neither Lightning's "
             "FSDPStrategy nor FSDP1's FullyShardedDataParallel takes it"
         )
-    named = sorted(
-        set(kwargs) & {"sharding_strategy", "cpu_offload", "auto_wrap_policy", "mixed_precision", "device_mesh"}
-    )
-    if named:
-        raise TypeError(f"{strategy_name}.__init__() got multiple values for argument {named[0]!r}")
     for name, remedy in _REFUSED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{name}= (an FSDP1 option) is not supported by {strategy_name}: {remedy}")

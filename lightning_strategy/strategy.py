@@ -204,7 +204,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     # -- processes -----------------------------------------------------------------------
 
     def setup_environment(self) -> None:
-        super().setup_environment()
+        ParallelStrategy.setup_environment(self)  # not super(): that is FSDPStrategy, FSDP1
         reset_seed()
         self._set_up_processes()
         assert self.lightning_module is not None
@@ -221,7 +221,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     # -- the model -----------------------------------------------------------------------
 
     def connect(self, model: LightningModule) -> None:
-        super().connect(model)
+        ParallelStrategy.connect(self, model)
         if not is_overridden("configure_model", model) and not is_sharded(model):
             # The model is complete already: check the wrap policy before any process group exists.
             self._sharding.units(model)
@@ -248,7 +248,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         # A model set up again (fit, then test) gets fresh optimizers over its sharded parameters.
         self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
+        ParallelStrategy.setup_optimizers(self, trainer)
 
     def model_to_device(self) -> None:
         assert self.model is not None
