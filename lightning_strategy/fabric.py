@@ -71,7 +71,9 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
     ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
     ``find_unused_parameters``, ``data_parallel_size``, ``tensor_parallel_size``,
-    ``cpu_offload``). Call the
+    ``cpu_offload``) and the rest of Lightning ``FSDPStrategy``'s (``mixed_precision``,
+    ``activation_checkpointing``, ``sharding_strategy``, FSDP1's keywords), of which it is a
+    subclass so that ``isinstance(strategy, FSDPStrategy)`` checks take their FSDP branch. Call the
     model's ``forward`` (``model(x)``): that is where each unit gathers its parameters.
 
     Tensor parallelism as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(module,

@@ -98,6 +98,14 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
             the optimizer step on the CPU (FSDP2's ``CPUOffloadPolicy()``, which may also be
             passed, e.g. with ``pin_memory=False``); the forward and backward run on the device.
         process_group_backend, timeout: as for Lightning's other distributed strategies.
+        mixed_precision, activation_checkpointing, sharding_strategy, **kwargs: the rest of
+            Lightning ``FSDPStrategy``'s signature (FSDP1's ``MixedPrecision``, the older name of
+            ``activation_checkpointing_policy``, FSDP1's sharding strategies as meshes and
+            ``reshard_after_forward``, FSDP1's constructor keywords), mapped or accepted as
+            ``lightning_strategy.fsdp_arguments`` and ``docs/lightning.md`` say.
+
+    A subclass of Lightning's ``FSDPStrategy``, so that ``isinstance(strategy, FSDPStrategy)``
+    checks take their FSDP branch; none of its FSDP1 code runs (``shadow_fsdp1_members``).
     """
 
     strategy_name = processes.STRATEGY_NAME
