@@ -123,9 +123,15 @@ class VeScaleFSDPCommon:
         self.cpu_offload = CPUOffload(offload_params=self._sharding.offload_policy is not None)
 
     @property
-    def mixed_precision_config(self) -> MixedPrecisionPolicy:
-        """Lightning's FSDPStrategy names its mixed-precision setting so: here FSDP2's policy in force."""
-        return self.mp_policy  # type: ignore[attr-defined,no-any-return]  # each strategy defines mp_policy
+    def mixed_precision_config(self) -> MixedPrecision:
+        """Lightning's FSDPStrategy names its mixed-precision setting so (FSDP1's ``MixedPrecision``):
+        the policy in force (``mp_policy``), in those terms."""
+        policy: MixedPrecisionPolicy = self.mp_policy  # type: ignore[attr-defined]  # each strategy defines mp_policy
+        return MixedPrecision(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
 
     @property
     def device_mesh(self) -> DeviceMesh:

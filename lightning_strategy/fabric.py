@@ -148,7 +148,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
 
     # -- configuration -------------------------------------------------------------------
 
-    @property
+    @property  # type: ignore[override]  # ours, not FSDP1's FSDPPrecision
     def precision(self) -> VeScaleFSDPFabricPrecision:
         if self._precision is None:
             self._precision = VeScaleFSDPFabricPrecision()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -109,7 +109,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     """
 
     strategy_name = processes.STRATEGY_NAME
-    _registered_strategies: ClassVar[list[str]] = [processes.STRATEGY_NAME]
+    _registered_strategies: list[str] = [processes.STRATEGY_NAME]  # FSDPStrategy's name for it
     _launcher_class = _SubprocessScriptLauncher
     _mesh_exists = "set up (Trainer.fit / validate / ...)"
 
@@ -175,7 +175,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     def get_registered_strategies(cls) -> list[str]:
         return list(cls._registered_strategies)
 
-    @property
+    @property  # type: ignore[override]  # ours, not FSDP1's FSDPPrecision
     def precision_plugin(self) -> VeScaleFSDPPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = VeScaleFSDPPrecision()

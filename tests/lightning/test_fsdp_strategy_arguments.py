@@ -122,7 +122,8 @@ def test_fsdp1_mixed_precision_is_our_policy(ours):
     fsdp1 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
     strategy = ours(mixed_precision=fsdp1)
     assert strategy.mp_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert strategy.mixed_precision_config == strategy.mp_policy
+    in_force = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    assert strategy.mixed_precision_config == in_force  # what Lightning's FSDPStrategy calls it
     assert strategy.mixed_precision is fsdp1
     no_cast = MixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False)
     assert ours(mixed_precision=no_cast).mp_policy.cast_forward_inputs is False
