@@ -160,7 +160,9 @@ def test_the_trainers_fsdp_branches_build_our_precision_and_a_distributed_run():
 
     from lightning_strategy import VeScaleFSDPPrecision
 
-    trainer = Trainer(strategy=VeScaleFSDPStrategy(), accelerator="cpu", devices=2, precision="bf16-mixed")
+    trainer = Trainer(
+        strategy=VeScaleFSDPStrategy(), accelerator="cpu", devices=2, precision="bf16-mixed", logger=False
+    )
     assert isinstance(trainer.strategy, TrainerFSDPStrategy)  # the connector built an FSDPPrecision: translated
     assert isinstance(trainer.strategy.precision_plugin, VeScaleFSDPPrecision)
     assert trainer.strategy.mp_policy.param_dtype == torch.bfloat16
