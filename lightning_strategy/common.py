@@ -107,6 +107,7 @@ class VeScaleFSDPCommon:
             sync_module_states=fsdp.sync_module_states,
             forward_prefetch=fsdp.forward_prefetch,
             backward_prefetch=fsdp.backward_prefetch,
+            ignored=fsdp.ignored,
         )
         check_state_dict_type(state_dict_type)
         self._process_group_backend = process_group_backend

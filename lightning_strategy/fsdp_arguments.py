@@ -5,10 +5,9 @@ fine-tune scripts, for one) passes FSDP1's vocabulary: ``sharding_strategy``, FS
 ``MixedPrecision``, the older ``activation_checkpointing`` and FSDP1 constructor keywords
 through ``**kwargs``. Both strategies accept all of it. Where an argument has a meaning under
 veScale-FSDP it is mapped onto our options (a mesh, ``reshard_after_forward``, an
-``mp_policy``, prefetch settings, a broadcast from rank 0); where it only tunes FSDP1's
-internals it is accepted and logged once; where ignoring it would train something else
-(``ignored_modules``, ``param_init_fn``, ``process_group``) it is refused with what to pass
-instead. A keyword neither Lightning's ``FSDPStrategy`` nor FSDP1 takes is a ``TypeError``
+``mp_policy``, prefetch settings, a broadcast from rank 0, ignored parameters); where it only
+tunes FSDP1's internals it is accepted and logged once; where ignoring it would train something
+else (``param_init_fn``, ``process_group``) it is refused with what to pass instead. A keyword neither Lightning's ``FSDPStrategy`` nor FSDP1 takes is a ``TypeError``
 naming it. The table in ``docs/lightning.md`` lists every argument.
 """
 
@@ -61,8 +60,6 @@ _ACCEPTED = {
 }
 # Keywords whose silent omission would train a different model.
 _REFUSED = {
-    "ignored_modules": "veScale-FSDP shards every parameter of a unit; keep such modules out of the model",
-    "ignored_states": "veScale-FSDP shards every parameter of a unit; keep such modules out of the model",
     "param_init_fn": "meta-device modules are initialised with their reset_parameters(); override it instead",
     "process_group": "pass device_mesh= (a DeviceMesh, or its shape (replicas, shard_size)) instead",
 }
@@ -84,6 +81,7 @@ class FSDPArguments:
     sync_module_states: bool
     forward_prefetch: bool | None
     backward_prefetch: bool | None
+    ignored: tuple[nn.Module | nn.Parameter, ...]
 
 
 def translate_fsdp_arguments(
@@ -126,6 +124,7 @@ def translate_fsdp_arguments(
         sync_module_states=_flag(kwargs, "sync_module_states", False),
         forward_prefetch=None if "forward_prefetch" not in kwargs else _flag(kwargs, "forward_prefetch", False),
         backward_prefetch=_backward_prefetch(kwargs),
+        ignored=_ignored(kwargs),
     )
 
 
@@ -276,6 +275,23 @@ def _backward_prefetch(kwargs: dict[str, Any]) -> bool | None:
     if not isinstance(value, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a torch.distributed.fsdp.BackwardPrefetch or None, got {value!r}")
     return True
+
+
+def _ignored(kwargs: dict[str, Any]) -> tuple[nn.Module | nn.Parameter, ...]:
+    """FSDP1's ``ignored_modules`` (modules) or ``ignored_states`` (parameters, or modules): neither
+    sharded nor reduced, FSDP2's ``ignored_params``."""
+    modules, states = kwargs.get("ignored_modules"), kwargs.get("ignored_states")
+    if modules is not None and states is not None:
+        raise ValueError("pass either ignored_modules or ignored_states, not both (as FSDP1)")
+    name, value = ("ignored_modules", modules) if modules is not None else ("ignored_states", states)
+    if value is None:
+        return ()
+    ignored = tuple(value) if isinstance(value, Iterable) and not isinstance(value, nn.Module) else (value,)
+    kinds = (nn.Module,) if name == "ignored_modules" else (nn.Module, nn.Parameter)
+    if not all(isinstance(x, kinds) for x in ignored):
+        what = "nn.Module objects" if name == "ignored_modules" else "nn.Parameter or nn.Module objects"
+        raise TypeError(f"{name} must hold {what} (of the model to be set up), got {value!r}")
+    return ignored
 
 
 def _log_once(key: str, message: str) -> None:

@@ -56,7 +56,10 @@ def shard_for_training(
     """
     if not isinstance(module, VeScaleFSDPModule):  # the root is not sharded yet
         # Resolve (and validate) the units before touching the module or the device.
+        ignored = options.ignored_params()
         units = [] if is_sharded(module) else options.units(module)
+        # FSDP1 wraps no ignored module: a unit with nothing left to shard is none.
+        units = [u for u in units if any(p not in ignored for p in u.parameters())]
         if not has_meta_tensors(module):
             # Shard where the model will live: the DBuffers are allocated on the parameters' device.
             module.to(device)
@@ -70,6 +73,7 @@ def shard_for_training(
             mp_policy=mp_policy,
             block_size_fn=options.block_size_fn,
             offload_policy=options.offload_policy,
+            ignored_params=ignored or None,
         )
     _set_prefetch(module, options)
     if options.find_unused_parameters:  # DDP's switch: data-dependent routing (MoE, conditional branches)

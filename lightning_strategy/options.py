@@ -75,6 +75,8 @@ class ShardingOptions:
     sync_module_states: bool = False
     forward_prefetch: bool | None = None
     backward_prefetch: bool | None = None
+    # FSDP1's ignored_modules / ignored_states: their parameters are neither sharded nor reduced.
+    ignored: tuple[nn.Module | nn.Parameter, ...] = ()
 
     @classmethod
     def from_arguments(
@@ -88,6 +90,7 @@ class ShardingOptions:
         sync_module_states: bool = False,
         forward_prefetch: bool | None = None,
         backward_prefetch: bool | None = None,
+        ignored: tuple[nn.Module | nn.Parameter, ...] = (),
     ) -> ShardingOptions:
         """Check a strategy's sharding arguments and normalise the wrap policy."""
         if (
@@ -122,6 +125,7 @@ class ShardingOptions:
             sync_module_states,
             forward_prefetch,
             backward_prefetch,
+            ignored,
         )
 
     def units(self, model: nn.Module) -> list[nn.Module]:
@@ -150,6 +154,10 @@ class ShardingOptions:
                 f"(it contains: {present}); name the classes of the model's blocks"
             )
         return units
+
+    def ignored_params(self) -> set[nn.Parameter]:
+        """The parameters ``fully_shard`` leaves alone (``ignored_modules`` / ``ignored_states``)."""
+        return {p for x in self.ignored for p in ([x] if isinstance(x, nn.Parameter) else x.parameters())}
 
 
 def module_classes(policy: type | str | Iterable[Any], argument: str) -> tuple[type[nn.Module] | str, ...]:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDPStrategy
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
+from torch.distributed.tensor import DTensor
 
 import lightning_strategy.common
 import lightning_strategy.fabric
@@ -39,8 +40,10 @@ ACCEPTED_FSDP1 = dict(
     sync_module_states=True,
     forward_prefetch=False,
     backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+    ignored_modules=[nn.Linear(1, 1)],
+    ignored_states=None,
 )
-REFUSED_FSDP1 = dict(ignored_modules=[nn.Linear(1, 1)], ignored_states=[], param_init_fn=print, process_group=object())
+REFUSED_FSDP1 = dict(param_init_fn=print, process_group=object())
 
 
 def _named_parameters(cls):
@@ -67,6 +70,13 @@ def test_every_fsdp1_keyword_is_accepted_or_refused_with_what_to_do(ours):
     assert strategy._sharding.forward_prefetch is False
     assert strategy._sharding.backward_prefetch is True
     assert ours(backward_prefetch=None)._sharding.backward_prefetch is False
+    linear = nn.Linear(2, 2)
+    assert ours(ignored_modules=[linear])._sharding.ignored_params() == {linear.weight, linear.bias}
+    assert ours(ignored_states=[linear.weight])._sharding.ignored_params() == {linear.weight}
+    with pytest.raises(ValueError, match="either ignored_modules or ignored_states, not both"):
+        ours(ignored_modules=[linear], ignored_states=[linear.bias])
+    with pytest.raises(TypeError, match="ignored_modules must hold nn.Module objects"):
+        ours(ignored_modules=[linear.weight])
     for name, value in REFUSED_FSDP1.items():
         with pytest.raises(NotImplementedError, match=rf"{name}= \(an FSDP1 option\) is not supported"):
             ours(**{name: value})
@@ -249,3 +259,28 @@ def _litgpt_branches(root):
 
 def test_litgpts_fsdp_branch_loads_a_plain_checkpoint_into_a_meta_built_model(dist_run, tmp_path):
     dist_run(_litgpt_branches, 2, str(tmp_path), timeout=240)
+
+
+def _ignored_modules_are_neither_sharded_nor_reduced():
+    with launched_by_harness():
+        model = make_decoder(seed=0, layers=LAYERS)
+        ignored = [model.norm, model.layers[0]]  # a module of the root unit, and a whole unit
+        fabric = make_fabric(VeScaleFSDPFabricStrategy(auto_wrap_policy={Block}, ignored_modules=ignored))
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        ignored_names = {n for n, _ in model.module.named_parameters() if n.startswith(("norm.", "layers.0."))}
+        assert ignored_names
+        for name, p in model.module.named_parameters():
+            assert isinstance(p, DTensor) is (name not in ignored_names), name
+        tokens, targets = DATA[2 * fabric.global_rank : 2 * fabric.global_rank + 2]  # other data on each rank
+        fabric.backward(loss_fn(model(tokens), targets))
+        optimizer.step()
+        for name, p in model.module.named_parameters():
+            if name in ignored_names:  # local gradients, as FSDP1 leaves them: the ranks' copies part
+                gathered = [torch.empty_like(p) for _ in range(2)]
+                dist.all_gather(gathered, p.detach())
+                assert not torch.equal(gathered[0], gathered[1]), name
+
+
+def test_ignored_modules_are_neither_sharded_nor_reduced(dist_run):
+    dist_run(_ignored_modules_are_neither_sharded_nor_reduced, 2, timeout=240)
