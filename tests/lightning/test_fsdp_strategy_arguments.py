@@ -4,8 +4,9 @@ Code written for ``lightning.{pytorch,fabric}.strategies.FSDPStrategy`` (LitGPT'
 ``sharding_strategy="HYBRID_SHARD"``; its full fine-tune: ``limit_all_gathers=True``) runs with
 ours swapped in: every argument of Lightning's signature (read from the installed Lightning, so
 a new one fails here) is accepted, mapped where it has a meaning, and the checks trainers make
-with ``isinstance(strategy, FSDPStrategy)`` take the FSDP branch. At W=2, Fabric runs with the
-FSDP1 spellings train as the same run without them.
+with ``isinstance(strategy, FSDPStrategy)`` take the FSDP branch. At W=2, Fabric and Trainer runs
+with the FSDP1 spellings train as the same run without them, LitGPT's checkpoint-loading branch
+loads a plain checkpoint, and FSDP1's ignored modules are neither sharded nor reduced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDPStrategy
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.tensor import DTensor
@@ -24,9 +26,18 @@ from torch.distributed.tensor import DTensor
 import lightning_strategy.common
 import lightning_strategy.fabric
 import lightning_strategy.strategy
-from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
+from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPPrecision, VeScaleFSDPStrategy
 from lightning_strategy.fsdp_arguments import FSDP1_KEYWORDS, NODES_MESH, REPLICATE_MESH, resolve_mesh_request
-from tests.support.lightning_harness import LAYERS, Tokens, launched_by_harness, make_fabric
+from tests.support.lightning_harness import (
+    LAYERS,
+    LitDecoder,
+    Tokens,
+    dataset,
+    launched_by_harness,
+    loader,
+    make_fabric,
+    make_trainer,
+)
 from tests.support.models import Block, loss_fn, make_decoder
 from tests.support.parity import PARAM_TOL, TOL, adamw, assert_same_params, full_params
 
@@ -166,10 +177,6 @@ def test_ours_is_an_fsdp_strategy_that_runs_none_of_fsdp1(ours, lightnings):
 
 
 def test_the_trainers_fsdp_branches_build_our_precision_and_a_distributed_run():
-    from lightning.pytorch import Trainer
-
-    from lightning_strategy import VeScaleFSDPPrecision
-
     trainer = Trainer(
         strategy=VeScaleFSDPStrategy(), accelerator="cpu", devices=2, precision="bf16-mixed", logger=False
     )
@@ -284,3 +291,33 @@ def _ignored_modules_are_neither_sharded_nor_reduced():
 
 def test_ignored_modules_are_neither_sharded_nor_reduced(dist_run):
     dist_run(_ignored_modules_are_neither_sharded_nor_reduced, 2, timeout=240)
+
+
+# -- W=2 Trainer run ---------------------------------------------------------------------
+
+
+def _trainer_fit(root, strategy):
+    seed_everything(0)
+    module = LitDecoder()
+    trainer = make_trainer(root, strategy=strategy)
+    assert isinstance(trainer.strategy, TrainerFSDPStrategy)
+    trainer.fit(module, loader(dataset(dist.get_world_size())))
+    mesh = trainer.strategy.device_mesh
+    return module.global_losses, full_params(module, prefix="model."), (tuple(mesh.shape), mesh.mesh_dim_names)
+
+
+def _trainer_hybrid_shard_trains_as_the_plain_run(root):
+    with launched_by_harness():
+        want_losses, want_params, _ = _trainer_fit(f"{root}/plain", VeScaleFSDPStrategy())
+        # LitGPT's pretrain spelling, as the Trainer takes it: 2 processes are 1 node x 2 devices.
+        strategy = VeScaleFSDPStrategy(
+            auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD", limit_all_gathers=True
+        )
+        losses, params, mesh = _trainer_fit(f"{root}/hybrid", strategy)
+    assert mesh == ((1, 2), ("replicate", "shard"))
+    torch.testing.assert_close(losses, want_losses, **TOL)
+    assert_same_params(params, want_params, PARAM_TOL)
+
+
+def test_trainer_hybrid_shard_trains_as_the_plain_run(dist_run, tmp_path):
+    dist_run(_trainer_hybrid_shard_trains_as_the_plain_run, 2, str(tmp_path), timeout=240)
