@@ -54,7 +54,8 @@ FSDP1_KEYWORDS: frozenset[str] = frozenset(inspect.signature(FullyShardedDataPar
 }
 # Keywords that only tune how FSDP1 runs; veScale-FSDP's behaviour is stated in the log line.
 _ACCEPTED = {
-    "limit_all_gathers": "all-gathers are issued one unit ahead at most already (no rate limiter is needed)",
+    "limit_all_gathers": "a unit's all-gather is issued by its own hooks or by the unit before it (one unit "
+    "of prefetch), as in FSDP2, which has no such option",
     "use_orig_params": "parameters are always the original ones (DTensors), as FSDP1's use_orig_params=True",
     "device_id": "each rank's device is the strategy's root_device",
 }
