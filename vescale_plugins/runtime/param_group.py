@@ -234,21 +234,27 @@ class FSDPParamGroup:
                 )
             if device != old.sharded_device or dtype != old.dtype or old.sharded.device.type == "meta":
                 # Mixed-precision dtypes follow a dtype change unless the policy fixed them.
-                buffer.dbuffer = self._new_dbuffer(
-                    [s.shape for s in old.slots],
-                    [s.block_rows for s in old.slots],
-                    dtype,
-                    device,
-                    old.group,
-                    old.layout,
-                    buffer.mp_policy,
-                    buffer.grad_dtype,
-                )
-                buffer.dbuffer.label = old.label
-                buffer.extensions = None  # its input buffers follow the DBuffer's device
+                self._rebuild_dbuffer(buffer, dtype, device)
             for fsdp_param, old_local in zip(members, locals_):
                 fsdp_param.readopt_local(old_local)
             buffer.release_unused_shards()
+
+    def _rebuild_dbuffer(self, buffer: ShardedBuffer, dtype: torch.dtype, device: torch.device) -> None:
+        """Give ``buffer`` a new DBuffer in ``dtype`` on ``device`` with the old one's layout
+        (a DBuffer never re-plans, so no shard moves) and label."""
+        old = buffer.dbuffer
+        buffer.dbuffer = self._new_dbuffer(
+            [s.shape for s in old.slots],
+            [s.block_rows for s in old.slots],
+            dtype,
+            device,
+            old.group,
+            old.layout,
+            buffer.mp_policy,
+            buffer.grad_dtype,
+        )
+        buffer.dbuffer.label = old.label
+        buffer.extensions = None  # its input buffers follow the DBuffer's device
 
     def materialize_empty(self, device: torch.device, within: set[nn.Module]) -> dict[int, torch.Tensor]:
         """``to_empty(device)`` on a meta-built unit: a new DBuffer on ``device`` for each of
@@ -273,18 +279,7 @@ class FSDPParamGroup:
                 or any(module not in within for p in members for module, _ in p.owners)
             ):
                 continue
-            buffer.dbuffer = self._new_dbuffer(
-                [s.shape for s in old.slots],
-                [s.block_rows for s in old.slots],
-                old.dtype,
-                device,
-                old.group,
-                old.layout,
-                buffer.mp_policy,
-                buffer.grad_dtype,
-            )
-            buffer.dbuffer.label = old.label
-            buffer.extensions = None
+            self._rebuild_dbuffer(buffer, old.dtype, device)
             for fsdp_param in members:
                 faces[id(fsdp_param.sharded)] = fsdp_param.face_over_own_view()
         return faces
