@@ -159,11 +159,11 @@ def _extensions_get_fsdp2s_arguments():
     model = nn.Sequential(nn.Linear(3, 9), nn.Linear(9, 3))
     reference = [p.detach().clone() for p in model.parameters()]
     policy = MixedPrecisionPolicy()
-    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for p in model.parameters():
         p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
         p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
-    mesh = model[0].weight.device_mesh
     model(torch.randn(2, 3))
     want = {((9, 3), (3, 1), 0), ((9,), (1,), 0), ((3, 9), (9, 1), 1), ((3,), (1,), 1)}
     assert {(size, stride, list(model).index(module)) for _, size, stride, module, _ in calls} == want

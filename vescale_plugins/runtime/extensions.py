@@ -106,7 +106,8 @@ def check_extension_param(
 
 class ExtensionParam(Protocol):
     """What the extensions read of a managed parameter (``runtime.param.FSDPParam``): its
-    name, slot, DBuffer, the modules holding it, its sharded face and unsharded face."""
+    name, slot, DBuffer, the mesh its unit was given, the modules holding it, its sharded
+    face and unsharded face."""
 
     @property
     def fqn(self) -> str: ...
@@ -116,6 +117,9 @@ class ExtensionParam(Protocol):
 
     @property
     def dbuffer(self) -> DBuffer: ...
+
+    @property
+    def unit_mesh(self) -> DeviceMesh: ...
 
     @property
     def owners(self) -> tuple[tuple[nn.Module, str], ...]: ...
@@ -218,7 +222,7 @@ class ExtensionGather:
         if local.device != dbuffer.device:  # CPU offload, as FSDP2
             local = local.to(dbuffer.device, non_blocking=True)
         pre = getattr(local, _PRE)
-        mesh = _shard_mesh(fsdp_param.sharded.device_mesh)
+        mesh = _shard_mesh(fsdp_param.unit_mesh)
         slot = dbuffer.slots[fsdp_param.slot]
         if len(inspect.signature(pre).parameters) == 1:
             result, metadata = pre(mesh)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Placement
 
@@ -113,6 +114,13 @@ class FSDPParam:
     @property
     def dbuffer(self) -> DBuffer:
         return self.buffer.dbuffer
+
+    @property
+    def unit_mesh(self) -> DeviceMesh:
+        """The mesh this parameter's unit shards over, the object ``fully_shard`` was given
+        (the sharded face's ``device_mesh`` may be an equal copy: DTensor's sharding cache
+        hands out the first equal mesh it saw)."""
+        return self.buffer.mesh.mesh
 
     # -- the sharded face -------------------------------------------------------------
 
