@@ -1,5 +1,5 @@
 # Two entry points for a newcomer: `make bench` (the main job) and `make test`; `make lint`
-# runs the checks CI runs before the tests (ruff, ruff format, mypy on the core, the import
+# runs the checks CI runs before the tests (ruff, ruff format, mypy on every shipped package, the import
 # contracts of pyproject.toml). All bootstrap a virtual environment from nothing.
 # TORCH picks the torch release (2.13.0, 2.14.1 or 2.15.0): 2.13.0 is the default, in .venv,
 # the CPU wheel this machine keeps on disk; another goes into .venv-torch-TORCH, the registry's
