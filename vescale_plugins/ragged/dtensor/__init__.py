@@ -73,7 +73,9 @@ from vescale_plugins.ragged.dtensor.local_tensor import (
     dtensor_deepcopy,
     dtensor_reduce_ex,
     make_dtensor,
+    own_bytes,
     set_local_tensor,
+    with_own_bytes,
 )
 from vescale_plugins.ragged.dtensor.mesh import concatenate_meshes, every_copy_of_mesh
 from vescale_plugins.ragged.dtensor.norms import (
@@ -95,6 +97,8 @@ __all__ = [
     "is_installed",
     "make_dtensor",
     "set_local_tensor",
+    "own_bytes",
+    "with_own_bytes",
     "concatenate_meshes",
     "every_copy_of_mesh",
     "other_dims_slice",

@@ -1,5 +1,7 @@
 """DTensors over DBuffer views: built without validation on the runtime's hot path, re-pointed
-at new storage, and copied or pickled even when the view sits at a storage offset."""
+at new storage, copied or pickled even when the view sits at a storage offset, and handed to
+consumers that read storages (pickling one entry, torchft's ``PGTransport``) over a storage of
+their own bytes."""
 
 from __future__ import annotations
 
@@ -72,6 +74,48 @@ def _offset_free(self: DTensor) -> DTensor:
     return twin
 
 
+def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` over a storage of exactly the bytes it spans: the same memory, no copy.
+
+    A shard of a DBuffer is a view into the unit's whole flat buffer, so a consumer that
+    serialises a tensor through its storage (``pickle`` of one entry, ``torch.save`` of one
+    tensor, torchft's ``PGTransport``, which sends ``untyped_storage()`` whole) would send the
+    whole buffer once per parameter. The returned tensor's storage is a slice of the buffer's
+    (``UntypedStorage.__getitem__`` aliases the memory and keeps the buffer's storage object
+    alive); writes through it land in the buffer. Valid while the buffer's storage is not
+    resized: take it for a serialisation, not to keep. A tensor that already owns exactly its
+    bytes is returned as is.
+    """
+    if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+        return tensor
+    itemsize = tensor.element_size()
+    if tensor.numel() == 0:
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    storage = tensor.untyped_storage()
+    start, nbytes = tensor.storage_offset() * itemsize, span * itemsize
+    if start == 0 and storage.nbytes() == nbytes:
+        return tensor
+    own = storage[start : start + nbytes]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(own, 0, tensor.shape, tensor.stride())
+
+
+def with_own_bytes(value: Any) -> Any:
+    """A state-dict value whose tensor (a DTensor's local tensor) owns exactly its bytes.
+
+    See :func:`own_bytes`; anything that is not a tensor is returned unchanged. Our shards and
+    FSDP2's (whose storage is the shard plus its padding) alike.
+    """
+    if isinstance(value, DTensor):
+        local = own_bytes(value._local_tensor)
+        if local is value._local_tensor:
+            return value
+        return DTensor(local, value._spec, requires_grad=value.requires_grad)
+    if isinstance(value, torch.Tensor):
+        return own_bytes(value)
+    return value
+
+
 def dtensor_deepcopy(self: DTensor, memo: dict) -> DTensor:
     """``copy.deepcopy`` of any DTensor, also one whose wrapper has a storage offset."""
     if self.storage_offset() == 0 or id(self) in memo or not self.is_leaf:
@@ -84,7 +128,15 @@ def dtensor_deepcopy(self: DTensor, memo: dict) -> DTensor:
 
 
 def dtensor_reduce_ex(self: DTensor, protocol: int) -> Any:
-    """Pickling (``torch.save``) of any DTensor, also one whose wrapper has a storage offset."""
-    if self.storage_offset() == 0:
+    """Pickling (``torch.save``) of any DTensor, also one whose wrapper has a storage offset.
+
+    Pickled over a local tensor that owns exactly its bytes (:func:`own_bytes`): a shard of a
+    DBuffer pickled alone writes its own elements, not the unit's whole buffer.
+    """
+    local = own_bytes(self._local_tensor)
+    if local is self._local_tensor and self.storage_offset() == 0:
         return ORIGINAL["__reduce_ex__"](self, protocol)
-    return ORIGINAL["__reduce_ex__"](_offset_free(self), protocol)
+    twin = DTensor(local, self._spec, requires_grad=self.requires_grad)
+    if self.grad is not None:
+        twin.grad = self.grad
+    return ORIGINAL["__reduce_ex__"](twin, protocol)

@@ -1,0 +1,125 @@
+"""Rank bodies for healing a replica group over torchft's ``PGTransport``, without a manager.
+
+Four gloo ranks as 2 replica groups x 2 ranks (the mesh's ``replica`` and ``shard`` dims):
+each group shards the model over its ``shard`` dim, as each torchft replica group is one
+FSDP job. Replica 0 trains (the live group); replica 1 is freshly built (the restarted group)
+and heals: each of its ranks receives the state dict of the same-index rank of replica 0 over
+the ``replica`` dim's process group, which is what torchft's manager does with its own
+process group on a heal (``send_checkpoint`` / ``recv_checkpoint``). The transport's sends are
+counted (messages and bytes) by wrapping the process group it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torchft.checkpointing.pg_transport import PGTransport as TorchftPGTransport
+
+import vescale_plugins
+from tests.support.models import PER_RANK, batch, loss_fn, make_decoder
+from vescale_plugins.checkpoint.fault_tolerance import PGTransport
+
+TIMEOUT = timedelta(seconds=60)
+STEPS = 3
+ENGINES = {"torch": torch_fully_shard, "vescale": vescale_plugins.fully_shard}
+TRANSPORTS = {"torchft": TorchftPGTransport, "vescale": PGTransport}
+
+
+class CountingGroup:
+    """A process group that counts the messages and bytes sent through it."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.messages, self.bytes = group, 0, 0
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.messages += len(tensors)
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self.group.recv(tensors, src, tag)
+
+
+def build(engine: str, mesh: Any, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = make_decoder(seed=0, layers=layers)
+    shard = ENGINES[engine]
+    for layer in model.layers:
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, shard_rank: int) -> float:
+    """One step on the ``shard_rank``-th rows of the step's batch: both replicas see the same."""
+    tokens, targets = (t[shard_rank * PER_RANK : (shard_rank + 1) * PER_RANK] for t in batch(step, 2, PER_RANK))
+    loss = loss_fn(model(tokens), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter's and optimizer state's local shard, as plain tensors (to compare)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.to_local().detach().clone()
+        for key, value in optimizer.state[p].items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out[f"{name}.{key}"] = local.detach().clone()
+    return out
+
+
+def heal_over_pg_transport(engine: str, transport: str, layers: int = 4, in_place: bool = False) -> dict[str, Any]:
+    """Replica 0 trains ``STEPS`` steps and heals replica 1; both then take one more step.
+
+    Returns this rank's replica index, the sends counted on the live side (messages, bytes),
+    the heal's wall time (seconds, the receiver's), the local state after the heal and after
+    the step that follows it, and that step's loss.
+    """
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    replica, shard_rank = mesh.get_local_rank("replica"), mesh.get_local_rank("shard")
+    model, optimizer = build(engine, mesh["shard"], layers)
+    if replica == 0:
+        for step in range(STEPS):
+            train_step(model, optimizer, step, shard_rank)
+    else:  # the restarted group: optimizer states exist (as torchft's first step makes them)
+        model.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad()
+    group = CountingGroup(mesh.get_group("replica"))
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    cls = TRANSPORTS[transport]
+    sender = cls(group, TIMEOUT, torch.device("cpu"), state_dict=state if in_place else None)  # type: ignore[arg-type]
+    dist.barrier()
+    start = time.perf_counter()
+    if replica == 0:
+        sender.send_checkpoint([1], STEPS, state(), TIMEOUT)
+    else:
+        received = sender.recv_checkpoint(0, "<n/a>", STEPS, TIMEOUT)
+        model.load_state_dict(received["model"])
+        optimizer.load_state_dict(received["optim"])
+    seconds = time.perf_counter() - start
+    healed = local_state(model, optimizer)
+    loss = train_step(model, optimizer, STEPS, shard_rank)
+    return {
+        "replica": replica,
+        "messages": group.messages,
+        "bytes": group.bytes,
+        "seconds": seconds,
+        "healed": healed,
+        "after": local_state(model, optimizer),
+        "loss": loss,
+    }
