@@ -123,3 +123,19 @@ def heal_over_pg_transport(engine: str, transport: str, layers: int = 4, in_plac
         "after": local_state(model, optimizer),
         "loss": loss,
     }
+
+
+def pickled_sizes(engine: str) -> dict[str, tuple[int, int]]:
+    """Per state-dict entry of a 2-rank sharded transformer: (bytes ``torch.save`` writes for
+    that entry alone, bytes it writes for a copy of the entry, which owns its storage)."""
+    import io
+
+    mesh = init_device_mesh("cpu", (2,))
+    model, _ = build(engine, mesh, layers=2)
+
+    def saved(value: torch.Tensor) -> int:
+        out = io.BytesIO()
+        torch.save(value, out)
+        return len(out.getvalue())
+
+    return {name: (saved(value), saved(value.clone())) for name, value in model.state_dict().items()}
