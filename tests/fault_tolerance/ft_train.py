@@ -1,0 +1,141 @@
+"""One rank of one torchft replica group: a sharded 4-block transformer trained under torchft's
+``Manager`` as torchtitan wires it (the cross-group average in ``set_all_reduce_hook``, the
+optimizer stepping only when the quorum commits), healed over HTTP or ``PGTransport``.
+
+Run by :mod:`.test_manager_heal` as ``python -m tests.fault_tolerance.ft_train ENGINE
+TRANSPORT REPLICA STEPS OUT_DIR`` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``: the group's own rendezvous) and ``TORCHFT_LIGHTHOUSE``.
+Replica 0 signals when it reaches step ``WAIT_AT`` (the test then starts replica 1, late, as a
+restarted group is), waits until replica 1's manager is up, then steps slowly until the quorum
+has both groups, so that replica 1 joins, heals from it and trains on with it. Each rank writes
+its final full parameters and optimizer states, its losses and what its transport sent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.manager import Manager
+from torchft.optim import OptimizerWrapper
+from torchft.process_group import ProcessGroupGloo
+
+from tests.fault_tolerance.heal import ENGINES, CountingGroup, train_step
+from tests.support.models import make_decoder
+from vescale_plugins.checkpoint.fault_tolerance import PGTransport
+
+TIMEOUT = timedelta(seconds=30)
+WAIT_AT = 3
+
+
+class CountingGloo(ProcessGroupGloo):
+    """torchft's gloo group, counting what point-to-point sends carry (a heal's transport)."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self.messages, self.bytes = 0, 0
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Any:
+        self.messages += len(tensors)
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return super().send(tensors, dst_rank, tag)
+
+
+def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Path) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_decoder(seed=replica * 100, layers=4)  # a restarted group does not start equal
+    shard = ENGINES[engine]
+    for layer in model.layers:
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optim"])
+
+    pg = CountingGloo(TIMEOUT)
+    transport = (
+        HTTPTransport(TIMEOUT, num_chunks=0)
+        if transport_name == "http"
+        else PGTransport(pg, TIMEOUT, torch.device("cpu"))
+    )
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"group{replica}",
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        rank=rank,
+        world_size=world,
+        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
+        use_async_quorum=False,
+        checkpoint_transport=transport,  # type: ignore[arg-type]
+        timeout=TIMEOUT,
+        quorum_timeout=TIMEOUT,
+        connect_timeout=TIMEOUT,
+    )
+
+    def all_reduce_hook(gradient: torch.Tensor) -> None:
+        manager.allreduce(gradient).wait()
+
+    for module in model.modules():
+        if hasattr(module, "set_all_reduce_hook"):
+            module.set_all_reduce_hook(all_reduce_hook)
+    optimizer = OptimizerWrapper(manager, inner)
+    (out_dir / f"started{replica}.{rank}").touch()
+    losses = []
+    try:
+        while manager.current_step() < steps:
+            if replica == 0 and manager.current_step() == WAIT_AT and manager.num_participants() < 2:
+                (out_dir / f"waiting0.{rank}").touch()
+                while not all((out_dir / f"started1.{r}").exists() for r in range(world)):
+                    time.sleep(0.1)
+            if replica == 0 and manager.current_step() >= WAIT_AT and manager.num_participants() < 2:
+                time.sleep(0.3)  # replica 1's first quorum request is on its way
+            optimizer.zero_grad()  # the quorum, and a heal if this group is behind
+            step = manager.current_step()
+            inner_step = _StepOnCommit(optimizer)
+            losses.append((step, train_step(model, inner_step, step, rank)))
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            for key, value in inner.state[p].items():
+                full[f"{name}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+        result = {"losses": losses, "full": full, "messages": pg.messages, "bytes": pg.bytes}
+        torch.save(result, out_dir / f"result{replica}.{rank}.pt")
+    finally:
+        manager.shutdown(wait=False)
+        dist.destroy_process_group()
+
+
+class _StepOnCommit:
+    """``train_step``'s optimizer: the manager's wrapper steps only if the quorum commits;
+    ``zero_grad`` already ran (it starts the quorum), so it is not run again."""
+
+    def __init__(self, optimizer: OptimizerWrapper) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.optim.zero_grad()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
