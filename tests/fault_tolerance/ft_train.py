@@ -28,7 +28,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-from tests.fault_tolerance.heal import ENGINES, CountingGroup, train_step
+from tests.fault_tolerance.heal import ENGINES, train_step
 from tests.support.models import make_decoder
 from vescale_plugins.checkpoint.fault_tolerance import PGTransport
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from torchft._torchft import LighthouseServer  # noqa: E402
+from torchft._torchft import LighthouseServer
 
 STEPS = 8
 DEADLINE_S = 150.0
@@ -38,8 +38,17 @@ def _start_group(engine: str, transport: str, replica: int, lighthouse: str, out
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.update(TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        log = open(out / f"log{replica}.{rank}.txt", "w")  # noqa: SIM115  (closed with the process)
-        cmd = [sys.executable, "-m", "tests.fault_tolerance.ft_train", engine, transport, str(replica), str(STEPS), str(out)]
+        log = open(out / f"log{replica}.{rank}.txt", "w")
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.fault_tolerance.ft_train",
+            engine,
+            transport,
+            str(replica),
+            str(STEPS),
+            str(out),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     return procs
 

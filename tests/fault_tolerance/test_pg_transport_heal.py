@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from tests.fault_tolerance.heal import heal_over_pg_transport, pickled_sizes  # noqa: E402
+from tests.fault_tolerance.heal import heal_over_pg_transport, pickled_sizes
 
 pytestmark = pytest.mark.timeout(300)
 

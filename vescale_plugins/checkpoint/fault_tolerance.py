@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
@@ -35,7 +35,7 @@ T = TypeVar("T")
 def own_storages(state_dict: T) -> T:
     """``state_dict`` with every tensor (and DTensor's local tensor) over a storage of exactly
     its bytes: views of the same memory, no copy. For a serialisation, not to keep."""
-    return tree_map(with_own_bytes, state_dict)  # type: ignore[no-any-return]
+    return tree_map(with_own_bytes, state_dict)
 
 
 class PGTransport(_TorchftPGTransport[T]):
@@ -53,7 +53,7 @@ class PGTransport(_TorchftPGTransport[T]):
             assert state_dict is not None
             return own_storages(state_dict())
 
-        super().__init__(pg, timeout, device, own_state_dict if state_dict is not None else None)  # type: ignore[arg-type]
+        super().__init__(pg, timeout, device, own_state_dict if state_dict is not None else None)
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
         super().send_checkpoint(dst_ranks, step, own_storages(state_dict), timeout)

@@ -1,0 +1,35 @@
+"""What a heal over ``PGTransport`` sends and takes, ours against FSDP2 (2 replica groups x 2
+gloo ranks, the heal driven directly as in :mod:`.heal`; AdamW states included).
+
+    python -m tests.fault_tolerance.measure_heal [decoder4|bench ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tests.fault_tolerance.heal import heal_over_pg_transport
+from tests.support.distributed import DistributedRunner
+
+CASES = [("torch", "torchft"), ("vescale", "torchft"), ("torch", "vescale"), ("vescale", "vescale")]
+
+
+def main(models: list[str]) -> None:
+    runner = DistributedRunner()
+    try:
+        for model in models:
+            layers = 4 if model == "decoder4" else model
+            for engine, transport in CASES:
+                results = runner(heal_over_pg_transport, 4, engine, transport, layers, states=False, timeout=600)
+                sent = sum(r["bytes"] for r in results)
+                messages = sum(r["messages"] for r in results)
+                seconds = max(r["seconds"] for r in results if r["replica"] == 1)
+                print(
+                    f"{model:9} {engine:8} over {transport:8} PGTransport: {sent:>11,} B  {messages:4} sends  {seconds:.3f} s"
+                )
+    finally:
+        runner.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["decoder4", "bench"])
