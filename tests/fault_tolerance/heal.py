@@ -25,12 +25,12 @@ from torchft.checkpointing.pg_transport import PGTransport as TorchftPGTransport
 import vescale_plugins
 from tests.support.models import PER_RANK, batch, loss_fn, make_decoder
 from vescale_plugins.bench.llama import LlamaConfig
-from vescale_plugins.checkpoint.fault_tolerance import PGTransport
+from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport, PGTransport
 
 TIMEOUT = timedelta(seconds=60)
 STEPS = 3
 ENGINES = {"torch": torch_fully_shard, "vescale": vescale_plugins.fully_shard}
-TRANSPORTS = {"torchft": TorchftPGTransport, "vescale": PGTransport}
+TRANSPORTS = {"torchft": TorchftPGTransport, "vescale": PGTransport, "flat": FlatBufferTransport}
 
 
 class CountingGroup:
@@ -111,7 +111,8 @@ def heal_over_pg_transport(
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
     cls = TRANSPORTS[transport]
-    sender = cls(group, TIMEOUT, torch.device("cpu"), state_dict=state if in_place else None)  # type: ignore[arg-type]
+    in_place_state = {"state_dict": state} if in_place else {}
+    sender = cls(group, TIMEOUT, torch.device("cpu"), **in_place_state)  # type: ignore[arg-type]
     dist.barrier()
     start = time.perf_counter()
     if replica == 0:

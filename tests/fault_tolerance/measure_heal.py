@@ -11,7 +11,14 @@ import sys
 from tests.fault_tolerance.heal import heal_over_pg_transport
 from tests.support.distributed import DistributedRunner
 
-CASES = [("torch", "torchft"), ("vescale", "torchft"), ("torch", "vescale"), ("vescale", "vescale")]
+CASES = [
+    ("torch", "torchft"),
+    ("vescale", "torchft"),
+    ("torch", "vescale"),
+    ("vescale", "vescale"),
+    ("torch", "flat"),
+    ("vescale", "flat"),
+]
 
 
 def main(models: list[str]) -> None:

@@ -50,3 +50,17 @@ def test_one_saved_entry_writes_its_own_shard(dist_run):
     for rank_sizes in dist_run(pickled_sizes, 2, "vescale"):
         for name, (written, copy_written) in rank_sizes.items():
             assert written <= copy_written + 256, (name, written, copy_written)  # framing varies a little
+
+
+@pytest.mark.parametrize("engine", ["vescale", "torch"])
+def test_flat_buffer_heal_sends_fewer_messages(dist_run, engine):
+    """``FlatBufferTransport`` heals bit for bit in fewer messages than torchft's
+    ``PGTransport`` (one per DBuffer for our units, small states packed into one), with no
+    more bytes than FSDP2's heal over torchft's."""
+    flat = dist_run(heal_over_pg_transport, 4, engine, "flat")
+    fsdp2 = dist_run(heal_over_pg_transport, 4, "torch", "torchft")
+    _check_healed(flat)
+    (flat_messages, flat_bytes), (fsdp2_messages, fsdp2_bytes) = _sent(flat), _sent(fsdp2)
+    print(f"flat heal ({engine}): {flat_bytes} B in {flat_messages} sends; FSDP2 over torchft's: {fsdp2_bytes} B in {fsdp2_messages}")
+    assert flat_bytes <= fsdp2_bytes
+    assert flat_messages * 4 <= fsdp2_messages
