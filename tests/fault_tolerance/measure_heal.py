@@ -32,7 +32,7 @@ def main(models: list[str]) -> None:
                 messages = sum(r["messages"] for r in results)
                 seconds = max(r["seconds"] for r in results if r["replica"] == 1)
                 print(
-                    f"{model:9} {engine:8} over {transport:8} PGTransport: {sent:>11,} B  {messages:4} sends  {seconds:.3f} s"
+                    f"{model:9} {engine:8} via {transport:8} transport: {sent:>11,} B  {messages:4} sends  {seconds:.3f} s"
                 )
     finally:
         runner.close()

@@ -70,7 +70,8 @@ def run_heal(engine: str, transport: str, out: Path) -> dict[tuple[int, int], di
         until = time.monotonic() + DEADLINE_S
         procs += _start_group(engine, transport, 0, lighthouse.address(), out)
         while not list(out.glob("waiting0.*")):
-            assert time.monotonic() < until and all(p.poll() is None for p in procs), "replica 0 did not reach WAIT_AT"
+            assert time.monotonic() < until, "replica 0 did not reach WAIT_AT in time"
+            assert all(p.poll() is None for p in procs), "a rank of replica 0 exited before WAIT_AT"
             time.sleep(0.1)
         procs += _start_group(engine, transport, 1, lighthouse.address(), out)
         _wait(procs, out, until, f"{engine} over {transport}")
