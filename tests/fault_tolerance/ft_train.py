@@ -1,6 +1,6 @@
 """One rank of one torchft replica group: a sharded 4-block transformer trained under torchft's
 ``Manager`` as torchtitan wires it (the cross-group average in ``set_all_reduce_hook``, the
-optimizer stepping only when the quorum commits), healed over HTTP or ``PGTransport``.
+optimizer stepping only when the quorum commits), healed over HTTP, ``PGTransport`` or our ``FlatBufferTransport``.
 
 Run by :mod:`.test_manager_heal` as ``python -m tests.fault_tolerance.ft_train ENGINE
 TRANSPORT REPLICA STEPS OUT_DIR`` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
@@ -30,7 +30,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from tests.fault_tolerance.heal import ENGINES, train_step
 from tests.support.models import make_decoder
-from vescale_plugins.checkpoint.fault_tolerance import PGTransport
+from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport, PGTransport
 
 TIMEOUT = timedelta(seconds=30)
 WAIT_AT = 3
@@ -68,11 +68,12 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
         inner.load_state_dict(state["optim"])
 
     pg = CountingGloo(TIMEOUT)
-    transport = (
-        HTTPTransport(TIMEOUT, num_chunks=0)
-        if transport_name == "http"
-        else PGTransport(pg, TIMEOUT, torch.device("cpu"))
-    )
+    transports = {
+        "http": lambda: HTTPTransport(TIMEOUT, num_chunks=0),
+        "pg": lambda: PGTransport(pg, TIMEOUT, torch.device("cpu")),
+        "flat": lambda: FlatBufferTransport(pg, TIMEOUT, torch.device("cpu")),
+    }
+    transport = transports[transport_name]()
     manager = Manager(
         pg=pg,
         min_replica_size=1,

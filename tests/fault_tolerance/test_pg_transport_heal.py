@@ -61,6 +61,8 @@ def test_flat_buffer_heal_sends_fewer_messages(dist_run, engine):
     fsdp2 = dist_run(heal_over_pg_transport, 4, "torch", "torchft")
     _check_healed(flat)
     (flat_messages, flat_bytes), (fsdp2_messages, fsdp2_bytes) = _sent(flat), _sent(fsdp2)
-    print(f"flat heal ({engine}): {flat_bytes} B in {flat_messages} sends; FSDP2 over torchft's: {fsdp2_bytes} B in {fsdp2_messages}")
+    print(
+        f"flat heal ({engine}): {flat_bytes} B in {flat_messages} sends; FSDP2 over torchft's: {fsdp2_bytes} B in {fsdp2_messages}"
+    )
     assert flat_bytes <= fsdp2_bytes
     assert flat_messages * 4 <= fsdp2_messages
