@@ -3,11 +3,19 @@
 optimizer stepping only when the quorum commits), healed over HTTP, ``PGTransport`` or our ``FlatBufferTransport``.
 
 Run by :mod:`.test_manager_heal` as ``python -m tests.fault_tolerance.ft_train ENGINE
-TRANSPORT REPLICA STEPS OUT_DIR`` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
+TRANSPORT REPLICA STEPS OUT_DIR SCENARIO`` with torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``: the group's own rendezvous) and ``TORCHFT_LIGHTHOUSE``.
-Replica 0 signals when it reaches step ``WAIT_AT`` (the test then starts replica 1, late, as a
-restarted group is), waits until replica 1's manager is up, then steps slowly until the quorum
-has both groups, so that replica 1 joins, heals from it and trains on with it. Each rank writes
+Scenarios:
+
+- ``healthy``: both groups from step 0 to the end (the lighthouse wants both);
+- ``restart``: replica 0 signals when it reaches step ``WAIT_AT``; the test then starts
+  replica 1, late, as a restarted group is;
+- ``crash``: both groups start together; replica 1 dies (``os._exit``) before step
+  ``CRASH_AT``; the test starts it again (``RESTARTED=1``).
+
+Whenever replica 1 is missing from step ``WAIT_AT`` on, replica 0 waits until replica 1's
+manager is up, then steps slowly until the quorum has both groups, so that replica 1 joins,
+heals from it and trains on with it. Each rank writes
 its final full parameters and optimizer states, its losses and what its transport sent.
 """
 
@@ -34,6 +42,7 @@ from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport, PGTr
 
 TIMEOUT = timedelta(seconds=30)
 WAIT_AT = 3
+CRASH_AT, CRASH_EXIT = 3, 17
 
 
 class CountingGloo(ProcessGroupGloo):
@@ -49,11 +58,14 @@ class CountingGloo(ProcessGroupGloo):
         return super().send(tensors, dst_rank, tag)
 
 
-def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Path) -> None:
+def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Path, scenario: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=TIMEOUT)
     mesh = init_device_mesh("cpu", (world,))
-    model = make_decoder(seed=replica * 100, layers=4)  # a restarted group does not start equal
+    # Groups that start together start equal (torchft's init sync may heal either one from the
+    # other at step 0); a restarted group does not, so only its heal can make it equal.
+    restarted = replica == 1 and (scenario == "restart" or bool(os.environ.get("RESTARTED")))
+    model = make_decoder(seed=100 if restarted else 0, layers=4)
     shard = ENGINES[engine]
     for layer in model.layers:
         shard(layer, mesh=mesh)
@@ -99,16 +111,22 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
         if hasattr(module, "set_all_reduce_hook"):
             module.set_all_reduce_hook(all_reduce_hook)
     optimizer = OptimizerWrapper(manager, inner)
-    (out_dir / f"started{replica}.{rank}").touch()
+    started = out_dir / f"started{replica}.{rank}"
+    started.touch()
     losses = []
     try:
         while manager.current_step() < steps:
-            if replica == 0 and manager.current_step() == WAIT_AT and manager.num_participants() < 2:
-                (out_dir / f"waiting0.{rank}").touch()
-                while not all((out_dir / f"started1.{r}").exists() for r in range(world)):
+            step = manager.current_step()
+            if replica == 1 and scenario == "crash" and step == CRASH_AT and not os.environ.get("RESTARTED"):
+                started.unlink()
+                os._exit(CRASH_EXIT)  # the whole group dies between two steps
+            if replica == 0 and (step == 0 or step >= WAIT_AT) and manager.num_participants() < 2:
+                if step == WAIT_AT:
+                    (out_dir / f"waiting0.{rank}").touch()
+                while scenario != "healthy" and not all((out_dir / f"started1.{r}").exists() for r in range(world)):
                     time.sleep(0.1)
-            if replica == 0 and manager.current_step() >= WAIT_AT and manager.num_participants() < 2:
-                time.sleep(0.3)  # replica 1's first quorum request is on its way
+                if step > 0:
+                    time.sleep(0.3)  # replica 1's first quorum request is on its way
             optimizer.zero_grad()  # the quorum, and a heal if this group is behind
             step = manager.current_step()
             inner_step = _StepOnCommit(optimizer)
@@ -139,4 +157,4 @@ class _StepOnCommit:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]), sys.argv[6])

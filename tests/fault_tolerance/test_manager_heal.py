@@ -20,6 +20,8 @@ pytest.importorskip("torchft")
 
 from torchft._torchft import LighthouseServer
 
+from tests.fault_tolerance.ft_train import CRASH_EXIT
+
 STEPS = 8
 DEADLINE_S = 150.0
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(2 * DEADLINE_S + 60)]
@@ -32,13 +34,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_group(engine: str, transport: str, replica: int, lighthouse: str, out: Path) -> list[subprocess.Popen]:
+def _start_group(
+    engine: str, transport: str, replica: int, lighthouse: str, out: Path, scenario: str, restarted: bool = False
+) -> list[subprocess.Popen]:
     port = _free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if restarted:
+            env["RESTARTED"] = "1"
         env.update(TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        log = open(out / f"log{replica}.{rank}.txt", "w")
+        log = open(out / f"log{replica}.{rank}{'.restarted' if restarted else ''}.txt", "w")
         cmd = [
             sys.executable,
             "-m",
@@ -48,33 +54,42 @@ def _start_group(engine: str, transport: str, replica: int, lighthouse: str, out
             str(replica),
             str(STEPS),
             str(out),
+            scenario,
         ]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], out: Path, until: float, what: str) -> None:
+def _wait(procs: list[subprocess.Popen], out: Path, until: float, what: str, exit_code: int = 0) -> None:
     while any(p.poll() is None for p in procs) and time.monotonic() < until:
         time.sleep(0.2)
-    failed = [p for p in procs if p.poll() != 0]
+    failed = [p for p in procs if p.poll() != exit_code]
     if failed:
         logs = "\n".join(f.read_text()[-3000:] for f in sorted(out.glob("log*.txt")))
         raise AssertionError(f"{what}: {len(failed)} rank(s) failed or passed the deadline\n{logs}")
 
 
-def run_heal(engine: str, transport: str, out: Path) -> dict[tuple[int, int], dict]:
-    """Run the scenario; every rank's result by (replica, rank)."""
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+def run_heal(engine: str, transport: str, out: Path, scenario: str) -> dict[tuple[int, int], dict]:
+    """Run the scenario (see :mod:`.ft_train`); every rank's result by (replica, rank)."""
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2 if scenario == "healthy" else 1, heartbeat_timeout_ms=1000
+    )
     procs: list[subprocess.Popen] = []
     try:
         until = time.monotonic() + DEADLINE_S
-        procs += _start_group(engine, transport, 0, lighthouse.address(), out)
-        while not list(out.glob("waiting0.*")):
-            assert time.monotonic() < until, "replica 0 did not reach WAIT_AT in time"
-            assert all(p.poll() is None for p in procs), "a rank of replica 0 exited before WAIT_AT"
-            time.sleep(0.1)
-        procs += _start_group(engine, transport, 1, lighthouse.address(), out)
-        _wait(procs, out, until, f"{engine} over {transport}")
+        address = lighthouse.address()
+        procs += _start_group(engine, transport, 0, address, out, scenario)
+        if scenario == "restart":
+            while not list(out.glob("waiting0.*")):
+                assert time.monotonic() < until, "replica 0 did not reach WAIT_AT in time"
+                assert all(p.poll() is None for p in procs), "a rank of replica 0 exited before WAIT_AT"
+                time.sleep(0.1)
+        group1 = _start_group(engine, transport, 1, address, out, scenario)
+        procs += group1
+        if scenario == "crash":
+            _wait(group1, out, until, "replica 1 before its crash", exit_code=CRASH_EXIT)
+            procs += _start_group(engine, transport, 1, address, out, scenario, restarted=True)
+        _wait([p for p in procs if p not in group1 or scenario != "crash"], out, until, f"{engine} over {transport}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -84,16 +99,23 @@ def run_heal(engine: str, transport: str, out: Path) -> dict[tuple[int, int], di
     return {(r, k): torch.load(out / f"result{r}.{k}.pt", weights_only=False) for r in range(2) for k in range(2)}
 
 
-@pytest.mark.parametrize("transport", ["http", "pg", "flat"])
-def test_restarted_group_heals_equal_to_live_and_to_fsdp2(tmp_path, transport):
+@pytest.mark.parametrize(
+    ("scenario", "transport"),
+    [("restart", "http"), ("restart", "pg"), ("restart", "flat"), ("healthy", "flat"), ("crash", "pg")],
+)
+def test_group_heals_equal_to_live_and_to_fsdp2(tmp_path, scenario, transport):
     results = {}
     for engine in ("vescale", "torch"):
         (tmp_path / engine).mkdir()
-        results[engine] = run_heal(engine, transport, tmp_path / engine)
+        results[engine] = run_heal(engine, transport, tmp_path / engine, scenario)
     for engine, by_rank in results.items():
         for rank in range(2):
             live, healed = by_rank[(0, rank)], by_rank[(1, rank)]
-            assert healed["losses"][0][0] > 0, f"{engine}: replica 1 did not heal (started at step 0)"
+            first_step = healed["losses"][0][0]
+            if scenario == "healthy":
+                assert [s for s, _ in healed["losses"]] == list(range(STEPS)), f"{engine}: replica 1 left the quorum"
+            else:
+                assert first_step > 0, f"{engine}: replica 1 did not heal (trained from step 0)"
             for key, value in live["full"].items():
                 assert torch.equal(value, healed["full"][key]), (engine, key)
     ours, fsdp2 = results["vescale"], results["torch"]
