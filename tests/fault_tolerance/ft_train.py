@@ -120,7 +120,8 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
             if replica == 1 and scenario == "crash" and step == CRASH_AT and not os.environ.get("RESTARTED"):
                 started.unlink()
                 os._exit(CRASH_EXIT)  # the whole group dies between two steps
-            if replica == 0 and (step == 0 or step >= WAIT_AT) and manager.num_participants() < 2:
+            both_from_start = scenario == "crash" and step == 0  # (healthy: the lighthouse waits)
+            if replica == 0 and (both_from_start or step >= WAIT_AT) and manager.num_participants() < 2:
                 if step == WAIT_AT:
                     (out_dir / f"waiting0.{rank}").touch()
                 while scenario != "healthy" and not all((out_dir / f"started1.{r}").exists() for r in range(world)):
