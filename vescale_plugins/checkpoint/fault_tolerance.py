@@ -6,11 +6,13 @@ replica group by sending it a live group's state dict through a checkpoint trans
 a view into the unit's flat buffer, so it would send that buffer once per parameter (and
 FSDP2's shards, their padding). :class:`PGTransport` here is torchft's, over tensors that own
 exactly their bytes (:func:`own_storages`: the same memory, no copy), so a heal sends each
-shard's elements once. Use it wherever torchft's is constructed::
+shard's elements once. :class:`FlatBufferTransport` goes further: one message per flat buffer
+(a unit's DBuffer, a flat optimizer state) instead of one per tensor. Use either wherever
+torchft's is constructed (docs/fault_tolerance.md)::
 
-    from vescale_plugins.checkpoint.fault_tolerance import PGTransport
+    from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport
 
-    transport = PGTransport(pg, timeout=timedelta(seconds=60), device=device)
+    transport = FlatBufferTransport(pg, timeout=timedelta(seconds=60), device=device)
     manager = torchft.Manager(pg=pg, checkpoint_transport=transport, ...)
 """
 
@@ -92,7 +94,7 @@ def _span_bytes(tensor: torch.Tensor) -> int:
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device, start: int, stop: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (stop - start,))
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (stop - start,), (1,))
 
 
 class FlatBufferTransport(_TorchftPGTransport[T]):
