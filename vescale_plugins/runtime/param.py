@@ -330,6 +330,27 @@ class FSDPParam:
         else:
             sharded.grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
 
+    def adopt_assigned_grad(self) -> None:
+        """A ``.grad`` assigned by the user (``p.grad = torch.zeros_like(p)``), not a view of the
+        sharded gradient buffer, is copied into this parameter's view of it and replaced by
+        that view, so that the coming reduction adds to its values: FSDP2 adds a new gradient
+        to an assigned ``.grad`` (``grad._local_tensor += new``). Without this the reduction
+        would land in the buffer and the assigned tensor would keep its old values."""
+        grad = self.sharded.grad
+        if grad is None:
+            return
+        view = self.dbuffer.sharded_grad_view(self.slot)  # holds the buffer while we copy
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if local.numel() == 0 or (_same_storage(local, view) and local.storage_offset() == view.storage_offset()):
+            return
+        if isinstance(grad, DTensor) and (
+            grad.placements != self.sharded.placements or grad.device_mesh != self.sharded.device_mesh
+        ):
+            local = grad.redistribute(self.sharded.device_mesh, self.sharded.placements).to_local()
+        with torch.no_grad():
+            view.copy_(local.reshape(view.shape))
+        self.attach_sharded_grad()
+
     def run_post_accumulate_grad_hooks(self) -> None:
         """Hooks users registered on the sharded face run once its reduced gradient is final
         (optimizer-in-backward steps there), as FSDP2's do."""

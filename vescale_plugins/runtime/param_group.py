@@ -784,6 +784,8 @@ class FSDPParamGroup:
             grads = {p.slot: p.take_gradient() for p in members}
             received = [grads[p.slot] is not None for p in members]
             dbuffer.fill_unsharded_grad(grads)
+            for p in members:
+                p.adopt_assigned_grad()
             accumulate = any(p.sharded.grad is not None for p in members)
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.
