@@ -21,16 +21,18 @@ SAMPLES = 32  # enough for 2 optimizer steps x accumulation 2 x 2 per device x 2
 MASK_ID = 3  # BERT's [MASK] here: any id works for a randomly initialised model
 
 
+# The size Llama, Mixtral and BERT share; each family's own keys stand beside it.
+_TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
+
+
 def _llama() -> transformers.PreTrainedModel:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = transformers.LlamaConfig(**_TINY, intermediate_size=64, num_key_value_heads=2)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -52,13 +54,9 @@ def _gpt2() -> transformers.PreTrainedModel:
 
 def _mixtral() -> transformers.PreTrainedModel:
     config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
+        **_TINY,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
         num_local_experts=4,
         num_experts_per_tok=2,
         router_jitter_noise=0.0,
@@ -68,14 +66,7 @@ def _mixtral() -> transformers.PreTrainedModel:
 
 def _bert() -> transformers.PreTrainedModel:
     config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+        **_TINY, intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     return transformers.BertForMaskedLM(config)
 
@@ -146,6 +137,13 @@ def full_parameters(model: torch.nn.Module, prefix: str = "") -> dict[str, torch
         # Activation-checkpoint wrappers insert a module level into the name (not into state dicts).
         out[name.replace("_checkpoint_wrapped_module.", "").removeprefix(prefix)] = t.detach().float().cpu().clone()
     return out
+
+
+def assert_training_moved(name: str, variant: str, trained: dict[str, Any]) -> None:
+    """Training changed the model: some trained parameter differs from the run's initial one
+    (the LoRA model under a ``FINE_TUNING`` variant, else the bare model)."""
+    initial = full_parameters(make_lora_model(name, variant) if variant in FINE_TUNING else make_model(name))
+    assert any(not torch.allclose(initial[k], v) for k, v in trained["params"].items())
 
 
 def assert_trained_alike(got: dict[str, Any], want: dict[str, Any], rank: int) -> None:
