@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from vescale_plugins.optim.closure import evaluate_closure
 from vescale_plugins.optim.flat import Run, contiguous_runs, local_of
 
 __all__ = ["FlatStateOptimizer", "StateSpec"]
@@ -82,10 +83,7 @@ class FlatStateOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

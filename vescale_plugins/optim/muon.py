@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as functional_adam
 
+from vescale_plugins.optim.closure import evaluate_closure
 from vescale_plugins.optim.muon_exchange import EXCHANGE_DTYPE, BucketExchange, ExchangePlan, build_exchange_plan
 from vescale_plugins.optim.newton_schulz import newton_schulz_for, zeropower_via_newtonschulz
 from vescale_plugins.ragged.placement import RaggedShard
@@ -223,10 +224,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step: every group in order, then the sharded matrices' exchange."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         if self._muon_params_key() != self._plan_key:
             # A front end (Accelerate, Fabric) swapped the parameters for their sharded
             # versions after construction: check them and plan again, still before any collective.
