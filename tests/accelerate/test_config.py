@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import accelerate_plugin.hooks as hooks
 from accelerate_plugin import VeScaleFSDPPlugin, run
-from tests.support.accelerate_harness import accelerate_env, decoder_plugin
+from tests.support.accelerate_harness import accelerate_env, decoder_plugin, fsdp2_launch_env
 from tests.support.models import local_batch, loss_fn, make_decoder
 from tests.support.parity import adamw
 from vescale_plugins import RaggedShard
@@ -237,13 +237,7 @@ def _sharded_by_vescale(model: torch.nn.Module) -> bool:
 
 
 def _environment_route() -> None:
-    launch_config = dict(
-        ACCELERATE_USE_FSDP="true",
-        FSDP_VERSION="2",
-        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
-        FSDP_TRANSFORMER_CLS_TO_WRAP="Block",
-        FSDP_RESHARD_AFTER_FORWARD="false",
-    )
+    launch_config = fsdp2_launch_env("Block", FSDP_RESHARD_AFTER_FORWARD="false")
     # What `accelerate launch` with an FSDP2 config and the runner give a script that builds
     # `Accelerator()` itself.
     with accelerate_env(**launch_config, ACCELERATE_USE_VESCALE_FSDP="1"):

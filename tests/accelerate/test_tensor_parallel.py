@@ -19,30 +19,24 @@ import torch
 from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from torch.distributed.tensor import Shard
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from accelerate_plugin import VeScaleFSDPPlugin
 from tests.support.accelerate_harness import accelerate_env
 from tests.support.tp_transformer import (
     BATCH,
-    SEQ,
-    VOCAB,
     Transformer,
     assert_trained_like_fsdp2_and_unsharded,
     default_adamw,
     lm_loss,
     tensor_parallel,
+    token_dataset,
 )
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
 pytestmark = pytest.mark.timeout(240)
 
 DP, TP, STEPS, CLIP = 2, 2, 3, 0.5
-
-
-def _tokens() -> TensorDataset:
-    data = torch.randint(0, VOCAB, (DP * BATCH * STEPS, SEQ + 1), generator=torch.Generator().manual_seed(7))
-    return TensorDataset(data[:, :-1], data[:, 1:])
 
 
 def _matches_fsdp2_and_unsharded(root: str) -> None:
@@ -55,7 +49,7 @@ def _matches_fsdp2_and_unsharded(root: str) -> None:
         mesh = accelerator.torch_device_mesh
         model = tensor_parallel(copy.deepcopy(initial), mesh["tp"])
         model, optimizer, loader = accelerator.prepare(
-            model, default_adamw(model), DataLoader(_tokens(), batch_size=BATCH)
+            model, default_adamw(model), DataLoader(token_dataset(DP * BATCH * STEPS), batch_size=BATCH)
         )
         wq = model.layers[0].attn.wq.weight
         assert wq.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")

@@ -13,19 +13,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from accelerate_plugin import VeScaleFSDPPlugin
-from tests.support.accelerate_harness import accelerate_env
+from tests.support.accelerate_harness import accelerate_env, fsdp2_launch_env
 from vescale_plugins import RaggedShard
 
 transformers = pytest.importorskip("transformers")
 
-LAUNCH_ENV = dict(
-    ACCELERATE_USE_VESCALE_FSDP="1",
-    ACCELERATE_USE_CPU="true",
-    ACCELERATE_USE_FSDP="true",
-    FSDP_VERSION="2",
-    FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
-    FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer",
-)
+LAUNCH_ENV = fsdp2_launch_env("LlamaDecoderLayer", ACCELERATE_USE_VESCALE_FSDP="1", ACCELERATE_USE_CPU="true")
 
 
 class RandomTokens(Dataset):

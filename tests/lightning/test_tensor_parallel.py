@@ -19,20 +19,19 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from lightning_strategy import VeScaleFSDPFabricStrategy, VeScaleFSDPStrategy
 from tests.support.lightning_harness import launched_by_harness, make_fabric, make_trainer
 from tests.support.tp_transformer import (
     BATCH,
-    SEQ,
-    VOCAB,
     Transformer,
     assert_same,
     assert_trained_like_fsdp2_and_unsharded,
     default_adamw,
     lm_loss,
     tensor_parallel,
+    token_dataset,
 )
 from vescale_plugins.ragged.placement import StridedRaggedShard
 
@@ -41,16 +40,7 @@ pytestmark = pytest.mark.timeout(240)
 DP, TP, STEPS, CLIP = 2, 2, 3, 0.5
 
 
-class _Tokens(Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.data = torch.randint(0, VOCAB, (DP * BATCH * STEPS, SEQ + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, :-1], self.data[i, 1:]
+EXAMPLES = DP * BATCH * STEPS  # one batch per data-parallel rank and step
 
 
 class _LitTensorParallel(LightningModule):
@@ -83,7 +73,7 @@ def _trainer_run(root: str, initial: Transformer):
     trainer = make_trainer(
         root, strategy=VeScaleFSDPStrategy(data_parallel_size=DP, tensor_parallel_size=TP), gradient_clip_val=CLIP
     )
-    trainer.fit(module, DataLoader(_Tokens(), batch_size=BATCH, shuffle=True))
+    trainer.fit(module, DataLoader(token_dataset(EXAMPLES), batch_size=BATCH, shuffle=True))
     return module.model, trainer.strategy.device_mesh, module.batches, module.losses
 
 
@@ -96,7 +86,9 @@ def _fabric_run(root: str, initial: Transformer):
     model = copy.deepcopy(initial)
     model, optimizer = fabric.setup(model, default_adamw(model))  # optimizer built before TP and sharding
     batches, losses = [], []
-    for tokens, targets in fabric.setup_dataloaders(DataLoader(_Tokens(), batch_size=BATCH, shuffle=True)):
+    for tokens, targets in fabric.setup_dataloaders(
+        DataLoader(token_dataset(EXAMPLES), batch_size=BATCH, shuffle=True)
+    ):
         batches.append((tokens.clone(), targets.clone()))
         loss = lm_loss(model, tokens, targets)
         fabric.backward(loss)
@@ -150,7 +142,7 @@ def _fabric_tp(initial: Transformer, state_dict_type: str = "sharded"):
 
 def _tp_step(fabric, model, optimizer, step: int) -> torch.Tensor:
     dp_rank = fabric.strategy.device_mesh["data_parallel"].get_local_rank()
-    tokens, targets = _Tokens()[(step * DP + dp_rank) * BATCH : (step * DP + dp_rank + 1) * BATCH]
+    tokens, targets = token_dataset(EXAMPLES)[(step * DP + dp_rank) * BATCH : (step * DP + dp_rank + 1) * BATCH]
     loss = lm_loss(model, tokens, targets)
     fabric.backward(loss)
     optimizer.step()

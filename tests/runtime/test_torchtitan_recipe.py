@@ -19,6 +19,8 @@ code generation for 2 blocks x 2 engines would cost minutes on 2 cores.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,6 +55,9 @@ STEPS, RESUME_AT = 4, 2  # steps in all; the checkpoint is taken after RESUME_AT
 SEQ, BATCH, CHUNKS, CLIP = 8, 2, 2, 1.0
 
 
+_Model = TypeVar("_Model", bound=nn.Module)
+
+
 def _checkpoint_and_compile(model: nn.Module) -> None:
     """torchtitan's full activation checkpointing, then each block compiled in place."""
     for name, block in model.layers.items():
@@ -68,6 +73,16 @@ def _without_gradient_division(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _materialized(model: _Model, init: bool) -> _Model:
+    """The recipe's last steps once the model is sharded: gradient division off, ``to_empty``
+    on the CPU, then (unless a checkpoint will fill them) torchtitan's ``init_weights``."""
+    _without_gradient_division(model)
+    model.to_empty(device="cpu")
+    if init:
+        init_weights(model)
+    return model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -161,11 +176,7 @@ def _llama_recipe(shard, mesh, init: bool = True) -> Llama:
         shard(block, mesh=dp)
     shard([model.norm, model.output], mesh=dp, reshard_after_forward=False)
     shard(model, mesh=dp)
-    _without_gradient_division(model)
-    model.to_empty(device="cpu")
-    if init:
-        init_weights(model)
-    return model
+    return _materialized(model, init)
 
 
 def _llama_recipe_like_fsdp2_and_unsharded(path: str) -> None:
@@ -230,11 +241,7 @@ def _moe_recipe(shard, dense, sparse, init: bool = True) -> MoE:
     for block in model.layers.values():
         shard(block, mesh=dense, dp_mesh_dims=dense_dims, shard_placement_fn=placement_fn)
     shard(model, mesh=dense, dp_mesh_dims=dense_dims)
-    _without_gradient_division(model)
-    model.to_empty(device="cpu")
-    if init:
-        init_weights(model)
-    return model
+    return _materialized(model, init)
 
 
 def _moe_recipe_like_fsdp2_and_unsharded(path: str) -> None:

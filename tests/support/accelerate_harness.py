@@ -49,6 +49,18 @@ def accelerate_env(**env: str) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def fsdp2_launch_env(wrap_cls: str, **more: str) -> dict[str, str]:
+    """The variables ``accelerate launch`` with an FSDP2 config (``TRANSFORMER_BASED_WRAP``
+    around the class named ``wrap_cls``) sets in each process, and ``more``."""
+    return dict(
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_TRANSFORMER_CLS_TO_WRAP=wrap_cls,
+        **more,
+    )
+
+
 def decoder_plugin(**kwargs: Any) -> VeScaleFSDPPlugin:
     """Units = the decoder's blocks (then the root), as ``shard_decoder`` makes them by hand."""
     return VeScaleFSDPPlugin(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import TensorDataset
 
 from tests.support.parity import PARAM_TOL, TOL
 
@@ -118,6 +119,13 @@ def token_batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Data-parallel rank ``dp_rank``'s tokens and targets at ``step`` (``BATCH`` sequences)."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def token_dataset(examples: int) -> TensorDataset:
+    """``examples`` next-token examples (``SEQ`` tokens, the same shifted by one), the same in
+    every process: what the front-end tests feed their loaders."""
+    data = torch.randint(0, VOCAB, (examples, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(data[:, :-1], data[:, 1:])
 
 
 def lm_loss(model, tokens, targets):
