@@ -1,0 +1,192 @@
+"""Pipeline parallelism over our units: ``torch.distributed.pipelining``'s schedules drive
+stages whose layers and root are sharded by ``fully_shard`` (pp=2 x dp=2, 4 gloo ranks) and
+train what the same model trains without PP or FSDP, and what FSDP2's units train under the
+same schedule in the same launch, for several steps.
+
+The schedules reach the units through ``FSDPModule``'s methods (``set_is_last_backward``,
+``set_requires_gradient_sync``, ``unshard(async_op=True)``, ...) and, at their reduce-grad
+step, through ``fully_shard.state(stage)`` (FSDP2's state: every unit's ``post_backward`` and
+the root's final callback); the zero-bubble schedules' split backward takes
+``param.view_as(param)`` of the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from vescale_plugins import fully_shard as our_fully_shard
+
+LAYERS, WIDTH, MICROBATCHES, BATCH_PER_DP_RANK, STEPS, LR = 8, 12, 4, 8, 3, 0.1
+# FSDP2's own agreement with the unpipelined model at fp32 (max absolute difference).
+GRAD_TOL = dict(rtol=0.0, atol=2e-9)
+PARAM_TOL = dict(rtol=0.0, atol=2e-7)
+# Mixed precision (bf16 compute, fp32 reduce): against FSDP2 under the same policy.
+BF16_TOL = dict(rtol=0.0, atol=1e-6)
+
+SINGLE_STAGE = {"ScheduleGPipe", "Schedule1F1B"}
+V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+SCHEDULES = [
+    name
+    for name in (
+        "ScheduleGPipe",
+        "Schedule1F1B",
+        "ScheduleInterleaved1F1B",
+        "ScheduleLoopedBFS",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleDualPipeV",
+    )
+    if hasattr(pipelining, name)
+]
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Layer() for _ in range(LAYERS)])
+
+
+def _batch(step: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    rows = dp_size * BATCH_PER_DP_RANK
+    return torch.randn(rows, WIDTH, generator=generator), torch.randn(rows, WIDTH, generator=generator)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _stage_indices(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
+    if schedule in SINGLE_STAGE:
+        return [pp_rank]
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp_size]  # looped
+
+
+def _reference(dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """The unpipelined, unsharded model's gradients and parameters after each step."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for step in range(STEPS):
+        x, y = _batch(step, dp_size)
+        _loss(model(x), y).backward()
+        grads = {f"{name}.grad": p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        history.append({**grads, **params})
+    return history
+
+
+def _build(schedule: str, shard, mesh, pp_group, pp_rank: int, pp_size: int, mp_policy):
+    """This rank's stages (each a ``Sequential`` of its layers, every layer and the stage
+    sharded by ``shard`` on ``mesh``), their layers' names in the full model, the schedule."""
+    full = _model()
+    num_stages = pp_size if schedule in SINGLE_STAGE else 2 * pp_size
+    per_stage = LAYERS // num_stages
+    stages, modules, names = [], [], []
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for index in _stage_indices(schedule, pp_rank, pp_size):
+        layers = [copy.deepcopy(full[i]) for i in range(index * per_stage, (index + 1) * per_stage)]
+        module = nn.Sequential(*layers)
+        for layer in module:
+            shard(layer, mesh=mesh, **kwargs)
+        shard(module, mesh=mesh, **kwargs)
+        modules.append(module)
+        names.append({f"{j}.": f"{index * per_stage + j}." for j in range(per_stage)})
+        stages.append(PipelineStage(module, index, num_stages, torch.device("cpu"), group=pp_group))
+    cls = getattr(pipelining, schedule)
+    if schedule in SINGLE_STAGE:
+        runner = cls(stages[0], MICROBATCHES, loss_fn=_loss)
+    else:
+        runner = cls(stages, MICROBATCHES, loss_fn=_loss)
+    return modules, names, runner
+
+
+def _full_name(local: str, prefixes: dict[str, str]) -> str:
+    head, _, rest = local.partition(".")
+    return prefixes[f"{head}."] + rest
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _train(schedule: str, shard, mesh_shape: tuple[int, ...], mp_policy) -> list[dict[str, torch.Tensor]]:
+    """Train ``STEPS`` steps under ``schedule``; each step's full gradients and parameters of
+    this rank's layers, named as in the full model."""
+    world = dist.get_world_size()
+    pp_size = 2
+    dims = (pp_size, *mesh_shape)
+    names = ("pp", "replicate", "shard") if len(mesh_shape) == 2 else ("pp", "dp")
+    device_mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    mesh = device_mesh[names[1:]] if len(names) > 2 else device_mesh["dp"]
+    pp_rank = device_mesh["pp"].get_local_rank()
+    dp_size, dp_rank = world // pp_size, mesh._flatten().get_local_rank() if len(names) > 2 else mesh.get_local_rank()
+    modules, prefixes, runner = _build(
+        schedule, shard, mesh, device_mesh["pp"].get_group(), pp_rank, pp_size, mp_policy
+    )
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
+    history = []
+    for step in range(STEPS):
+        x, y = _batch(step, dp_size)
+        rows = slice(dp_rank * BATCH_PER_DP_RANK, (dp_rank + 1) * BATCH_PER_DP_RANK)
+        runner.step(x[rows], target=y[rows])
+        record = {}
+        for module, prefix in zip(modules, prefixes):
+            for name, p in module.named_parameters():
+                assert p.grad is not None, f"{name} got no gradient at step {step}"
+                record[f"{_full_name(name, prefix)}.grad"] = _full(p.grad).detach().clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        for module, prefix in zip(modules, prefixes):
+            for name, p in module.named_parameters():
+                record[_full_name(name, prefix)] = _full(p).detach().clone()
+        history.append(record)
+    return history
+
+
+def _assert_close(got, want, grad_tol, param_tol, label):
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name, value in g.items():
+            tol = grad_tol if name.endswith(".grad") else param_tol
+            torch.testing.assert_close(
+                value.float(), w[name].float(), **tol, msg=lambda m: f"{label}, step {step}, {name}: {m}"
+            )
+
+
+def _pipelined_parity(schedule: str, mesh_shape: tuple[int, ...], bf16: bool) -> None:
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    theirs = _train(schedule, torch_fully_shard, mesh_shape, mp_policy)
+    ours = _train(schedule, our_fully_shard, mesh_shape, mp_policy)
+    if bf16:
+        _assert_close(ours, theirs, BF16_TOL, BF16_TOL, "ours against FSDP2 (bf16)")
+        return
+    reference = _reference(dist.get_world_size() // 2)
+    _assert_close(theirs, reference, GRAD_TOL, PARAM_TOL, "FSDP2 against the unpipelined model")
+    _assert_close(ours, reference, GRAD_TOL, PARAM_TOL, "ours against the unpipelined model")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_trains_as_unpipelined_model_and_fsdp2(dist_run, schedule):
+    dist_run(_pipelined_parity, 4, schedule, (2,), False, timeout=180)
