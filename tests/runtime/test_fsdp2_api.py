@@ -314,8 +314,8 @@ def _torch_register_forward_method_on_ours():
     out.sum().backward()
     assert isinstance(model[0].proj.weight, DTensor)
     assert isinstance(model[0].proj.weight.grad, DTensor)
-    with pytest.raises(NotImplementedError, match="_fsdp_param_groups"):
-        _ = model._get_fsdp_state()._fsdp_param_groups
+    with pytest.raises(NotImplementedError, match="_comm_ctx"):
+        _ = model._get_fsdp_state()._comm_ctx
 
 
 def test_torch_register_fsdp_forward_method_works_on_ours(dist_run):

@@ -19,7 +19,7 @@ from vescale_plugins.dbuffer.planning import BufferSplitCost
 from vescale_plugins.runtime import registry
 from vescale_plugins.runtime.composable import register_as_fully_shard
 from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
-from vescale_plugins.runtime.module import fsdp_class, group_of
+from vescale_plugins.runtime.module import fsdp_class, fsdp_state_of, group_of
 from vescale_plugins.runtime.param_group import FSDPParamGroup
 from vescale_plugins.runtime.registry import record_sharded
 from vescale_plugins.runtime.setup import BlockSizeFn, plan_unit_setup
@@ -103,13 +103,13 @@ def fully_shard(
         modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
     )
     record_sharded(modules, [(spec.fqn, spec.param) for spec in unit.params])
-    register_as_fully_shard(modules)
     for m in modules:
         m._vescale_fsdp_unit = group  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
         m.__class__ = fsdp_class(type(m))
         mark_managed(m)
         m.register_forward_pre_hook(_pre_forward_hook, prepend=True, with_kwargs=True)
         m.register_forward_hook(_post_forward_hook, prepend=False)
+    register_as_fully_shard(modules, fsdp_state_of)
     return module
 
 

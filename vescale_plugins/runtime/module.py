@@ -20,7 +20,7 @@ from vescale_plugins.runtime.setup import (
 )
 from vescale_plugins.runtime.state import RootState, groups_under, post_forward, pre_forward, root_state_of
 
-__all__ = ["GradientReductionHandle", "UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "group_of"]
+__all__ = ["GradientReductionHandle", "UnshardHandle", "VeScaleFSDPModule", "fsdp_class", "fsdp_state_of", "group_of"]
 
 
 class UnshardHandle(_TorchUnshardHandle):
@@ -57,10 +57,14 @@ class GradientReductionHandle(TorchGradientReductionHandle):
 
 
 class _FSDPStateAdapter:
-    """What ``_get_fsdp_state()`` returns for our modules: FSDP2's private state object is
-    reached by torch's own helpers (``torch.distributed.fsdp.register_fsdp_forward_method``,
-    which transformers' Trainer calls for ``generate``); its forward hooks are provided,
-    anything else raises naming what to use instead."""
+    """What ``_get_fsdp_state()`` and ``torch.distributed.fsdp.fully_shard.state(module)``
+    return for our modules: FSDP2's private state object, as far as torch's own code reaches
+    into it. ``register_fsdp_forward_method`` (which transformers' Trainer calls for
+    ``generate``) reads its forward hooks; ``torch.distributed.pipelining``'s reduce-grad step
+    (``_PipelineStageBase.perform_reduce_grad``) runs every unit's ``post_backward`` through
+    ``_state_ctx.all_states[*]._fsdp_param_groups`` and then the root's
+    ``_root_post_backward_final_callback``. Anything else raises, naming what to use instead.
+    """
 
     def __init__(self, module: VeScaleFSDPModule) -> None:
         self._module = module
@@ -71,11 +75,60 @@ class _FSDPStateAdapter:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return post_forward(group_of(module), module, output)
 
+    @property
+    def _fsdp_param_groups(self) -> list[_PipelinedUnit]:
+        return [_PipelinedUnit(group_of(self._module))]
+
+    @property
+    def _state_ctx(self) -> _PipelinedUnits:
+        return _PipelinedUnits(groups_under([cast(nn.Module, self._module)]))
+
+    def _root_post_backward_final_callback(self) -> None:
+        """End the backward whose reductions pipelining started (FSDP2's final callback, which
+        pipelining calls itself: its split backwards run outside ``backward()``)."""
+        state = root_state_of(group_of(self._module))
+        if state is not None:
+            state.final_callback()
+
     def __getattr__(self, name: str) -> Any:
         raise NotImplementedError(
             f"FSDP2's private state attribute {name!r} does not exist on a module managed by "
             "vescale_plugins.fully_shard; use the public FSDPModule methods"
         )
+
+
+class _PipelinedUnit:
+    """One unit as pipelining's reduce-grad step sees an FSDP2 parameter group: its
+    ``post_backward()`` reduces what the step's no-sync backwards accumulated."""
+
+    def __init__(self, unit: FSDPParamGroup) -> None:
+        self.unit = unit
+
+    def post_backward(self) -> None:
+        self.unit.reduce_accumulated()
+
+
+class _PipelinedUnits:
+    """The units under a module, as pipelining reads FSDP2's state context: ``all_states``,
+    each with its ``_fsdp_param_groups`` (one state per unit here)."""
+
+    def __init__(self, units: list[FSDPParamGroup]) -> None:
+        self.units = units
+
+    @property
+    def all_states(self) -> list[_UnitState]:
+        return [_UnitState(unit) for unit in self.units]
+
+
+class _UnitState:
+    def __init__(self, unit: FSDPParamGroup) -> None:
+        self._fsdp_param_groups = [_PipelinedUnit(unit)]
+
+
+def fsdp_state_of(module: nn.Module) -> _FSDPStateAdapter:
+    """The state object torch's code reaches for on ``module`` (see ``_FSDPStateAdapter``)."""
+    assert isinstance(module, VeScaleFSDPModule)
+    return _FSDPStateAdapter(module)
 
 
 def _refuse_deepcopy(*args: Any, **kwargs: Any) -> Any:
@@ -338,6 +391,10 @@ class VeScaleFSDPModule(FSDPModule):
             unit.set_keep_unsharded_storage(keep)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the step (FSDP2's meaning): with ``False``,
+        the end of backward leaves the gradient reductions it started in flight (a later
+        backward, or the last one, waits for them), for microbatching; gradients are final
+        after a backward with ``True`` (the default)."""
         for unit in self._units(True):
             unit.is_last_backward = is_last_backward
 

@@ -741,6 +741,13 @@ class FSDPParamGroup:
 
     def reduce_when_finalized(self) -> None:
         """(``finalize_backward``, manual finalization) The reduction that waited for it."""
+        self.reduce_accumulated()
+
+    def reduce_accumulated(self) -> None:
+        """Reduce, after its backwards, the gradients the unit accumulated (without sync, or
+        waiting for ``finalize_backward``): FSDP2's ``post_backward`` called from outside
+        autograd, as ``finalize_backward`` and ``torch.distributed.pipelining``'s reduce-grad
+        step call it. Resharding and reducing follow the unit's settings then."""
         self.post_backward_pending = False
         self._backward_prefetched = True  # backward is over: nothing to prefetch
         self.training_state = TrainingState.PRE_BACKWARD

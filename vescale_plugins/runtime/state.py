@@ -137,7 +137,8 @@ class RootState(IterationContext[FSDPParamGroup]):
 
         Under manual finalization (FSDP2 2.15's ``set_manual_backward_finalization``) the
         units the hooks did not reach wait for ``finalize_backward``, and so do the waits
-        and the resharding of units no backward reached."""
+        and the resharding of units no backward reached. A backward the root was told is not
+        the last (``set_is_last_backward(False)``) leaves its reductions in flight."""
         self.callback_queued = False
         self.backward_events = 0
         self.events_to_end = None
@@ -156,12 +157,15 @@ class RootState(IterationContext[FSDPParamGroup]):
             if group.training_state in (TrainingState.POST_BACKWARD, TrainingState.FORWARD):
                 group.training_state = TrainingState.IDLE
         if not manual:
-            self.end_backward_iteration()
+            self.end_backward_iteration(wait=self.root.is_last_backward)
 
-    def end_backward_iteration(self) -> None:
-        """Every gradient final, every unit the backward left gathered resharded (the root's
-        ``reshard_after_backward``), the finalization mode free to change again."""
-        self.finish_reductions()
+    def end_backward_iteration(self, wait: bool = True) -> None:
+        """Every gradient final (unless not ``wait``: FSDP2's not-last backward, whose
+        reductions a later backward waits for), every unit the backward left gathered
+        resharded (the root's ``reshard_after_backward``), the finalization mode free to
+        change again."""
+        if wait:
+            self.finish_reductions()
         if self.root.reshard_after_backward:
             for group in self.groups:
                 if group.is_unsharded and group.training_state is TrainingState.IDLE:
