@@ -5,10 +5,11 @@ once per layout."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils import _pytree as pytree
@@ -202,9 +203,40 @@ def _schema_has_ragged(schema: OpSchema | None) -> bool:
     )
 
 
+def _identity_view(op_info: Any) -> DTensor | None:
+    """``view`` of a ragged tensor to its own shape (``t.view_as(t)``, which pipelining's
+    zero-bubble backward takes of every parameter to reach its gradient accumulator): an
+    alias of the local tensor with the same layout; ``None`` for any other call.
+
+    Returned as the op's result (as torch's slow path returns a decomposition's), so that
+    nothing rank-dependent (the local shape) enters the sharding cache.
+    """
+    schema = op_info.schema
+    if schema.op is not aten.view.default or len(schema.args_schema) != 2:
+        return None
+    spec, size = schema.args_schema
+    if not isinstance(spec, DTensorSpec) or not isinstance(size, (list, tuple)):
+        return None
+    known = [d for d in size if d != -1]
+    if len(known) < len(size) - 1:
+        return None
+    if len(known) < len(size):
+        rest = 1
+        for d in known:
+            rest *= d
+        size = [math.prod(spec.shape) // rest if d == -1 and rest else d for d in size]
+    if tuple(size) != tuple(spec.shape):
+        return None
+    local = op_info.local_args[0]
+    return DTensor(local.view(local.shape), spec, requires_grad=False)
+
+
 def propagate_op_sharding_dispatch_slow_path(
     self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool
 ) -> object:
     if _schema_has_ragged(op_info.schema):
+        view = _identity_view(op_info)
+        if view is not None:
+            return view
         return _propagate_ragged(self.sharding_propagator, op_info.schema)
     return ORIGINAL["slow_path"](self, op_call, args, kwargs, op_info, try_cache)
