@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.pipelining as pipelining
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -37,6 +38,10 @@ PARAM_TOL = dict(rtol=0.0, atol=5e-7)
 BF16_TOL = dict(rtol=0.0, atol=1e-6)
 
 SINGLE_STAGE = {"ScheduleGPipe", "Schedule1F1B"}
+# The split backward's input step (``stage_backward_input``) finds the weights through the
+# stage's registered parameters before autograd's hooks run: the unsharded ones only where
+# forward left them gathered (torchtitan's default under PP), for FSDP2 as for us.
+SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 V_SHAPED = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 SCHEDULES = [
     name
@@ -109,6 +114,7 @@ def _build(schedule: str, shard, mesh, pp_group, pp_rank: int, pp_size: int, mp_
     per_stage = LAYERS // num_stages
     stages, modules, names = [], [], []
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    kwargs["reshard_after_forward"] = schedule not in SPLIT_BACKWARD
     for index in _stage_indices(schedule, pp_rank, pp_size):
         layers = [copy.deepcopy(full[i]) for i in range(index * per_stage, (index + 1) * per_stage)]
         module = nn.Sequential(*layers)
@@ -135,23 +141,58 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _train(schedule: str, shard, mesh_shape: tuple[int, ...], mp_policy) -> list[dict[str, torch.Tensor]]:
-    """Train ``STEPS`` steps under ``schedule``; each step's full gradients and parameters of
-    this rank's layers, named as in the full model."""
-    world = dist.get_world_size()
-    pp_size = 2
-    dims = (pp_size, *mesh_shape)
+def _meshes(mesh_shape: tuple[int, ...]):
+    """(pp, data-parallel mesh: 1-D FSDP or 2-D (replicate, shard) HSDP, dp size, dp rank)."""
     names = ("pp", "replicate", "shard") if len(mesh_shape) == 2 else ("pp", "dp")
-    device_mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    device_mesh = init_device_mesh("cpu", (2, *mesh_shape), mesh_dim_names=names)
     mesh = device_mesh[names[1:]] if len(names) > 2 else device_mesh["dp"]
-    pp_rank = device_mesh["pp"].get_local_rank()
-    dp_size, dp_rank = world // pp_size, mesh._flatten().get_local_rank() if len(names) > 2 else mesh.get_local_rank()
+    dp_rank = 0
+    for size, coordinate in zip(mesh.mesh.shape, mesh.get_coordinate()):
+        dp_rank = dp_rank * size + coordinate
+    return device_mesh["pp"], mesh, mesh.mesh.numel(), dp_rank
+
+
+def _named_state(modules, prefixes) -> dict[str, torch.Tensor]:
+    return {
+        _full_name(name, prefix): value
+        for module, prefix in zip(modules, prefixes)
+        for name, value in module.state_dict().items()
+    }
+
+
+def _resume_from(checkpoint_dir: str, schedule: str, shard, pp_mesh, mesh, mp_policy):
+    """Fresh stages (parameters zeroed), loaded from the DCP checkpoint in ``checkpoint_dir``."""
     modules, prefixes, runner = _build(
-        schedule, shard, mesh, device_mesh["pp"].get_group(), pp_rank, pp_size, mp_policy
+        schedule, shard, mesh, pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size(), mp_policy
+    )
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                p.zero_()
+    state = _named_state(modules, prefixes)
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    for module, prefix in zip(modules, prefixes):
+        module.load_state_dict({name: state[_full_name(name, prefix)] for name in module.state_dict()})
+    return modules, prefixes, runner
+
+
+def _train(
+    schedule: str, shard, mesh_shape: tuple[int, ...], mp_policy, checkpoint_dir: str | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Train ``STEPS`` steps under ``schedule``; each step's full gradients and parameters of
+    this rank's layers, named as in the full model. With ``checkpoint_dir``: save after the
+    first step with DCP (every rank, every stage) and go on from fresh stages loaded from it."""
+    pp_mesh, mesh, dp_size, dp_rank = _meshes(mesh_shape)
+    modules, prefixes, runner = _build(
+        schedule, shard, mesh, pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size(), mp_policy
     )
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
     history = []
     for step in range(STEPS):
+        if checkpoint_dir is not None and step == 1:
+            dcp.save(_named_state(modules, prefixes), checkpoint_id=checkpoint_dir)
+            modules, prefixes, runner = _resume_from(checkpoint_dir, schedule, shard, pp_mesh, mesh, mp_policy)
+            optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
         x, y = _batch(step, dp_size)
         rows = slice(dp_rank * BATCH_PER_DP_RANK, (dp_rank + 1) * BATCH_PER_DP_RANK)
         runner.step(x[rows], target=y[rows])
@@ -192,10 +233,13 @@ def _assert_close(got, want, grad_tol, param_tol, label):
             )
 
 
-def _pipelined_parity(schedule: str, mesh_shape: tuple[int, ...], bf16: bool) -> None:
+def _pipelined_parity(
+    schedule: str, mesh_shape: tuple[int, ...], bf16: bool, checkpoint_dir: str | None = None
+) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    theirs = _train(schedule, torch_fully_shard, mesh_shape, mp_policy)
-    ours = _train(schedule, our_fully_shard, mesh_shape, mp_policy)
+    ckpt = (lambda impl: None) if checkpoint_dir is None else (lambda impl: os.path.join(checkpoint_dir, impl))
+    theirs = _train(schedule, torch_fully_shard, mesh_shape, mp_policy, ckpt("fsdp2"))
+    ours = _train(schedule, our_fully_shard, mesh_shape, mp_policy, ckpt("ours"))
     if bf16:
         _assert_close(ours, theirs, BF16_TOL, BF16_TOL, "ours against FSDP2 (bf16)")
         return
@@ -213,3 +257,18 @@ def _pipelined_parity(schedule: str, mesh_shape: tuple[int, ...], bf16: bool) ->
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_trains_as_unpipelined_model_and_fsdp2(dist_run, schedule):
     dist_run(_pipelined_parity, 4, schedule, (2,), False, timeout=180)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_with_hsdp_trains_as_unpipelined_model_and_fsdp2(dist_run, schedule):
+    dist_run(_pipelined_parity, 4, schedule, (2, 1), False, timeout=180)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_with_bf16_mixed_precision_trains_as_fsdp2(dist_run, schedule):
+    dist_run(_pipelined_parity, 4, schedule, (2,), True, timeout=180)
+
+
+@pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
+def test_schedule_resumes_from_dcp_checkpoint_as_unpipelined_model(dist_run, schedule, tmp_path):
+    dist_run(_pipelined_parity, 4, schedule, (2,), False, str(tmp_path), timeout=180)
