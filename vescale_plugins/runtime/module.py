@@ -105,7 +105,8 @@ class _PipelinedUnit:
         self.unit = unit
 
     def post_backward(self) -> None:
-        self.unit.reduce_accumulated()
+        if self.unit.context is not None:  # else it never ran forward: nothing accumulated
+            self.unit.reduce_accumulated()
 
 
 class _PipelinedUnits:
