@@ -240,6 +240,24 @@ def test_views_that_cannot_alias_a_ragged_shard_are_refused(dist_run, world):
     dist_run(_views_and_inplace_reshapes_are_refused, world)
 
 
+def _views_to_the_same_shape_alias():
+    for mesh, shape, placement, _ in _cases():
+        full = _full(shape, torch.float32)
+        param = torch.nn.Parameter(distribute_tensor(full, mesh, [placement]))
+        for view in (param.view_as(param), param.view(shape), param.view(-1, *shape[1:])):
+            assert isinstance(view, DTensor) and view.placements == param.placements and view.shape == param.shape
+            assert view.to_local().data_ptr() == param.to_local().data_ptr()
+            assert view.to_local().shape == param.to_local().shape
+            # What pipelining's split backward reads: the parameter's gradient accumulator.
+            assert view.grad_fn.next_functions[0][0].variable is param
+        assert torch.equal(param.view_as(param).full_tensor(), full)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_views_to_the_same_shape_alias_a_ragged_shard(dist_run, world):
+    dist_run(_views_to_the_same_shape_alias, world)
+
+
 # ----------------------------------------------------------------------------------
 # stock optimizers and gradient clipping
 # ----------------------------------------------------------------------------------
