@@ -276,3 +276,41 @@ def test_schedule_with_bf16_mixed_precision_trains_as_fsdp2(dist_run, schedule):
 @pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
 def test_schedule_resumes_from_dcp_checkpoint_as_unpipelined_model(dist_run, schedule, tmp_path):
     dist_run(_pipelined_parity, 4, schedule, (2,), False, str(tmp_path), timeout=180)
+
+
+def _microbatches_with_is_last_backward() -> None:
+    """Micro-batches whose backwards are not the last (``set_is_last_backward(False)``: their
+    reductions are left in flight, FSDP2's meaning) sum to the full batch's gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    reference = _model()
+    trained = {}
+    for impl, shard in (("fsdp2", torch_fully_shard), ("ours", our_fully_shard)):
+        model = _model()
+        for layer in model:
+            shard(layer)
+        shard(model)
+        trained[impl] = model
+    models = [reference, *trained.values()]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+    for step in range(STEPS):
+        x, y = _batch(step, world)
+        _loss(reference(x), y).backward()
+        rows = slice(rank * BATCH_PER_DP_RANK, (rank + 1) * BATCH_PER_DP_RANK)
+        for model in trained.values():
+            for i, (xs, ys) in enumerate(zip(x[rows].chunk(MICROBATCHES), y[rows].chunk(MICROBATCHES))):
+                model.set_is_last_backward(i == MICROBATCHES - 1)
+                (_loss(model(xs), ys) / MICROBATCHES).backward()
+        for (name, want), theirs, ours in zip(
+            reference.named_parameters(), trained["fsdp2"].parameters(), trained["ours"].parameters()
+        ):
+            torch.testing.assert_close(_full(ours.grad), want.grad, **GRAD_TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(_full(ours.grad), _full(theirs.grad), **BF16_TOL, msg=lambda m: f"{name}: {m}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for want, ours in zip(reference.parameters(), trained["ours"].parameters()):
+        torch.testing.assert_close(_full(ours).detach(), want.detach(), **PARAM_TOL)
+
+
+def test_backwards_not_the_last_leave_reductions_to_the_last(dist_run):
+    dist_run(_microbatches_with_is_last_backward, 2, timeout=120)
