@@ -253,7 +253,8 @@ def _pipelined_parity(
     if os.environ.get("PIPELINING_REPORT"):
         print(
             f"rank {dist.get_rank()} {schedule} {mesh_shape}: max |grad|, |param| difference to the "
-            f"unpipelined model: FSDP2 {_max_differences(theirs, reference)}, ours {_max_differences(ours, reference)}",
+            f"unpipelined model: FSDP2 {_max_differences(theirs, reference)}, ours {_max_differences(ours, reference)}; "
+            f"ours against FSDP2 {_max_differences(ours, theirs)}",
             flush=True,
         )
 
