@@ -245,7 +245,9 @@ def _views_to_the_same_shape_alias():
         full = _full(shape, torch.float32)
         param = torch.nn.Parameter(distribute_tensor(full, mesh, [placement]))
         for view in (param.view_as(param), param.view(shape), param.view(-1, *shape[1:])):
-            assert isinstance(view, DTensor) and view.placements == param.placements and view.shape == param.shape
+            assert isinstance(view, DTensor)
+            assert view.placements == param.placements
+            assert view.shape == param.shape
             assert view.to_local().data_ptr() == param.to_local().data_ptr()
             assert view.to_local().shape == param.to_local().shape
             # What pipelining's split backward reads: the parameter's gradient accumulator.

@@ -177,13 +177,11 @@ def _resume_from(checkpoint_dir: str, schedule: str, shard, pp_mesh, mesh, mp_po
     return modules, prefixes, runner
 
 
-def _train(
-    schedule: str, shard, mesh_shape: tuple[int, ...], mp_policy, checkpoint_dir: str | None = None
-) -> list[dict[str, torch.Tensor]]:
+def _train(schedule: str, shard, meshes, mp_policy, checkpoint_dir: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Train ``STEPS`` steps under ``schedule``; each step's full gradients and parameters of
     this rank's layers, named as in the full model. With ``checkpoint_dir``: save after the
     first step with DCP (every rank, every stage) and go on from fresh stages loaded from it."""
-    pp_mesh, mesh, dp_size, dp_rank = _meshes(mesh_shape)
+    pp_mesh, mesh, dp_size, dp_rank = meshes
     modules, prefixes, runner = _build(
         schedule, shard, mesh, pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size(), mp_policy
     )
@@ -239,8 +237,9 @@ def _pipelined_parity(
 ) -> None:
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     ckpt = (lambda impl: None) if checkpoint_dir is None else (lambda impl: os.path.join(checkpoint_dir, impl))
-    theirs = _train(schedule, torch_fully_shard, mesh_shape, mp_policy, ckpt("fsdp2"))
-    ours = _train(schedule, our_fully_shard, mesh_shape, mp_policy, ckpt("ours"))
+    meshes = _meshes(mesh_shape)  # one set of process groups for both
+    theirs = _train(schedule, torch_fully_shard, meshes, mp_policy, ckpt("fsdp2"))
+    ours = _train(schedule, our_fully_shard, meshes, mp_policy, ckpt("ours"))
     if bf16:
         _assert_close(ours, theirs, BF16_TOL, BF16_TOL, "ours against FSDP2 (bf16)")
         if os.environ.get("PIPELINING_REPORT"):
