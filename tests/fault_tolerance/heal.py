@@ -20,9 +20,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 from torchft.checkpointing.pg_transport import PGTransport as TorchftPGTransport
 
 import vescale_plugins
+import vescale_plugins.optim as vescale_optim
 from tests.support.models import PER_RANK, batch, loss_fn, make_decoder
 from vescale_plugins.bench.llama import LlamaConfig
 from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport, PGTransport
@@ -37,30 +40,46 @@ class CountingGroup:
     """A process group that counts the messages and bytes sent through it."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.messages, self.bytes = group, 0, 0
+        self.group, self.messages, self.bytes, self.payload = group, 0, 0, 0
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self.messages += len(tensors)
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        sent = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes += sent
+        if tag > 2:  # tags 1 and 2: the metadata's length and pickle (both transports)
+            self.payload += sent
         return self.group.send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         return self.group.recv(tensors, src, tag)
 
 
-def build(engine: str, mesh: Any, layers: int | str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(engine: str, mesh: Any, layers: int | str, optim: str = "adamw") -> tuple[nn.Module, torch.optim.Optimizer]:
     """The tests' decoder with ``layers`` blocks, or ``"bench"``: the benchmark's default Llama
-    (4 blocks, hidden 384, vocabulary 8003: 12.5M parameters), each block a unit."""
+    (4 blocks, hidden 384, vocabulary 8003: 12.5M parameters), each block a unit; with
+    ``optim``: torch's AdamW, or (our engine only) our AdamW8bit (whole 32x32 tiles per
+    rank), Muon (AdamW for what Muon is not for) or flat AdamW."""
     if layers == "bench":
         torch.manual_seed(0)
         model: nn.Module = LlamaConfig().build()
     else:
         model = make_decoder(seed=0, layers=int(layers))
     shard = ENGINES[engine]
+    kwargs = {"block_size_fn": vescale_optim.tile_rows(32)} if optim == "adamw8bit" else {}
     for layer in model.layers:
-        shard(layer, mesh=mesh)
-    shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        shard(layer, mesh=mesh, **kwargs)
+    shard(model, mesh=mesh, **kwargs)
+    optimizer: torch.optim.Optimizer
+    if optim == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif optim == "adamw8bit":
+        optimizer = vescale_optim.AdamW8bit(model.parameters(), lr=1e-2)
+    elif optim == "flat_adamw":
+        optimizer = vescale_optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        groups = vescale_optim.muon_param_groups(model, adamw_lr=1e-2, adamw_weight_decay=0.05)
+        optimizer = vescale_optim.Muon(groups, lr=0.02, weight_decay=0.1)
+    return model, optimizer
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, shard_rank: int) -> float:
@@ -85,7 +104,12 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def heal_over_pg_transport(
-    engine: str, transport: str, layers: int | str = 4, in_place: bool = False, states: bool = True
+    engine: str,
+    transport: str,
+    layers: int | str = 4,
+    in_place: bool = False,
+    states: bool = True,
+    optim: str = "adamw",
 ) -> dict[str, Any]:
     """Replica 0 trains ``STEPS`` steps and heals replica 1; both then take one more step.
 
@@ -93,9 +117,13 @@ def heal_over_pg_transport(
     the heal's wall time (seconds, the receiver's), and (with ``states``) the local state
     after the heal and after the step that follows it, and that step's loss.
     """
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
-    replica, shard_rank = mesh.get_local_rank("replica"), mesh.get_local_rank("shard")
-    model, optimizer = build(engine, mesh["shard"], layers)
+    # A shard dim named per optimizer: DTensor's sharding cache matches meshes by equality (their
+    # layout and names), so in a worker pool the DTensors of an earlier body's equal mesh come
+    # back on that mesh's process groups, and Muon refuses parameters on two groups.
+    shard = f"shard_{optim}"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", shard))
+    replica, shard_rank = mesh.get_local_rank("replica"), mesh.get_local_rank(shard)
+    model, optimizer = build(engine, mesh[shard], layers, optim)
     if replica == 0:
         for step in range(STEPS):
             train_step(model, optimizer, step, shard_rank)
@@ -123,11 +151,20 @@ def heal_over_pg_transport(
         optimizer.load_state_dict(received["optim"])
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {"replica": replica, "messages": group.messages, "bytes": group.bytes, "seconds": seconds}
+    result["payload"], result["own_bytes"] = group.payload, own_bytes(state())
+    result["tensors"] = sum(isinstance(v, torch.Tensor) for v in tree_flatten(state())[0])
     if states:
         result["healed"] = local_state(model, optimizer)
         result["loss"] = train_step(model, optimizer, STEPS, shard_rank)
         result["after"] = local_state(model, optimizer)
     return result
+
+
+def own_bytes(state_dict: object) -> int:
+    """The bytes of the elements of every tensor in ``state_dict`` (a DTensor's local shard)."""
+    leaves, _ = tree_flatten(state_dict)
+    locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in leaves if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in locals_)
 
 
 def pickled_sizes(engine: str) -> dict[str, tuple[int, int]]:

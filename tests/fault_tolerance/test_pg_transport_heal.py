@@ -30,12 +30,14 @@ def _sent(results: list[dict]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["allocated", "in_place"])
-def test_heal_sends_no_more_than_fsdp2(dist_run, in_place):
-    """Healing our sharded 4-block transformer over ``PGTransport`` (ours: torchft's over
-    storages of each shard's own bytes) sends at most what FSDP2's heal over torchft's sends
-    (torchft's alone sends our unit's whole buffer per parameter: 3.3x), and the healed group
-    equals the live one bit for bit, then trains on identically."""
-    ours = dist_run(heal_over_pg_transport, 4, "vescale", "vescale", in_place=in_place)
+@pytest.mark.parametrize("transport", ["torchft", "vescale"])
+def test_heal_sends_no_more_than_fsdp2(dist_run, transport, in_place):
+    """Healing our sharded 4-block transformer over ``PGTransport`` sends at most what FSDP2's
+    heal over torchft's sends, and the healed group equals the live one bit for bit, then
+    trains on identically: over torchft's own ``PGTransport`` with plain ``model.state_dict()``
+    and ``optimizer.state_dict()`` (each shard owns exactly its bytes; before, each sent its
+    unit's whole buffer), and over ours."""
+    ours = dist_run(heal_over_pg_transport, 4, "vescale", transport, in_place=in_place)
     fsdp2 = dist_run(heal_over_pg_transport, 4, "torch", "torchft", in_place=in_place)
     _check_healed(fsdp2)
     _check_healed(ours)
@@ -66,3 +68,27 @@ def test_flat_buffer_heal_sends_fewer_messages(dist_run, engine):
     )
     assert flat_bytes <= fsdp2_bytes
     assert flat_messages * 4 <= fsdp2_messages
+
+
+@pytest.mark.parametrize(
+    ("optim", "transport"),
+    [("adamw8bit", "torchft"), ("adamw8bit", "flat"), ("muon", "torchft"), ("flat_adamw", "torchft")],
+)
+def test_our_optimizer_states_heal_bit_for_bit(dist_run, optim, transport):
+    """AdamW8bit's 8-bit codes and scales, Muon's momenta (with its AdamW group's moments) and
+    flat AdamW's moments heal bit for bit, and the step after the heal agrees. Over torchft's
+    ``PGTransport`` with plain state dicts, the tensors sent are exactly the state's own bytes
+    (before: a flat optimizer's state sent its run's whole buffer per parameter); over
+    ``FlatBufferTransport`` (spans of the flat buffers, padding included) in a quarter of the
+    messages."""
+    results = dist_run(heal_over_pg_transport, 4, "vescale", transport, optim=optim)
+    _check_healed(results)
+    for live in results[:2]:
+        print(
+            f"{optim} over {transport}: {live['payload']} B of tensors in {live['messages']} sends, "
+            f"for {live['own_bytes']} B of state in {live['tensors']} tensors"
+        )
+        if transport == "torchft":
+            assert live["payload"] == live["own_bytes"]
+        else:
+            assert live["messages"] * 4 <= live["tensors"]

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from vescale_plugins.optim.closure import evaluate_closure
 from vescale_plugins.optim.flat import Run, contiguous_runs, local_of
+from vescale_plugins.ragged.dtensor import with_own_bytes
 
 __all__ = ["FlatStateOptimizer", "StateSpec"]
 
@@ -65,6 +66,7 @@ class FlatStateOptimizer(Optimizer):
                 self.check_param(repr(name) if name else f"parameter {index} of param group {group_index}", param)
         # Run layout key -> the flat buffers its members' state entries are views of.
         self._flat_cache: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.register_state_dict_post_hook(_states_over_own_bytes, prepend=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -172,3 +174,16 @@ class FlatStateOptimizer(Optimizer):
                 ):
                     return False
         return True
+
+
+def _states_over_own_bytes(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict()``'s states over storages of exactly their own bytes: views of the flat
+    buffers (the same memory, no copy), so consumers that serialise tensors through their
+    storages (torchft's ``PGTransport``, ``torch.save`` of one entry) send each state once,
+    not its run's whole buffer per parameter; in-place loads into them land in the buffers.
+    New dicts: torch's ``state_dict()`` hands out the optimizer's own per-parameter dicts."""
+    state_dict["state"] = {
+        key: {name: with_own_bytes(value) for name, value in entry.items()}
+        for key, entry in state_dict["state"].items()
+    }
+    return state_dict

@@ -27,7 +27,7 @@ from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.dbuffer.reduction import gradient_reduction
-from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw
+from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw, with_own_bytes
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
 from vescale_plugins.runtime.fsdp2_semantics import (
@@ -312,10 +312,14 @@ class FSDPParamGroup:
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
-        """Reshard before ``state_dict()``/``load_state_dict()`` so both see the sharded params."""
-        owners = {id(module): module for p in self.fsdp_params for module, _ in p.owners}
-        for module in owners.values():
-            module.register_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+        """``state_dict()`` hands out the sharded parameters whatever the unit's state;
+        ``load_state_dict()`` reshards first, so it writes the sharded parameters."""
+        slots: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
+        for fsdp_param in self.fsdp_params:
+            for module, name in fsdp_param.owners:
+                slots.setdefault(id(module), (module, []))[1].append((name, fsdp_param))
+        for module, names in slots.values():
+            module.register_state_dict_post_hook(functools.partial(_sharded_state_dict_entries, names))
             module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
 
     # -- unshard / reshard ------------------------------------------------------------
@@ -879,3 +883,28 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.group.post_backward_from_inputs(ctx)  # ctx is this autograd node
         return (None, *grads)
+
+
+def _sharded_state_dict_entries(
+    names: list[tuple[str, FSDPParam]], module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """A unit's state-dict post-hook: each managed parameter's entry is its sharded DTensor.
+
+    Read from the sharded parameter, never from what the module holds now (the gathered
+    parameters during forward and backward), and without resharding (FSDP2 reshards): so a
+    state dict taken from another thread while the unit trains (torchft's quorum thread) is
+    the sharded state, whole, and the training thread's parameters stay as they were. Each
+    tensor entry is over a storage of exactly its shard's bytes (a view into the unit's
+    DBuffer: the same memory, no copy), so consumers that serialise tensors through their
+    storages (torchft's ``PGTransport``, ``torch.save`` of one entry) send the shard, not the
+    unit's whole buffer; writes into the entry (DCP's in-place load) land in the DBuffer.
+    """
+    for name, fsdp_param in names:
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is None:
+            continue
+        if isinstance(value, nn.Parameter):  # state_dict(keep_vars=True): the parameter itself
+            state_dict[key] = fsdp_param.sharded
+        else:
+            state_dict[key] = with_own_bytes(fsdp_param.sharded.detach())
