@@ -181,3 +181,42 @@ def pickled_sizes(engine: str) -> dict[str, tuple[int, int]]:
         return len(out.getvalue())
 
     return {name: (saved(value), saved(value.clone())) for name, value in model.state_dict().items()}
+
+
+def state_dicts_while_training(engine: str, steps: int = 6) -> dict[str, Any]:
+    """Train ``steps`` steps twice over 2 ranks: alone, then while another thread takes
+    ``model.state_dict()`` and ``optimizer.state_dict()`` in a loop, as torchft's quorum thread
+    does for a heal under the asynchronous quorum. Returns both runs' losses, the reader's
+    errors and reads, and the entries it saw that were not this rank's shards."""
+    import threading
+
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    model, optimizer = build(engine, mesh, 4)
+    alone = [train_step(model, optimizer, step, rank) for step in range(steps)]
+    model, optimizer = build(engine, mesh, 4)
+    shards = {name: v.to_local().shape for name, v in model.state_dict().items() if isinstance(v, DTensor)}
+    stop, errors, reads, unsharded = threading.Event(), [], [0], set()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                state = model.state_dict()
+                optimizer.state_dict()
+            except Exception as error:  # reported to the test
+                errors.append(repr(error))
+                return
+            reads[0] += 1
+            for name, shape in shards.items():
+                value = state[name]
+                if not isinstance(value, DTensor) or value.to_local().shape != shape:
+                    unsharded.add(name)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        losses = [train_step(model, optimizer, step, rank) for step in range(steps)]
+    finally:
+        stop.set()
+        reader.join()
+    return {"alone": alone, "losses": losses, "errors": errors, "reads": reads[0], "unsharded": sorted(unsharded)}

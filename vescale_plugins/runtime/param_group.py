@@ -14,6 +14,7 @@ IterationContext`; the end of backward is driven from above, by the root's
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,7 @@ class FSDPParamGroup:
         # This backward's post-backward already ran once (see _pre_backward_hook).
         self._backward_again = False
         self._pending_unshard: list[GatherHandle] = []
+        self._gathering_thread: int | None = None  # the thread that last gathered the unit
         self._modules_run: set[int] = set()
         self.buffers: list[ShardedBuffer] = []
         self.fsdp_params = self._build(params, buffer_split_cost)
@@ -312,15 +314,25 @@ class FSDPParamGroup:
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
-        """``state_dict()`` hands out the sharded parameters whatever the unit's state;
+        """``state_dict()`` hands out the sharded parameters whatever the unit's state, and
+        reshards first (as FSDP2) only on the thread that gathers the unit;
         ``load_state_dict()`` reshards first, so it writes the sharded parameters."""
         slots: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
         for fsdp_param in self.fsdp_params:
             for module, name in fsdp_param.owners:
                 slots.setdefault(id(module), (module, []))[1].append((name, fsdp_param))
         for module, names in slots.values():
+            module.register_state_dict_pre_hook(lambda *args, **kwargs: self._reshard_for_state_dict())
             module.register_state_dict_post_hook(functools.partial(_sharded_state_dict_entries, names))
             module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+
+    def _reshard_for_state_dict(self) -> None:
+        """FSDP2 reshards before ``state_dict()``. Only the thread that gathers this unit may:
+        another one (torchft's quorum thread, building a heal's state dict while this unit's
+        forward runs) would swap the sharded parameters in under that forward. Such a thread
+        touches nothing; the post-hook reads the sharded parameters for it."""
+        if self._gathering_thread == threading.get_ident():
+            self.reshard()
 
     # -- unshard / reshard ------------------------------------------------------------
 
@@ -367,6 +379,7 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
+        self._gathering_thread = threading.get_ident()
         if self._pending_unshard or self.is_unsharded:
             return
         self.check_materialized()
@@ -891,7 +904,7 @@ def _sharded_state_dict_entries(
     """A unit's state-dict post-hook: each managed parameter's entry is its sharded DTensor.
 
     Read from the sharded parameter, never from what the module holds now (the gathered
-    parameters during forward and backward), and without resharding (FSDP2 reshards): so a
+    parameters during forward and backward, when another thread takes the state dict): so a
     state dict taken from another thread while the unit trains (torchft's quorum thread) is
     the sharded state, whole, and the training thread's parameters stay as they were. Each
     tensor entry is over a storage of exactly its shard's bytes (a view into the unit's

@@ -83,17 +83,17 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
     whole buffer once per parameter. The returned tensor's storage is a slice of the buffer's
     (``UntypedStorage.__getitem__`` aliases the memory and keeps the buffer's storage object
     alive); writes through it land in the buffer. Valid while the buffer's storage is not
-    resized: take it for a serialisation, not to keep. A tensor that already owns exactly its
-    bytes is returned as is.
+    resized (a DBuffer's sharded buffer is not while a parameter's data lives in it). An empty
+    tensor gets the empty slice at its offset. A tensor that already owns exactly its bytes is
+    returned as is.
     """
     if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
         return tensor
     itemsize = tensor.element_size()
-    if tensor.numel() == 0:
-        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     storage = tensor.untyped_storage()
-    start, nbytes = tensor.storage_offset() * itemsize, span * itemsize
+    start, nbytes = tensor.storage_offset() * itemsize, span * itemsize if tensor.numel() else 0
+    start = min(start, storage.nbytes())  # an empty shard may sit at its buffer's end
     if start == 0 and storage.nbytes() == nbytes:
         return tensor
     own = storage[start : start + nbytes]
