@@ -13,6 +13,8 @@ Scenarios:
 - ``crash``: both groups start together; replica 1 dies (``os._exit``) before step
   ``CRASH_AT``; the test starts it again (``RESTARTED=1``).
 
+``ASYNC_QUORUM=1`` runs torchft's default asynchronous quorum instead of the synchronous one.
+
 Whenever replica 1 is missing from step ``WAIT_AT`` on, replica 0 waits until replica 1's
 manager is up, then steps slowly until the quorum has both groups, so that replica 1 joins,
 heals from it and trains on with it. Each rank writes
@@ -97,7 +99,9 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
         rank=rank,
         world_size=world,
         lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
-        use_async_quorum=False,
+        # ASYNC_QUORUM=1: torchft's default, the quorum (and a live group's state dict for a
+        # heal) in torchft's thread while this thread's forward runs.
+        use_async_quorum=bool(os.environ.get("ASYNC_QUORUM")),
         checkpoint_transport=transport,  # type: ignore[arg-type]
         timeout=TIMEOUT,
         quorum_timeout=TIMEOUT,
