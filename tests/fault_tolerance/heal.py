@@ -110,8 +110,10 @@ def heal_over_pg_transport(
     in_place: bool = False,
     states: bool = True,
     optim: str = "adamw",
+    hsdp: bool = False,
 ) -> dict[str, Any]:
     """Replica 0 trains ``STEPS`` steps and heals replica 1; both then take one more step.
+    With ``hsdp``, each group is an HSDP job (its own 1 x 2 mesh) instead of an FSDP one.
 
     Returns this rank's replica index, the sends counted on the live side (messages, bytes),
     the heal's wall time (seconds, the receiver's), and (with ``states``) the local state
@@ -120,10 +122,15 @@ def heal_over_pg_transport(
     # A shard dim named per optimizer: DTensor's sharding cache matches meshes by equality (their
     # layout and names), so in a worker pool the DTensors of an earlier body's equal mesh come
     # back on that mesh's process groups, and Muon refuses parameters on two groups.
-    shard = f"shard_{optim}"
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", shard))
+    shard = f"shard_{optim}{'_hsdp' if hsdp else ''}"
+    if hsdp:  # HSDP inside each group: 1 replica x 2 shards, 2-D placements in the state dicts
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replica", "hsdp", shard))
+        unit_mesh = mesh["hsdp", shard]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", shard))
+        unit_mesh = mesh[shard]
     replica, shard_rank = mesh.get_local_rank("replica"), mesh.get_local_rank(shard)
-    model, optimizer = build(engine, mesh[shard], layers, optim)
+    model, optimizer = build(engine, unit_mesh, layers, optim)
     if replica == 0:
         for step in range(STEPS):
             train_step(model, optimizer, step, shard_rank)

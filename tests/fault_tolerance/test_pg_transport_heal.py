@@ -92,3 +92,21 @@ def test_our_optimizer_states_heal_bit_for_bit(dist_run, optim, transport):
             assert live["payload"] == live["own_bytes"]
         else:
             assert live["messages"] * 4 <= live["tensors"]
+
+
+def test_hsdp_group_heals_with_no_more_than_fsdp2(dist_run):
+    """Each replica group an HSDP job (1 replica x 2 shards: state-dict entries placed
+    ``[Replicate(), RaggedShard]``): the heal over torchft's ``PGTransport`` and over
+    ``FlatBufferTransport`` is bit for bit, the step after it agrees, and ours sends at most
+    FSDP2's bytes over torchft's ``PGTransport``."""
+    fsdp2 = dist_run(heal_over_pg_transport, 4, "torch", "torchft", hsdp=True)
+    _check_healed(fsdp2)
+    fsdp2_messages, fsdp2_bytes = _sent(fsdp2)
+    for transport in ("torchft", "flat"):
+        ours = dist_run(heal_over_pg_transport, 4, "vescale", transport, hsdp=True)
+        _check_healed(ours)
+        our_messages, our_bytes = _sent(ours)
+        print(
+            f"HSDP heal over {transport}: ours {our_bytes} B in {our_messages} sends, FSDP2 {fsdp2_bytes} B in {fsdp2_messages}"
+        )
+        assert our_bytes <= fsdp2_bytes
