@@ -12,8 +12,10 @@ model with ``vescale_plugins.fully_shard``; torchft's ``Manager`` averages gradi
 groups in ``set_all_reduce_hook`` (torchtitan's wiring), steps the optimizer only when the
 quorum commits, and heals a group that is behind by sending it a live group's state dict
 through ``FlatBufferTransport``: one message per flat buffer (see docs/fault_tolerance.md).
-The quorum is synchronous (``use_async_quorum=False``): a heal then never runs while the
-live group's forward does. Plain torch and gloo: runs on CPU; on GPUs pass ``--device cuda``.
+The quorum is torchft's default, asynchronous: the live group builds its state dict in
+torchft's quorum thread while its own forward runs, which our units allow (``state_dict()``
+from another thread reads the sharded parameters and touches nothing). Plain torch and gloo:
+runs on CPU; on GPUs pass ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ def main() -> None:
         ),
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         replica_id=f"replica{replica}",
-        use_async_quorum=False,
         checkpoint_transport=FlatBufferTransport(pg, timeout, device),
         timeout=timeout,
     )
