@@ -119,10 +119,10 @@ def heal_over_pg_transport(
     the heal's wall time (seconds, the receiver's), and (with ``states``) the local state
     after the heal and after the step that follows it, and that step's loss.
     """
-    # A shard dim named per optimizer: DTensor's sharding cache matches meshes by equality (their
+    # A shard dim named per case: DTensor's sharding cache matches meshes by equality (their
     # layout and names), so in a worker pool the DTensors of an earlier body's equal mesh come
     # back on that mesh's process groups, and Muon refuses parameters on two groups.
-    shard = f"shard_{optim}{'_hsdp' if hsdp else ''}"
+    shard = f"shard_{optim}_{layers}{'_hsdp' if hsdp else ''}"
     if hsdp:  # HSDP inside each group: 1 replica x 2 shards, 2-D placements in the state dicts
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replica", "hsdp", shard))
         unit_mesh = mesh["hsdp", shard]
