@@ -20,12 +20,13 @@ from tests.fault_tolerance.ft_launch import run_heal
 
 
 def _failure(out: Path, error: Exception) -> str:
-    """The first error line of any rank's log, else the exception's first line."""
+    """The first error line of the ranks' logs that is a cause (not a peer's lost connection
+    or a timeout that follows it), else the exception's first line."""
+    lines = []
     for log in sorted(out.glob("log*.txt")):
-        match = re.search(r"^\w*(Error|Exception): .*$", log.read_text(), re.MULTILINE)
-        if match:
-            return match.group(0)[:200]
-    return str(error).splitlines()[0][:200]
+        lines += re.findall(r"^(?:\[rank\d+\]: )?\w*(?:Error|Exception): .*$", log.read_text(), re.MULTILINE)
+    causes = [line for line in lines if "Connection closed by peer" not in line and "timed out" not in line.lower()]
+    return ((causes or lines or [str(error).splitlines()[0]])[0])[:200]
 
 
 def _run(engine: str, out: Path) -> str | None:
