@@ -30,7 +30,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from torchft.checkpointing.pg_transport import PGTransport as _TorchftPGTransport
 from torchft.process_group import ProcessGroup
 
-from vescale_plugins.ragged.dtensor import with_own_bytes
+from vescale_plugins.ragged.dtensor import buffer_view, with_own_bytes
 
 __all__ = ["FlatBufferTransport", "PGTransport", "own_storages"]
 
@@ -127,7 +127,8 @@ class FlatBufferTransport(_TorchftPGTransport[T]):
         for index, value in enumerate(flat):
             if not isinstance(value, torch.Tensor):
                 continue
-            local = value._local_tensor if isinstance(value, DTensor) else value
+            # A view into the whole buffer again where the state dict holds one over its own bytes.
+            local = buffer_view(value._local_tensor if isinstance(value, DTensor) else value)
             locals_[index] = local
             storage = local.untyped_storage()
             start = local.storage_offset() * local.element_size()

@@ -379,9 +379,9 @@ class FSDPParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
-        self._gathering_thread = threading.get_ident()
         if self._pending_unshard or self.is_unsharded:
             return
+        self._gathering_thread = threading.get_ident()
         self.check_materialized()
         with outside_functorch():
             self._pending_unshard = [h for b in self.buffers for h in self._all_gather(b, async_op)]

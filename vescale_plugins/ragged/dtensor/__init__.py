@@ -70,6 +70,7 @@ from vescale_plugins.ragged.dtensor.construction import (
 )
 from vescale_plugins.ragged.dtensor.generator_sync import sync_generator_at_next_draw
 from vescale_plugins.ragged.dtensor.local_tensor import (
+    buffer_view,
     dtensor_deepcopy,
     dtensor_reduce_ex,
     make_dtensor,
@@ -97,6 +98,7 @@ __all__ = [
     "is_installed",
     "make_dtensor",
     "set_local_tensor",
+    "buffer_view",
     "own_bytes",
     "with_own_bytes",
     "concatenate_meshes",

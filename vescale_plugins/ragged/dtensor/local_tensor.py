@@ -12,6 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from vescale_plugins.ragged.dtensor.specs import (
     ORIGINAL,
@@ -97,7 +98,19 @@ def own_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if start == 0 and storage.nbytes() == nbytes:
         return tensor
     own = storage[start : start + nbytes]
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(own, 0, tensor.shape, tensor.stride())
+    result = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(own, 0, tensor.shape, tensor.stride())
+    _VIEW_OF[result] = tensor
+    return result
+
+
+# own_bytes's results -> the views they were made from (not an attribute: pickling would write it).
+_VIEW_OF = WeakTensorKeyDictionary()
+
+
+def buffer_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The view into its buffer that :func:`own_bytes` made ``tensor`` from, else ``tensor``:
+    for consumers that send a whole buffer at once (``FlatBufferTransport``)."""
+    return _VIEW_OF.get(tensor, tensor)
 
 
 def with_own_bytes(value: Any) -> Any:
