@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 
 def passes(ctx: Any) -> dict[str, Any]:
@@ -21,3 +25,13 @@ def overruns(ctx: Any) -> dict[str, Any]:
 
 def skips(ctx: Any) -> dict[str, Any]:
     return {"status": "skipped", "reason": "its subject is absent"}
+
+
+def case_noted_then_hung(kind: str, engine: str, reshard: bool, keep: bool, notes: str) -> dict[str, Any]:
+    """A ``cuda_graph`` case whose rank 0 captures (and notes it) and whose other ranks hang."""
+    if dist.get_rank() == 0:
+        out = {"capture": "captured ok"}
+        (Path(notes) / "rank0.json").write_text(json.dumps(out))
+        return out
+    time.sleep(600)
+    return {}

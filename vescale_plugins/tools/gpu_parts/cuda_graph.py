@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -29,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from vescale_plugins.tools import parity_model
 from vescale_plugins.tools.gpu_parts.context import PartContext, launch
 
-__all__ = ["run", "CASES"]
+__all__ = ["run", "each_case_in_its_ranks", "CASES"]
 
 # (engine, reshard_after_forward, keep_unsharded_storage)
 CASES = [
@@ -83,8 +86,10 @@ def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() if got.numel() else 0.0
 
 
-def _case_rank(kind: str, engine: str, reshard: bool, keep: bool) -> dict[str, Any]:
-    """One case on this rank: eager reference, warm-up, capture, replay, comparison."""
+def _case_rank(kind: str, engine: str, reshard: bool, keep: bool, notes: str | None = None) -> dict[str, Any]:
+    """One case on this rank: eager reference, warm-up, capture, replay, comparison. With
+    ``notes`` (a folder), what this rank knows is also written there as soon as it knows
+    it, for when another rank hangs and the launch is killed."""
     cuda = kind == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
@@ -103,20 +108,16 @@ def _case_rank(kind: str, engine: str, reshard: bool, keep: bool) -> dict[str, A
         static_tokens.copy_(batch[0])
         static_targets.copy_(batch[1])
 
+    def note(out: dict[str, Any]) -> dict[str, Any]:
+        if notes is not None:
+            (Path(notes) / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+        return out
+
     use(batches[1])
     eager_loss, eager_grads = step().clone(), _grads(model)
     use(batches[0])
-    side = torch.cuda.Stream() if cuda else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for _ in range(WARMUP_STEPS):
-            model.zero_grad(set_to_none=True)
-            step()
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
+    _warm_up(model, step, cuda)
     model.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the graph's pool
-    out: dict[str, Any] = {}
     graph = torch.cuda.CUDAGraph() if cuda else None
     try:
         if graph is not None:
@@ -124,10 +125,9 @@ def _case_rank(kind: str, engine: str, reshard: bool, keep: bool) -> dict[str, A
                 static_loss = step()
         else:
             static_loss = step()
-        out["capture"] = "captured ok" if cuda else "dry run ok (no capture off CUDA)"
     except Exception as error:  # the answer, not a failure of the part
-        out["capture"] = f"failed: {type(error).__name__}: {error}"[:1500]
-        return out
+        return note({"capture": f"failed: {type(error).__name__}: {error}"[:1500]})
+    out = note({"capture": "captured ok" if cuda else "dry run ok (no capture off CUDA)"})
     use(batches[1])
     try:
         if graph is not None:
@@ -137,14 +137,30 @@ def _case_rank(kind: str, engine: str, reshard: bool, keep: bool) -> dict[str, A
             model.zero_grad(set_to_none=True)
             static_loss = step()
     except Exception as error:
-        out["replay"] = f"failed: {type(error).__name__}: {error}"[:1500]
-        return out
-    out["loss_diff"] = (static_loss.float() - eager_loss.float()).abs().item()
-    out["max_grad_diff"] = _max_diff(_grads(model), eager_grads)
-    out["replay_equals_eager"] = torch.allclose(_grads(model), eager_grads, rtol=RTOL, atol=ATOL) and torch.allclose(
-        static_loss.float(), eager_loss.float(), rtol=RTOL, atol=ATOL
+        return note({**out, "replay": f"failed: {type(error).__name__}: {error}"[:1500]})
+    grads = _grads(model)
+    return note(
+        {
+            **out,
+            "loss_diff": (static_loss.float() - eager_loss.float()).abs().item(),
+            "max_grad_diff": _max_diff(grads, eager_grads),
+            "replay_equals_eager": torch.allclose(grads, eager_grads, rtol=RTOL, atol=ATOL)
+            and torch.allclose(static_loss.float(), eager_loss.float(), rtol=RTOL, atol=ATOL),
+        }
     )
-    return out
+
+
+def _warm_up(model: torch.nn.Module, step: Callable[[], torch.Tensor], cuda: bool) -> None:
+    """A few steps on a side stream before capture (``torch.cuda.graph``'s docs ask for it)."""
+    side = torch.cuda.Stream() if cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for _ in range(WARMUP_STEPS):
+            model.zero_grad(set_to_none=True)
+            step()
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
 
 
 def _verdict(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -167,32 +183,46 @@ def _summary(cases: dict[str, dict[str, Any]]) -> str:
         text = str(figures.get("replay") or figures["capture"]).splitlines()[0][:120]
         if "replay_equals_eager" in figures:
             text += ", replay == eager" if figures["replay_equals_eager"] else ", replay != eager"
+        if "ranks_failed" in figures:
+            text += f" (ranks failed: {str(figures['ranks_failed']).splitlines()[0][:80]})"
         return text
 
     return "; ".join(f"{name}: {line(figures)}" for name, figures in cases.items())
 
 
 def run(ctx: PartContext) -> dict[str, Any]:
-    cases: dict[str, dict[str, Any]] = {}
-    if ctx.kind != "cuda":  # a dry run: every case in one launch
+    if ctx.kind == "cuda":
+        cases = each_case_in_its_ranks(ctx)
+    else:  # a dry run: every case in one launch
         ranks = launch(ctx, _all_cases_rank, ctx.kind)
         cases = {name: _verdict([r[name] for r in ranks]) for name in ranks[0]}
-    else:
-        deadline = time.monotonic() + ctx.timeout_s - 5
-        for case in CASES:
-            left = deadline - time.monotonic()
-            if left < 10:
-                cases[_name(*case)] = {"capture": "not run: the part's budget was spent"}
-                continue
-            started = time.perf_counter()
-            case_ctx = dataclasses.replace(ctx, timeout_s=min(CASE_BUDGET_S, left))
-            try:
-                figures = _verdict(launch(case_ctx, _case_rank, ctx.kind, *case))
-            except Exception as error:  # ranks that hung or died: the case's answer
-                figures = {"capture": f"failed: {type(error).__name__}: {error}"[:1500]}
-            figures["seconds"] = round(time.perf_counter() - started, 2)
-            cases[_name(*case)] = figures
     return {"summary": f"W={ctx.world}: {_summary(cases)}", "cases": cases, **ctx.figures()}
+
+
+def each_case_in_its_ranks(
+    ctx: PartContext, case_rank: Callable[..., dict[str, Any]] = _case_rank, cases: list[tuple[str, bool, bool]] = CASES
+) -> dict[str, dict[str, Any]]:
+    """Each case's verdict, each from ranks of its own within the part's budget; a case whose
+    ranks hang or die gets what its ranks noted before, and why the launch failed."""
+    out: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + ctx.timeout_s - 5
+    for case in cases:
+        left = deadline - time.monotonic()
+        if left < 10:
+            out[_name(*case)] = {"capture": "not run: the part's budget was spent"}
+            continue
+        started = time.perf_counter()
+        case_ctx = dataclasses.replace(ctx, timeout_s=min(CASE_BUDGET_S, left))
+        with tempfile.TemporaryDirectory() as notes:
+            try:
+                figures = _verdict(launch(case_ctx, case_rank, ctx.kind, *case, notes))
+            except Exception as error:  # ranks that hung or died: what they noted, and why
+                noted = [json.loads(p.read_text()) for p in sorted(Path(notes).glob("rank*.json"))]
+                figures = _verdict(noted) if noted else {"capture": "failed: see ranks_failed"}
+                figures["ranks_failed"] = f"{type(error).__name__}: {error}"[:1500]
+        figures["seconds"] = round(time.perf_counter() - started, 2)
+        out[_name(*case)] = figures
+    return out
 
 
 def _all_cases_rank(kind: str) -> dict[str, dict[str, Any]]:
