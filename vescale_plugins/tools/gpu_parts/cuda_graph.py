@@ -34,12 +34,13 @@ from vescale_plugins.tools.gpu_parts.context import PartContext, launch
 
 __all__ = ["run", "each_case_in_its_ranks", "CASES"]
 
-# (engine, reshard_after_forward, keep_unsharded_storage)
+# (engine, reshard_after_forward, keep_unsharded_storage); the question first (can ours be
+# captured where FSDP2 cannot?), in case the budget runs out.
 CASES = [
-    ("fsdp2", False, False),
     ("fsdp2", True, False),
-    ("vescale", False, False),
     ("vescale", True, False),
+    ("fsdp2", False, False),
+    ("vescale", False, False),
     ("vescale", True, True),
 ]
 WARMUP_STEPS = 3
