@@ -1,14 +1,15 @@
 """``cuda_graph``: one training step (forward and backward) captured in a CUDA graph, both engines.
 
-torchtitan captures forward and backward in a CUDA graph by default; FSDP2 cannot be captured
-with ``reshard_after_forward=True``. Each case (engine, ``reshard_after_forward``, and ours
+torchtitan captures forward and backward in a CUDA graph by default; by its account FSDP2
+cannot be captured with ``reshard_after_forward=True``. Each case (engine, ``reshard_after_forward``, and ours
 also with ``set_keep_unsharded_storage(True)``) shards the decoder (a unit per block and the
 root) on the part's ranks, runs the step eagerly on a batch for reference, warms up on a side
 stream (as ``torch.cuda.graph``'s docs ask), captures the step on another batch, then copies
 the reference batch into the static inputs, replays, and compares loss and gradients with
 the eager ones. It reports, never fails: "captured ok" or "failed: <error>", and whether the
 replay gave the eager numbers. On CUDA each case runs in ranks of its own (a failed capture
-can leave a rank's stream or communicator unusable, or the ranks out of step).
+can leave a rank's stream or communicator unusable, or the ranks out of step), which note
+what they found in a folder as they go, so a case whose ranks then hang still says why.
 
 Off CUDA, a dry run of the same code with the capture replaced by an eager call (the graph is
 CUDA only): it checks the part, not capture.
