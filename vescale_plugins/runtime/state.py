@@ -32,7 +32,7 @@ def groups_under(modules: Iterable[nn.Module]) -> list[FSDPParamGroup]:
     groups: list[FSDPParamGroup] = []
     for module in modules:
         for sub in module.modules():
-            group = getattr(sub, "_vescale_fsdp_unit", None)
+            group = vars(sub).get("_vescale_fsdp_unit")
             if group is not None and group not in groups:
                 groups.append(group)
     return groups
@@ -82,7 +82,7 @@ class RootState(IterationContext[FSDPParamGroup]):
             group.context = state
         for root_module in root.modules:
             for name, module in root_module.named_modules():
-                unit = getattr(module, "_vescale_fsdp_unit", None)
+                unit = vars(module).get("_vescale_fsdp_unit")
                 if unit in groups and module is unit.modules[0]:
                     for dbuffer in unit.dbuffers:
                         dbuffer.label = name or "<root>"
