@@ -30,43 +30,57 @@ from vescale_plugins import fully_shard
 __all__ = ["refuse_torch_fsdp2_units", "torch_fully_shard_routed"]
 
 _TORCH_FULLY_SHARD = torch_fsdp.fully_shard
-_LOCK = threading.RLock()  # the module attributes are process-wide
+# The module attributes are process-wide: they are swapped while at least one hook runs (ranks
+# run as threads of one process each enter), never held across the hook, whose fully_shard
+# calls are collectives among those threads. Each thread logs for the hook it runs.
+_LOCK = threading.Lock()
+_active = 0
+_patched: list[Any] = []
+_hook = threading.local()
+
+
+@functools.wraps(fully_shard)
+def _routed(module: Any, *args: Any, **kwargs: Any) -> Any:
+    name = getattr(_hook, "name", None)
+    if name is not None and not _hook.logged:
+        _hook.logged = True
+        rank_zero_info(
+            f"veScale-FSDP: {name} called torch.distributed.fsdp.fully_shard; the vescale_fsdp strategy runs "
+            "vescale_plugins.fully_shard (same arguments) in its place"
+        )
+    return fully_shard(module, *args, **kwargs)
 
 
 @contextmanager
 def torch_fully_shard_routed(hook: str) -> Iterator[None]:
-    """Inside, ``torch.distributed.fsdp.fully_shard`` (every path torch exports it under) is
-    ``vescale_plugins.fully_shard``; the first routed call logs one line on rank 0."""
-    logged = False
-
-    @functools.wraps(fully_shard)
-    def routed(module: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal logged
-        if not logged:
-            logged = True
-            rank_zero_info(
-                f"veScale-FSDP: {hook} called torch.distributed.fsdp.fully_shard; the vescale_fsdp strategy runs "
-                "vescale_plugins.fully_shard (same arguments) in its place"
-            )
-        return fully_shard(module, *args, **kwargs)
-
+    """Inside, ``torch.distributed.fsdp.fully_shard`` (every public path torch exports it
+    under) is ``vescale_plugins.fully_shard``; the first routed call logs one line on rank 0."""
+    global _active
+    _hook.name, _hook.logged = hook, False
     with _LOCK:
-        # The public paths only: torch's fully_shard reads its own global (``fully_shard.state``)
-        # in its private ``_fully_shard`` modules, which must stay torch's.
-        namespaces = [
-            m
-            for name, m in list(sys.modules.items())
-            if name.startswith("torch.distributed")
-            and "._fully_shard" not in name
-            and getattr(m, "fully_shard", None) is _TORCH_FULLY_SHARD
-        ]
-        for namespace in namespaces:
-            namespace.fully_shard = routed  # type: ignore[attr-defined]  # module attributes, restored below
-        try:
-            yield
-        finally:
-            for namespace in namespaces:
-                namespace.fully_shard = _TORCH_FULLY_SHARD  # type: ignore[attr-defined]
+        if _active == 0:
+            # The public paths only: torch's fully_shard reads its own global (``fully_shard.state``)
+            # in its private ``_fully_shard`` modules, which must stay torch's.
+            _patched[:] = [
+                m
+                for name, m in list(sys.modules.items())
+                if name.startswith("torch.distributed")
+                and "._fully_shard" not in name
+                and getattr(m, "fully_shard", None) is _TORCH_FULLY_SHARD
+            ]
+            for namespace in _patched:
+                namespace.fully_shard = _routed
+        _active += 1
+    try:
+        yield
+    finally:
+        _hook.name = None
+        with _LOCK:
+            _active -= 1
+            if _active == 0:
+                for namespace in _patched:
+                    namespace.fully_shard = _TORCH_FULLY_SHARD
+                _patched.clear()
 
 
 def refuse_torch_fsdp2_units(module: nn.Module, when: str) -> None:
