@@ -14,13 +14,13 @@ that says so, before any collective of ours.
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
-import torch.distributed._composable.fsdp.fully_shard  # noqa: F401  (the old import path LitGPT uses, so it is routed too)
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -30,6 +30,8 @@ from vescale_plugins import fully_shard
 __all__ = ["refuse_torch_fsdp2_units", "torch_fully_shard_routed"]
 
 _TORCH_FULLY_SHARD = torch_fsdp.fully_shard
+with suppress(ImportError):  # the older path LitGPT imports from, loaded so that it is routed too
+    importlib.import_module("torch.distributed._composable.fsdp.fully_shard")
 # The module attributes are process-wide: they are swapped while at least one hook runs (ranks
 # run as threads of one process each enter), never held across the hook, whose fully_shard
 # calls are collectives among those threads. Each thread logs for the hook it runs.
