@@ -10,7 +10,8 @@ and a data set on disk, its fine-tuning ``main`` ends in ``save_hyperparameters`
 the process's command line through jsonargparse (which LitGPT pins to an old release), and
 pretraining wraps the model in ``torch.compile`` (minutes on two CPU cores; our compile path is
 tests/runtime/test_compile.py). The training loop is the recipes' (gradient accumulation under
-``no_backward_sync``, pretraining's clipping), without their logging and validation.
+``no_backward_sync``, pretraining's clipping), without their logging and validation; full
+fine-tuning also resumes from its periodic save as its ``resume`` branch does.
 
 The reference shards as the recipes' strategy does on FSDP2: each ``Block`` (checkpoint-wrapped
 for full fine-tuning), then the root; the LoRA recipe's ``parallelize_fn`` runs unchanged under
@@ -48,6 +49,7 @@ from litgpt.pretrain import initialize_weights  # noqa: E402
 from litgpt.utils import chunked_cross_entropy, instantiate_torch_optimizer, lazy_load, load_checkpoint  # noqa: E402
 
 WORLD, MICRO_BATCH, ACCUMULATE, STEPS = 2, 2, 2, 3
+RESUME_AT = 2  # full fine-tuning saves its resumable state after this many steps
 ARCH = dict(
     block_size=16,
     vocab_size=64,
@@ -72,10 +74,10 @@ def _batch(step: int, micro: int) -> torch.Tensor:
     return torch.randint(0, ARCH["vocab_size"], (MICRO_BATCH, ARCH["block_size"]), generator=g)
 
 
-def _fit(fabric, model, optimizer, max_norm: float | None) -> list[float]:
+def _fit(fabric, model, optimizer, max_norm: float | None, steps: range = range(STEPS)) -> list[float]:
     """The recipes' step: accumulate under ``no_backward_sync``, (clip,) step, zero; local losses."""
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         for micro in range(ACCUMULATE):
             input_ids = _batch(step, micro)
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
@@ -202,11 +204,27 @@ def _full_main(fabric, config, checkpoint_path: Path, out_dir: Path):
         fabric.load_raw(checkpoint_path, model)
     else:
         load_checkpoint(fabric, model, checkpoint_path)
-    losses = _fit(fabric, model, optimizer, max_norm=None)
+    losses = _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT))
+    state = {"model": model, "optimizer": optimizer, "iter_num": RESUME_AT * ACCUMULATE, "step_count": RESUME_AT}
+    fabric.save(out_dir / f"step-{RESUME_AT:06d}" / "lit_model.pth", state)  # fit()'s periodic save
+    losses += _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT, STEPS))
     save_path = out_dir / "final" / "lit_model.pth"
     save_path.parent.mkdir(parents=True, exist_ok=True)
     fabric.save(save_path, {"model": model})
     return losses, _full_params(model)
+
+
+def _full_resume(fabric, config, out_dir: Path):
+    # full.py main() with resume: the same set-up, then fabric.load(resume, state).
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=(fabric.world_size > 1)):
+        model = GPT(config)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(instantiate_torch_optimizer("AdamW", model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    fabric.load(out_dir / f"step-{RESUME_AT:06d}" / "lit_model.pth", state)
+    assert state["step_count"] == RESUME_AT
+    return _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT, STEPS)), _full_params(model)
 
 
 def _full(root: str):
@@ -215,14 +233,17 @@ def _full(root: str):
     checkpoint = _start_weights(root, config, GPT)
     with launched_by_harness():
         # litgpt/finetune/full.py's FSDPStrategy arguments, as they are.
-        strategy = VeScaleFSDPFabricStrategy(
-            auto_wrap_policy={Block},
-            activation_checkpointing_policy={Block},
-            state_dict_type="full",
-            limit_all_gathers=True,
-            cpu_offload=False,
-        )
-        our_losses, our_params = _fabric(strategy).launch(_full_main, config, checkpoint, root / "ours")
+        def strategy():
+            return VeScaleFSDPFabricStrategy(
+                auto_wrap_policy={Block},
+                activation_checkpointing_policy={Block},
+                state_dict_type="full",
+                limit_all_gathers=True,
+                cpu_offload=False,
+            )
+
+        our_losses, our_params = _fabric(strategy()).launch(_full_main, config, checkpoint, root / "ours")
+        resumed = _fabric(strategy()).launch(_full_resume, config, root / "ours")
         theirs = _fabric(
             ModelParallelStrategy(
                 parallelize_fn=_fsdp2_blocks_and_root(True), data_parallel_size=WORLD, tensor_parallel_size=1
@@ -230,7 +251,7 @@ def _full(root: str):
         )
         their_losses, their_params = theirs.launch(_full_main, config, checkpoint, root / "fsdp2")
     stock = _stock_litgpt_params(root / "ours" / "final" / "lit_model.pth", config) if dist.get_rank() == 0 else {}
-    return our_losses, their_losses, our_params, their_params, stock
+    return our_losses, their_losses, our_params, their_params, stock, resumed
 
 
 # -- LoRA fine-tune ---------------------------------------------------------------------------
@@ -328,9 +349,12 @@ def test_litgpt_pretrain_matches_fsdp2_and_loads_in_litgpt(dist_run, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_litgpt_full_finetune_matches_fsdp2_and_loads_in_litgpt(dist_run, tmp_path):
+def test_litgpt_full_finetune_matches_fsdp2_resumes_and_loads_in_litgpt(dist_run, tmp_path):
     for rank, results in enumerate(dist_run(_full, WORLD, str(tmp_path), timeout=200)):
         _check_training(results)
+        resumed_losses, resumed_params = results[5]  # continued from the step-2 checkpoint
+        torch.testing.assert_close(resumed_losses, results[0][RESUME_AT * ACCUMULATE :], **EXACT)
+        _assert_same(resumed_params, results[2], EXACT, "parameter after resuming")
         if rank == 0:
             _assert_same(results[4], results[3], EXACT, "stock LitGPT's load of our checkpoint")
 
