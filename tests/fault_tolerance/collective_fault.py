@@ -148,9 +148,11 @@ def _load_and_train(engine: str, checkpoint: str) -> dict[str, Any]:
     return {"losses": losses, "full": full}
 
 
-def rank_main(rank: int, role: str, engine: str, phase: str, ports: tuple[int, int], out: str, results: Any) -> None:
+def rank_main(
+    rank: int, role: str, engine: str, phase: str, ports: tuple[int, int], out: str, results: Any, parent: int
+) -> None:
     """One process: ``role`` is ``first`` (ranks 0, 1 of the first group) or ``replacement``."""
-    launch.exit_when_orphaned(int(os.environ["FAULT_PARENT_PID"]))
+    launch.exit_when_orphaned(parent)
     torch.set_num_threads(1)
     checkpoint = str(Path(out) / "checkpoint")
     try:
@@ -192,10 +194,11 @@ def run_case(engine: str, phase: str, out: Path) -> dict[str, Any]:
     stores = [launch.rendezvous_store(2), launch.rendezvous_store(2)]
     ports = (stores[0].port, stores[1].port)
     results = context.Queue()
-    os.environ["FAULT_PARENT_PID"] = str(os.getpid())
 
     def start(rank: int, role: str) -> Any:
-        p = context.Process(target=rank_main, args=(rank, role, engine, phase, ports, str(out), results), daemon=True)
+        p = context.Process(
+            target=rank_main, args=(rank, role, engine, phase, ports, str(out), results, os.getpid()), daemon=True
+        )
         p.start()
         return p
 
@@ -228,3 +231,70 @@ def _drain(results: Any, got: dict, deadline: float) -> None:
         except queue.Empty:
             return
         got[(role, rank)] = (ok, value)
+
+
+class _FailingWork:
+    """A collective's work that completes, then raises as a dead peer's would (the real
+    messages are exchanged, so the ranks leave no half-done collective behind)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        self.work.wait()
+        raise RuntimeError("simulated: Connection closed by peer")
+
+
+def failing_reduction(hsdp: bool) -> dict[str, Any]:
+    """(``dist_run`` body, 2 ranks) A unit's reduce-scatter (1-D mesh, accumulating onto the
+    gradients of an earlier backward) or HSDP's all-reduce across replicas (2 x 1 mesh, in
+    place) fails on both ranks: the error, and which gradients are left."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tests.support.models import TwoBlocks
+    from vescale_plugins.dbuffer import buffer, handles
+
+    # Groups of this body's own (the failure marks them broken; the pool's group stays usable).
+    if hsdp:  # (init_device_mesh would reuse the pool's group for the replicate dim)
+        replicate, shards = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(2)]
+        groups = [replicate, shards[dist.get_rank()]]
+        mesh = DeviceMesh.from_group(groups, "cpu", mesh=[[0], [1]], mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu")
+    assert all(group is not dist.group.WORLD for group in mesh.get_all_groups())
+    torch.manual_seed(0)
+    model = TwoBlocks()
+    for block in model.blocks:
+        vescale_plugins.fully_shard(block, mesh=mesh)
+    vescale_plugins.fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6)
+    if not hsdp:  # gradients to accumulate onto
+        model(x).sum().backward()
+    sharded = dict(model.named_parameters())  # the sharded faces, between iterations
+    before = {name: _local(p.grad) for name, p in sharded.items()}
+    if hsdp:
+        real, patched = dist.all_reduce, "all_reduce"
+        target: Any = handles.dist
+    else:
+        real, patched, target = buffer.reduce_scatter_into, "reduce_scatter_into", buffer
+    try:
+        setattr(target, patched, lambda *args, **kwargs: _FailingWork(real(*args, **kwargs)))
+        try:
+            model(x).sum().backward()
+        except RuntimeError as err:
+            error: BaseException = err
+        else:
+            raise AssertionError("the failing reduction raised nothing")
+    finally:
+        setattr(target, patched, real)
+    # Read at once (the root may still hold its unsharded parameters): the sharded gradients.
+    after = {name: _local(p.grad) for name, p in sharded.items()}
+    text = str(error)
+    del error
+    model.reset_iter_state()  # type: ignore[operator]  # FSDPModule's method
+    refused = None
+    try:  # HSDP: the shard groups are fine, so forward runs; the all-reduce is refused
+        model(x).sum().backward()
+    except RuntimeError as err:
+        refused = str(err)
+    return {"text": text, "before": before, "after": after, "refused": refused}

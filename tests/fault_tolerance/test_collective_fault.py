@@ -4,10 +4,12 @@ trains on equal to FSDP2 doing the same (see :mod:`.collective_fault`)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from tests.fault_tolerance.collective_fault import run_case
+from tests.fault_tolerance.collective_fault import failing_reduction, run_case
 from tests.support.parity import PARAM_TOL, TOL
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -55,3 +57,22 @@ def test_peer_death_names_the_unit_and_the_survivor_rejoins(tmp_path, phase):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), **TOL)
         for name, value in want["full"].items():
             torch.testing.assert_close(got["full"][name], value, **PARAM_TOL, msg=lambda m: f"{key} {name}: {m}")
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["reduce_scatter_accumulating", "hsdp_all_reduce"])
+def test_failed_reduction_names_the_unit_and_lands_nothing(dist_run, hsdp):
+    """The reduce-scatter (onto gradients accumulated before) or HSDP's all-reduce fails:
+    the error names the unit and the collective; accumulated gradients keep their values,
+    in-place ones (views of the buffer being reduced) are gone; the group is refused after."""
+    for rank in dist_run(failing_reduction, 2, hsdp):
+        collective = "all-reduce across replicas (HSDP)" if hsdp else "reduce-scatter"
+        assert re.search(rf"{re.escape(collective)} of unit '(blocks\.[01]|<root>)' failed", rank["text"]), rank["text"]
+        assert "simulated: Connection closed by peer" in rank["text"]
+        for name, before in rank["before"].items():
+            after = rank["after"][name]
+            if before is None:
+                assert after is None, name
+            else:
+                assert torch.equal(after, before), name
+        assert f"{collective} of unit" in rank["refused"], rank["refused"]
+        assert "its process group failed earlier" in rank["refused"], rank["refused"]
