@@ -208,7 +208,9 @@ def run_case(engine: str, phase: str, out: Path) -> dict[str, Any]:
     deadline = time.monotonic() + DEADLINE_S
     got: dict[tuple[str, int], Any] = {}
     try:
-        first[1].join(timeout=DEADLINE_S)
+        while first[1].is_alive() and time.monotonic() < deadline and all(ok for ok, _ in got.values()):
+            _drain(results, got, deadline=min(deadline, time.monotonic() + 0.5))
+        first[1].join(timeout=1)
         if first[1].exitcode != DEATH_EXIT:
             _drain(results, got, deadline=time.monotonic() + 1)
             raise AssertionError(f"{engine}: rank 1 exited with {first[1].exitcode}, not at its death point: {got}")
