@@ -42,7 +42,11 @@ class CollectiveError(RuntimeError):
 
     def __init__(self, unit: str, collective: str, detail: str) -> None:
         super().__init__(f"{collective} of unit {unit!r} failed: {detail}; {REJOIN_HINT}")
-        self.unit, self.collective = unit, collective
+        self.unit, self.collective, self.detail = unit, collective, detail
+
+    def __reduce__(self) -> tuple[type[CollectiveError], tuple[str, str, str]]:
+        # Pickled with its own arguments (launchers send errors between processes).
+        return type(self), (self.unit, self.collective, self.detail)
 
 
 def broken_by(groups: Iterable[dist.ProcessGroup | None]) -> str | None:
