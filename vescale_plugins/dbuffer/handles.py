@@ -78,11 +78,6 @@ class GatherHandle:
         self._abandoned = False
         self.after_wait: Callable[[], None] | None = None
 
-    @property
-    def broken(self) -> bool:
-        """Whether its process group failed (then only :meth:`abandon` is left to do)."""
-        return self._abandoned or self._site.broken
-
     def abandon(self) -> None:
         """Drop it without waiting (its group failed): the gathered buffer holds no
         parameters, and a later ``wait()`` raises."""
@@ -91,9 +86,12 @@ class GatherHandle:
         self.after_wait = None
 
     def wait(self) -> None:
-        if self._abandoned or (self._work is not None and self._site.broken):
+        if self._work is not None and self._site.broken:
             self.abandon()
+        if self._abandoned:
             self._site.check_usable()
+            site = self._site
+            raise CollectiveError(site.unit, site.collective, "dropped unwaited after a collective failed")
         wait_started = _wait_started(self._token, self._work, self._streams)
         if self._work is not None:
             work, self._work = self._work, None
@@ -219,12 +217,6 @@ class ReduceScatterHandle:
         self.on_abandon: Callable[[], None] | None = None
         if self._after is not None and self._streams.enabled:
             self._issue_after_reduce_scatter()
-
-    @property
-    def broken(self) -> bool:
-        """Whether it is unfinished and a group it runs on failed (then only :meth:`abandon`
-        is left to do)."""
-        return not self.done and any(site is not None and site.broken for site in (self._site, self._after_site))
 
     def abandon(self) -> None:
         """Drop it without waiting: nothing lands in the sharded gradients (whose buffer a
