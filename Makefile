@@ -17,6 +17,10 @@ WHEEL_CACHE ?= $(HOME)/.cache/vescale-plugins/wheels
 # training-data packages (tensorboard, torchdata, datasets), which its model path never imports.
 INSTALL_TORCHTITAN = $(if $(filter 2.15.%,$(TORCH)),$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && \
 	$(PY) -m pip install --quiet tyro)
+# LitGPT 0.5.13 (tests/lightning/test_litgpt_recipes.py), on the default release: it pins
+# huggingface_hub<1.4, which the test extra's transformers cannot install beside, so without its
+# dependencies (what its model, LoRA and recipe modules import is in the test extra already).
+INSTALL_LITGPT = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet --no-deps litgpt==0.5.13)
 # The local 2.13.0 wheel as pip finds it; another release through the wheel cache.
 INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(TORCH_PIN)",\
 	$(PY) -m pip download --quiet --dest "$(WHEEL_CACHE)" "$(TORCH_PIN)" && \
@@ -34,6 +38,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(INSTALL_TORCH)
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(INSTALL_TORCHTITAN)
+	$(INSTALL_LITGPT)
 	touch $(STAMP)
 
 $(LINT_STAMP): $(PY) pyproject.toml

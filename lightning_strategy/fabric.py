@@ -60,6 +60,7 @@ from .options import (
     data_parallel_mesh,
 )
 from .precision import VeScaleFSDPFabricPrecision, as_vescale_precision
+from .torch_fsdp_routing import refuse_torch_fsdp2_units, torch_fully_shard_routed
 
 __all__ = ["VeScaleFSDPFabricStrategy"]
 
@@ -80,7 +81,8 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
     device_mesh)`` runs in ``setup_module`` before sharding (e.g. ``parallelize_module`` on
     ``device_mesh["tensor_parallel"]``) and returns the module; the strategy then shards it over
     the data-parallel dims (it may apply ``vescale_plugins.fully_shard`` itself on
-    ``device_mesh["data_parallel"]``: those units stand).
+    ``device_mesh["data_parallel"]``: those units stand; torch's ``fully_shard`` called there
+    runs ours, see :mod:`lightning_strategy.torch_fsdp_routing`).
     """
 
     _launcher_class = _SubprocessScriptLauncher
@@ -191,7 +193,11 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._checkpoint_layers(module)
         if self._parallelize_fn is not None:
-            module = self._parallelize_fn(module, self.device_mesh)
+            refuse_torch_fsdp2_units(module, "before fabric.setup")
+            # A parallelize_fn written for ModelParallelStrategy (LitGPT's LoRA recipe) calls
+            # torch's fully_shard: it runs ours, on the same mesh and arguments.
+            with torch_fully_shard_routed("parallelize_fn"):
+                module = self._parallelize_fn(module, self.device_mesh)
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return the nn.Module, got {type(module).__name__}")
         return shard_for_training(

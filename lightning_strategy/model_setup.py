@@ -27,6 +27,7 @@ from vescale_plugins.observe.summary import sharding_summary
 from vescale_plugins.wrap import has_meta_tensors, is_sharded, materialize_meta_tensors, shard_model
 
 from .options import ShardingOptions
+from .torch_fsdp_routing import refuse_torch_fsdp2_units
 
 __all__ = [
     "shard_for_training",
@@ -54,6 +55,7 @@ def shard_for_training(
     modules (e.g. in ``configure_model``): their choice of units stands, only the root is
     added if missing. Meta-device tensors are materialised after sharding.
     """
+    refuse_torch_fsdp2_units(module, "before the strategy set it up")
     if not isinstance(module, VeScaleFSDPModule):  # the root is not sharded yet
         # Resolve (and validate) the units before touching the module or the device.
         ignored = options.ignored_params()

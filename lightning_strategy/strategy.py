@@ -52,6 +52,7 @@ from .options import (
     data_parallel_mesh,
 )
 from .precision import VeScaleFSDPPrecision, as_vescale_precision
+from .torch_fsdp_routing import torch_fully_shard_routed
 
 __all__ = ["VeScaleFSDPStrategy"]
 
@@ -261,6 +262,13 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # Lightning calls configure_model inside it: torch's fully_shard there (a model written
+        # for ModelParallelStrategy) runs ours.
+        with torch_fully_shard_routed("configure_model"):
+            yield
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The device check (python -m vescale_plugins.tools.gpu_check; docs/gpu_check.md): parity on
 # CUDA against FSDP2 and the unsharded model, several ranks on one GPU, race provocation, the
-# optimizers with no host sync, the Triton kernel, the reduce-scatter wait, both engines'
-# memory. Without CUDA it runs its CPU fallback. Writes OUT/gpu_check.json, OUT/parts.jsonl
-# (one JSON record a part) and OUT/summary.txt (one line a part).
+# optimizers with no host sync, the Triton kernel, the reduce-scatter wait, a training step of
+# both engines captured in a CUDA graph (reported, never failed), both engines' memory.
+# Without CUDA it runs its CPU fallback. Writes OUT/gpu_check.json, OUT/parts.jsonl (one JSON
+# record a part) and OUT/summary.txt (one line a part).
 #   scripts/gpu_check.sh [OUT]        (default gpu_check_out; an OUT ending in .json is the report's path)
 # Nothing is installed: this checkout runs from source (PYTHONPATH) on the torch of the Python
 # chosen here: $PYTHON, else this checkout's .venv, else python3 (the device machine's, which

@@ -19,6 +19,7 @@ without a RaggedShard, or outside a sharded unit, to torch unchanged
 """
 
 from vescale_plugins import ragged as _ragged
+from vescale_plugins.dbuffer.faults import CollectiveError
 from vescale_plugins.dbuffer.planning import BufferSplitCost
 from vescale_plugins.ragged import *  # noqa: F403  (the placement and layout names, as ragged.__all__ lists them)
 from vescale_plugins.runtime.api import fully_shard, register_fsdp_forward_method, share_comm_ctx
@@ -35,5 +36,6 @@ __all__ = [
     "BlockSizeFn",
     "BufferSplitCost",
     "PlanMismatchError",
+    "CollectiveError",
     *_ragged.__all__,
 ]

@@ -30,7 +30,7 @@ __all__ = [
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``fully_shard`` has been applied to ``module`` or any module inside it."""
-    return any(getattr(m, "_vescale_fsdp_unit", None) is not None for m in module.modules())
+    return any(vars(m).get("_vescale_fsdp_unit") is not None for m in module.modules())
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -83,7 +83,7 @@ def shard_model(
     FSDP options do; ``unit_fn`` picks the units itself. A model whose units were already
     sharded by the user (e.g. in Lightning's ``configure_model``) is left as it is.
     """
-    if getattr(model, "_vescale_fsdp_unit", None) is not None:
+    if vars(model).get("_vescale_fsdp_unit") is not None:
         return model
     if unit_fn is not None:
         units = unit_fn(model)
@@ -99,7 +99,7 @@ def shard_model(
         **fully_shard_kwargs,
     )
     for unit in units:
-        if getattr(unit, "_vescale_fsdp_unit", None) is None:
+        if vars(unit).get("_vescale_fsdp_unit") is None:
             fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model

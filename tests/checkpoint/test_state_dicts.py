@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from tests.support.models import make_decoder, reference_step
 from tests.support.parity import PARAM_TOL, TOL, adamw, shard_decoder, sharded_step
 from vescale_plugins import RaggedShard, fully_shard
+from vescale_plugins.checkpoint import load_full_model_state_dict
 
 ENGINES = {"vescale": fully_shard, "fsdp2": torch_fully_shard}
 SAVE_AT, SAVE_WORLD, LOAD_WORLD, TOTAL_STEPS = 2, 2, 3, 4
@@ -116,3 +117,36 @@ def _state_dicts_keep_names_and_round_trip():
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dicts_keep_names_full_and_sharded(dist_run, world):
     dist_run(_state_dicts_keep_names_and_round_trip, world)
+
+
+class _RenamesOnLoad(torch.nn.Module):
+    """Takes an older checkpoint's ``proj.weight`` as ``proj.linear.weight`` (LitGPT's LoRA models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Module()
+        self.proj.linear = torch.nn.Linear(6, 10, bias=False)
+
+    def forward(self, x):
+        return self.proj.linear(x)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "proj.weight" in state_dict:
+            state_dict[prefix + "proj.linear.weight"] = state_dict.pop(prefix + "proj.weight")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _full_load_through_renaming_hooks():
+    torch.manual_seed(0)
+    plain = _RenamesOnLoad()
+    old_names = {"proj.weight": plain.proj.linear.weight.detach().clone()}
+    model = fully_shard(_RenamesOnLoad())
+    load_full_model_state_dict(model, old_names)
+    torch.testing.assert_close(model.proj.linear.weight.full_tensor(), old_names["proj.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_load_takes_keys_the_models_load_hooks_rename(dist_run, world):
+    """As an unsharded model (and FSDP1's full-state-dict load) takes them; torch's
+    ``set_model_state_dict`` alone shards only the keys the model's state dict has."""
+    dist_run(_full_load_through_renaming_hooks, world)

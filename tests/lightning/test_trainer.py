@@ -128,8 +128,16 @@ class _ShardsItself(LitDecoder):
             fully_shard(block, mesh=self.device_mesh, reshard_after_forward=False)
 
 
-def _respects_configure_model(root):
-    module = _ShardsItself()
+class _ShardsItselfWithTorchFSDP2(LitDecoder):
+    """The same, written for ModelParallelStrategy: torch's fully_shard, looked up in the hook."""
+
+    def configure_model(self):
+        for block in self.model.layers:
+            torch.distributed.fsdp.fully_shard(block, mesh=self.device_mesh, reshard_after_forward=False)
+
+
+def _respects_configure_model(root, module_cls=_ShardsItself):
+    module = module_cls()
     with launched_by_harness():
         trainer = make_trainer(root, strategy=VeScaleFSDPStrategy(auto_wrap_policy={"Attention"}))
         trainer.fit(module, loader(dataset(dist.get_world_size())))
@@ -141,6 +149,11 @@ def _respects_configure_model(root):
 
 def test_units_sharded_in_configure_model_are_kept(dist_run, tmp_path):
     dist_run(_respects_configure_model, 2, str(tmp_path))
+
+
+def test_torch_fully_shard_in_configure_model_runs_ours(dist_run, tmp_path):
+    """The strategy routes torch's ``fully_shard`` in ``configure_model`` to ours: the same units."""
+    dist_run(_respects_configure_model, 2, str(tmp_path), _ShardsItselfWithTorchFSDP2)
 
 
 def _policy_naming_no_module(root):

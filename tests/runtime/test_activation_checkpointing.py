@@ -5,7 +5,9 @@ Forms: ``torch.utils.checkpoint`` inside a block (reentrant and not), ``checkpoi
 through ``apply_activation_checkpointing`` before ``fully_shard`` (as torchtitan and
 Accelerate do), a block whose ``__call__`` checkpoints the whole module call so the unit's
 own hooks run again during the recomputation (Hugging Face's ``GradientCheckpointingLayer``),
-the composable ``checkpoint(module)``, and a unit nested inside a checkpointed block.
+the composable ``checkpoint(module)``, a unit nested inside a checkpointed block, and
+LitGPT's LoRA ``parallelize_fn``: ``fully_shard`` on each wrapped block, then on its
+``CheckpointWrapper`` (a unit with no parameters of its own), then on the root.
 """
 
 import functools
@@ -91,6 +93,11 @@ def _prepare(form, model, shard, reshard_after_forward):
         if shard is not None:
             for block in model.layers:
                 shard(block.up, **kwargs)
+    elif form == "wrapper-then-inner":
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, models.Block))
+        if shard is not None:
+            for wrapper in model.layers:
+                shard(wrapper._checkpoint_wrapped_module, **kwargs)
     if shard is not None:
         for block in model.layers:
             shard(block, **kwargs)
@@ -147,6 +154,7 @@ FORMS = [
     "wrapper-reentrant",
     "composable",
     "nested",
+    "wrapper-then-inner",
 ]
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.gpu_check_parts import case_noted_then_died
 from vescale_plugins.tools import gpu_check
+from vescale_plugins.tools.gpu_parts import cuda_graph
 from vescale_plugins.tools.gpu_parts.context import PartContext
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +125,13 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     assert report["ranks"] == {"world_size": 2, "ranks_on_one_gpu": False, "world_note": "two gloo ranks on CPU"}
     assert checks["optimizer_host_syncs"]["status"] == "passed"
     assert set(checks["optimizer_host_syncs"]["optimizers"]) == {"flat AdamW", "AdamW8bit", "Muon"}
+    # The CUDA-graph part's dry run: every case's code runs, "replay" (an eager call) matches.
+    graphs = checks["cuda_graph"]
+    assert graphs["status"] == "passed"
+    assert set(graphs["cases"]) == {cuda_graph._name(*case) for case in cuda_graph.CASES}
+    for name, case in graphs["cases"].items():
+        assert case["capture"] == "dry run ok (no capture off CUDA)", name
+        assert case["replay_equals_eager"] is True, name
     parity = checks["parity_multi_rank"]
     assert parity["status"] == "passed"
     assert parity["world_size"] == 2
@@ -142,3 +151,29 @@ def test_gpu_check_cpu_fallback_writes_every_check(tmp_path):
     assert checks["triton_kernels"]["status"] in ("skipped", "passed")
     if checks["triton_kernels"]["status"] == "skipped":
         assert checks["triton_kernels"]["reason"]
+
+
+def test_cuda_graph_reports_any_rank_s_failed_capture_and_the_worst_difference():
+    ok = {"capture": "captured ok", "loss_diff": 0.0, "max_grad_diff": 1e-7, "replay_equals_eager": True}
+    failed = {"capture": "failed: RuntimeError: operation not permitted when stream is capturing"}
+    assert cuda_graph._verdict([ok, failed])["capture"] == failed["capture"]
+    worse = {**ok, "max_grad_diff": 3e-3, "replay_equals_eager": False}
+    verdict = cuda_graph._verdict([ok, worse])
+    assert verdict["max_grad_diff"] == 3e-3
+    assert verdict["replay_equals_eager"] is False
+    summary = cuda_graph._summary({"a": verdict, "b": cuda_graph._verdict([failed, failed])})
+    assert (
+        summary
+        == "a: captured ok, replay != eager; b: failed: RuntimeError: operation not permitted when stream is capturing"
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_cuda_graph_case_whose_ranks_die_keeps_what_they_noted():
+    ctx = PartContext("cpu", 0, world=2, ranks_on_one_gpu=False, world_note="", timeout_s=150)
+    cases = cuda_graph.each_case_in_its_ranks(ctx, case_noted_then_died, [("vescale", True, False)])
+    case = cases["vescale reshard_after_forward=True"]
+    assert case["capture"] == "captured ok"
+    assert "did not finish" in case["ranks_failed"]
+    assert "(ranks failed: RankFailure" in cuda_graph._summary(cases)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from vescale_plugins.checkpoint.commit import committed_directory, resolve_committed
 
@@ -111,11 +112,35 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load full tensors (e.g. ``torch.load`` of a full checkpoint) into a sharded model.
 
-    Every rank passes the full state dict; each keeps its own shards.
+    Every rank passes the full state dict; each keeps its own shards. Keys that the model's
+    own load hooks rename (LitGPT's LoRA model takes a base model's ``lm_head.weight`` as
+    ``lm_head.linear.weight``) load too, as FSDP1's full-state-dict load takes them: torch's
+    ``set_model_state_dict`` shards only the keys the model's state dict has, so each module
+    shards any other full tensor just before it copies it into a parameter of its own.
     """
     # torch takes a dict (invariant in its values) of any state-dict value; tensors are one.
     state = cast("dict[str, ValueType]", state_dict)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    hooks = [
+        m.register_load_state_dict_pre_hook(_shard_full_tensors)
+        for m in model.modules()
+        if any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+    ]
+    try:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _shard_full_tensors(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """A load pre-hook: full plain tensors bound for ``module``'s sharded parameters become
+    their shards (torch's own full-state-dict load distributes them the same way)."""
+    for name, param in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and type(value) is torch.Tensor and value.shape == param.shape:
+            state_dict[prefix + name] = distribute_tensor(
+                value.detach().to(param.device), param.device_mesh, param.placements
+            )
 
 
 def load_full_optimizer_state_dict(

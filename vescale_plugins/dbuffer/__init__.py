@@ -10,7 +10,8 @@ Top down (every call goes down; ``pyproject.toml``'s layer contract keeps it so)
   usable. A reduce-scatter's handle lands its output through the callbacks the DBuffer gives
   it (:class:`~.handles.GradientLanding`), never by calling the DBuffer.
 * :mod:`.collectives` (in-place all-gather and reduce-scatter: NCCL's tensor collectives,
-  point-to-point on gloo), :mod:`.planning` (the planner's layouts for a unit's buffers, the 16-byte alignment),
+  point-to-point on gloo), :mod:`.faults` (a failed collective's error naming its unit, and
+  the process groups it broke), :mod:`.planning` (the planner's layouts for a unit's buffers, the 16-byte alignment),
   :mod:`.reduction` (how a gradient sum is scaled, as FSDP2), :mod:`.storage` (flat tensors
   whose memory comes and goes), :mod:`.streams` (the side streams collectives run on).
 * :mod:`.observer`: what the run record is told (collectives, buffers).

@@ -28,6 +28,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
+from vescale_plugins.dbuffer.faults import CollectiveSite
 from vescale_plugins.dbuffer.handles import (
     AfterReduceScatter,
     GatherHandle,
@@ -298,16 +299,17 @@ class DBuffer:
         Returns a handle to ``wait()`` on (already complete unless ``async_op``).
         """
         streams = self.streams
+        group = self._post_forward_group if self._post_forward_group is not None else self.group
+        site = self.gather_site(group)
+        site.check_usable()
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             self._kept_after_reshard = False
             version = unsharded._version
-            group = self._post_forward_group
-            if group is not None:
+            if self._post_forward_group is not None:
                 assert self._post_forward is not None  # reshard_to_group set both
                 shard = self._post_forward.tensor  # gathered back within the k ranks only
             else:
-                group = self.group
                 with observer.scope(COMM_BUFFER_REGION):
                     # No copy unless one of them differs; from pinned memory, on this stream.
                     shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
@@ -318,16 +320,23 @@ class DBuffer:
                 else None
             )
             # On a side stream the call returns once enqueued; the handle waits on an event.
-            work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+            with site.faults():
+                work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
             if watcher is not None:
                 watcher.collective_enqueued(token)
-            handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather))
+            handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather), site)
             if self._post_forward_group is not None:
                 self._post_forward_group = None
                 handle.after_wait = self._release_post_forward
         if not async_op:
             handle.wait()
         return handle
+
+    def gather_site(self, group: dist.ProcessGroup) -> CollectiveSite:
+        """An all-gather of this buffer over ``group``, issued now, for its error: in backward
+        when autograd is running a backward on this thread, else in forward."""
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return CollectiveSite(group, self.label, f"all-gather in {phase}")
 
     def release_unsharded(self) -> None:
         """Free the unsharded parameters' memory (their views stay, without storage), and
@@ -449,6 +458,8 @@ class DBuffer:
         reduction is only added to the partial buffer.
         """
         streams = self.streams
+        site = self._reduce_site()
+        site.check_usable()
         with observer.region(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
             in_place = (
@@ -473,14 +484,15 @@ class DBuffer:
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
-            work = reduce_scatter_into(
-                out,
-                full,
-                self.group,
-                average=reduction.reduce_scatter_average,
-                premul_divide=reduction.premul_divide,
-                async_op=async_op and not streams.enabled,
-            )
+            with site.faults():
+                work = reduce_scatter_into(
+                    out,
+                    full,
+                    self.group,
+                    average=reduction.reduce_scatter_average,
+                    premul_divide=reduction.premul_divide,
+                    async_op=async_op and not streams.enabled,
+                )
             if watcher is not None:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
@@ -500,11 +512,15 @@ class DBuffer:
         return GradientLanding(
             streams=self.streams,
             shard_size=self.shard_size,
+            site=self._reduce_site(),
             release_input=self.release_unsharded_grad,
             land=self.land_reduced,
             keep_partial=self.keep_partial,
             take_partial=self.take_partial,
         )
+
+    def _reduce_site(self) -> CollectiveSite:
+        return CollectiveSite(self.group, self.label, "reduce-scatter")
 
     def land_reduced(self, reduced: torch.Tensor, sharded_grad: torch.Tensor) -> None:
         """Write the reduced shard (on the device) into the sharded gradient buffer; under CPU

@@ -86,9 +86,17 @@ class PointToPointWork:
         self._keep_alive = keep_alive  # tensors a pending send still reads
 
     def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        self._works, self._keep_alive = [], ()
+        works, self._works = self._works, []
+        try:
+            for work in works:
+                work.wait()
+        except BaseException:
+            # A failed collective (a peer died): its messages and their tensors are dropped,
+            # and its result is never finished.
+            self._finish, self._keep_alive = None, ()
+            del works, work  # the backend's work objects go now, not with the traceback
+            raise
+        self._keep_alive = ()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()

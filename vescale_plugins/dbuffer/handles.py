@@ -2,7 +2,10 @@
 
 On CUDA the collective ran on a side stream and the handle makes the compute stream wait on
 its event; on gloo the handle waits on the backend's ``Work``. Either way the observer (the
-run record) learns how long the caller waited.
+run record) learns how long the caller waited. A backend error in a wait becomes a
+:class:`~.faults.CollectiveError` naming the unit and the collective, and the handle is
+abandoned (``abandon()``: nothing of it lands); so is a handle whose process group an earlier
+failure broke, without waiting.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.dbuffer import observer
+from vescale_plugins.dbuffer.faults import CollectiveError, CollectiveSite
 from vescale_plugins.dbuffer.observer import REDUCE_SCATTER_REGION
 from vescale_plugins.dbuffer.storage import set_version_counter
 from vescale_plugins.dbuffer.streams import CommStreams
@@ -56,20 +60,47 @@ def _report_done(token: Any, wait_started: Any) -> None:
 
 
 class GatherHandle:
-    """An issued all-gather: ``wait()`` completes it and hides the refill from autograd."""
+    """An issued all-gather (``site``: its group, unit and phase, for its error): ``wait()``
+    completes it and hides the refill from autograd."""
 
     def __init__(
-        self, unsharded: torch.Tensor, version: int, work: Any, token: Any, streams: CommStreams, done: Any
+        self,
+        unsharded: torch.Tensor,
+        version: int,
+        work: Any,
+        token: Any,
+        streams: CommStreams,
+        done: Any,
+        site: CollectiveSite,
     ) -> None:
         self._unsharded, self._version, self._work, self._token = unsharded, version, work, token
-        self._streams, self._done = streams, done
+        self._streams, self._done, self._site = streams, done, site
+        self._abandoned = False
         self.after_wait: Callable[[], None] | None = None
 
+    def abandon(self) -> None:
+        """Drop it without waiting (its group failed): the gathered buffer holds no
+        parameters, and a later ``wait()`` raises."""
+        self._abandoned = True
+        self._work = self._done = self._token = None
+        self.after_wait = None
+
     def wait(self) -> None:
+        if self._work is not None and self._site.broken:
+            self.abandon()
+        if self._abandoned:
+            self._site.check_usable()
+            site = self._site
+            raise CollectiveError(site.unit, site.collective, "dropped unwaited after a collective failed")
         wait_started = _wait_started(self._token, self._work, self._streams)
         if self._work is not None:
-            wait_collective(self._work)
-            self._work = None
+            work, self._work = self._work, None
+            try:
+                with self._site.faults():
+                    wait_collective(work)
+            except CollectiveError:
+                self.abandon()
+                raise
         if self._done is not None:
             self._streams.wait(self._done)
             self._done = None
@@ -102,10 +133,12 @@ class GradientLanding:
 
     ``release_input`` frees the unsharded gradient buffer; ``land(reduced, sharded_grad)``
     writes a reduce output into the sharded gradient buffer; ``keep_partial(reduced)`` and
-    ``take_partial()`` hold back and hand over HSDP sums awaiting their all-reduce."""
+    ``take_partial()`` hold back and hand over HSDP sums awaiting their all-reduce. ``site``:
+    the reduce-scatter's group and unit, for its error."""
 
     streams: CommStreams
     shard_size: int
+    site: CollectiveSite
     release_input: Callable[[], None]
     land: Callable[[torch.Tensor, torch.Tensor], None]
     keep_partial: Callable[[torch.Tensor], None]
@@ -152,6 +185,10 @@ class ReduceScatterHandle:
     the sharded gradients and the full gradients are freed. With nothing to follow, both happen
     at once. ``partial``: HSDP without the all-reduce this backward; the shard group's sum is
     kept back.
+
+    If either collective fails, or a group it runs on was broken by an earlier failure, the
+    wait raises :class:`~.faults.CollectiveError` and the handle is abandoned
+    (:meth:`abandon`): nothing lands in the sharded gradients.
     """
 
     def __init__(self, landing: GradientLanding, spec: ReduceScatterSpec, issued: IssuedReduceScatter) -> None:
@@ -161,6 +198,12 @@ class ReduceScatterHandle:
         self._reduction, self._accumulate, self._in_place = spec.reduction, spec.accumulate, spec.in_place
         self._token, self._temp_bytes, self._done_event = issued.token, issued.temp_bytes, issued.done_event
         self._after, self._partial = spec.after, spec.partial
+        self._site = landing.site
+        self._after_site = (
+            CollectiveSite(spec.after.replicate_group, landing.site.unit, "all-reduce across replicas (HSDP)")
+            if spec.after is not None and spec.after.replicate_group is not None
+            else None
+        )
         self._after_issued = False
         self._after_work: Any = None  # gloo: the all-reduce in flight
         self._after_event: Any = None  # CUDA: recorded after the all-reduce and the hook
@@ -169,8 +212,42 @@ class ReduceScatterHandle:
         self.done = False
         # Run once the sharded gradients are final (post-accumulate-grad hooks).
         self.after_wait: Callable[[], None] | None = None
+        # Run if it is abandoned: the caller forgets gradients it made views of the (possibly
+        # half-written) sharded gradient buffer.
+        self.on_abandon: Callable[[], None] | None = None
         if self._after is not None and self._streams.enabled:
             self._issue_after_reduce_scatter()
+
+    def abandon(self) -> None:
+        """Drop it without waiting: nothing lands in the sharded gradients (whose buffer a
+        failed reduce-scatter may have half written: ``on_abandon`` runs), the unsharded
+        gradient buffer is freed, no hook runs."""
+        if self.done:
+            return
+        self._work = self._after_work = None
+        self._out = self._kept_partial = None
+        self.after_wait = None
+        if not self.reduce_scatter_done:
+            self.reduce_scatter_done = True
+            self._landing.release_input()
+        self.done = True
+        on_abandon, self.on_abandon = self.on_abandon, None
+        if on_abandon is not None:
+            on_abandon()
+
+    def _raise_if_broken(self, site: CollectiveSite | None) -> None:
+        if site is not None and site.broken:
+            self.abandon()
+            site.check_usable()
+
+    def _wait(self, work: Any, site: CollectiveSite) -> None:
+        """Wait on the backend's ``work``; its error is raised as the unit's, abandoning this."""
+        try:
+            with site.faults():
+                wait_collective(work)
+        except CollectiveError:
+            self.abandon()
+            raise
 
     @property
     def on_host(self) -> bool:
@@ -185,12 +262,13 @@ class ReduceScatterHandle:
 
     def _complete_reduce_scatter(self) -> None:
         if not self.reduce_scatter_done:
+            self._raise_if_broken(self._site)
             assert self._out is not None
             wait_started = _wait_started(self._token, self._work, self._streams)
             with observer.region(REDUCE_SCATTER_REGION):
                 if self._work is not None:
-                    wait_collective(self._work)
-                    self._work = None
+                    work, self._work = self._work, None
+                    self._wait(work, self._site)
                 # The compute stream waits before it reads the result or frees the input.
                 self._streams.wait(self._done_event)
                 _report_done(self._token, wait_started)
@@ -211,8 +289,10 @@ class ReduceScatterHandle:
         with observer.region(REDUCE_SCATTER_REGION):
             if self._after is not None:
                 if self._after_work is not None:
-                    wait_collective(self._after_work)
-                    self._after_work = None
+                    assert self._after_site is not None  # only HSDP's all-reduce is waited on here
+                    self._raise_if_broken(self._after_site)
+                    work, self._after_work = self._after_work, None
+                    self._wait(work, self._after_site)
                     self._run_hook(out)  # gloo: once the all-reduce's result is here
                 self._streams.wait(self._after_event)
             if not self._partial:
@@ -237,13 +317,21 @@ class ReduceScatterHandle:
         stream = after.stream if after.stream is not None else streams.all_reduce
         with streams.issue_on(stream, after=self._done_event):
             if after.replicate_group is not None:
+                site = self._after_site
+                assert site is not None  # made for every replicate group
+                self._raise_if_broken(site)
                 self._kept_partial = self._landing.take_partial()
                 if self._kept_partial is not None:
                     out.add_(self._kept_partial)
                 op = dist.ReduceOp.AVG if self._reduction.all_reduce_average else dist.ReduceOp.SUM
-                self._after_work = dist.all_reduce(
-                    out, op=op, group=after.replicate_group, async_op=not streams.enabled
-                )
+                try:
+                    with site.faults():
+                        self._after_work = dist.all_reduce(
+                            out, op=op, group=after.replicate_group, async_op=not streams.enabled
+                        )
+                except CollectiveError:
+                    self.abandon()
+                    raise
             if self._after_work is None:
                 self._run_hook(out)
             self._after_event = streams.record(stream)

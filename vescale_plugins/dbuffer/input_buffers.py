@@ -106,6 +106,8 @@ class InputBuffer:
         """Gather the sharded inputs into the unsharded buffer, in place, as bytes (any dtype
         on any backend: gloo has no float8)."""
         dbuffer, streams = self.dbuffer, self.dbuffer.streams
+        site = dbuffer.gather_site(dbuffer.group)
+        site.check_usable()
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             version = unsharded._version
@@ -115,13 +117,15 @@ class InputBuffer:
                 if watcher is not None
                 else None
             )
-            work = all_gather_into(
-                unsharded.view(torch.uint8),
-                self.sharded.view(torch.uint8),
-                dbuffer.group,
-                async_op=async_op and not streams.enabled,
-            )
-            handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather))
+            with site.faults():
+                work = all_gather_into(
+                    unsharded.view(torch.uint8),
+                    self.sharded.view(torch.uint8),
+                    dbuffer.group,
+                    async_op=async_op and not streams.enabled,
+                )
+            done = streams.record(streams.all_gather)
+            handle = GatherHandle(unsharded, version, work, token, streams, done, site)
         if not async_op:
             handle.wait()
         return handle

@@ -141,7 +141,7 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     one set of streams per device (:func:`vescale_plugins.dbuffer.streams.comm_streams_for`),
     so this only checks that each module is a unit, as FSDP2 requires of its arguments."""
     for module in modules:
-        if getattr(module, "_vescale_fsdp_unit", None) is None:
+        if vars(module).get("_vescale_fsdp_unit") is None:
             raise ValueError(
                 f"share_comm_ctx takes modules vescale_plugins.fully_shard was applied to; got a {type(module).__name__}"
             )

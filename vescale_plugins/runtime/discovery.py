@@ -19,7 +19,7 @@ def collect_params(modules: list[nn.Module], ignored: set[nn.Parameter]) -> tupl
     managed_below: dict[int, str] = {}
     for root in modules:
         for sub in root.modules():
-            unit = getattr(sub, "_vescale_fsdp_unit", None)
+            unit = vars(sub).get("_vescale_fsdp_unit")
             if unit is not None:
                 for fsdp_param in unit.fsdp_params:
                     managed_below[id(fsdp_param.sharded)] = fsdp_param.fqn
@@ -63,6 +63,6 @@ def _under_managing_unit(root: nn.Module, module_name: str) -> bool:
     module = root
     for part in module_name.split(".") if module_name else []:
         module = getattr(module, part)
-        if getattr(module, "_vescale_fsdp_unit", None) is not None:
+        if vars(module).get("_vescale_fsdp_unit") is not None:
             return True
     return False

@@ -21,6 +21,7 @@ import torch
 from torch.autograd import Variable
 
 from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.dbuffer.faults import CollectiveError
 from vescale_plugins.dbuffer.handles import ReduceScatterHandle
 from vescale_plugins.runtime.dynamo import eager_hook
 
@@ -121,12 +122,18 @@ class IterationContext(Generic[U]):
 
     def wait_for_reduces(self, keep: int = 0) -> None:
         """Complete the oldest units' reduce-scatters until ``keep`` units' remain in flight,
-        freeing their gradient buffers (what follows a reduce-scatter stays in flight)."""
-        while len(self.reduces_in_flight) > keep:
-            for handle in self.reduces_in_flight.pop(0):
-                handle.wait_reduce_scatter()
-                if not handle.done:
-                    self.reduces_landing.append(handle)
+        freeing their gradient buffers (what follows a reduce-scatter stays in flight). If
+        one fails, every reduction in flight is dropped before its error rises."""
+        try:
+            while len(self.reduces_in_flight) > keep:
+                for handle in self.reduces_in_flight[0]:
+                    handle.wait_reduce_scatter()
+                    if not handle.done:
+                        self.reduces_landing.append(handle)
+                self.reduces_in_flight.pop(0)
+        except CollectiveError:
+            self.abandon_reductions()
+            raise
 
     def wait_for_host_reduces(self, keep: int = 0) -> None:
         """``wait_for_reduces`` where every reduce-scatter in flight is a host collective
@@ -137,9 +144,22 @@ class IterationContext(Generic[U]):
     def wait_for_gradients(self) -> None:
         """Complete every reduction in flight: the sharded gradients are final."""
         self.wait_for_reduces()
-        landing, self.reduces_landing = self.reduces_landing, []
-        for handle in landing:
-            handle.wait()
+        try:
+            for handle in self.reduces_landing:
+                handle.wait()
+        except CollectiveError:
+            self.abandon_reductions()
+            raise
+        self.reduces_landing = []
+
+    def abandon_reductions(self, also: Iterable[ReduceScatterHandle] = ()) -> None:
+        """(A collective failed: a peer died) Drop every reduction in flight, and ``also``,
+        without waiting: none lands, and the gradients attached to their buffers are
+        forgotten (the handles' ``on_abandon``), so no half-reduced gradient is left."""
+        for handle in [*self.in_flight(), *also]:
+            handle.abandon()
+        self.reduces_in_flight, self.reduces_landing = [], []
+        self.reduced_without_local_grad = []
 
     def finish_reductions(self) -> None:
         """Complete every reduction in flight (and, under CPU offload, the gradients' copies to

@@ -459,7 +459,7 @@ def fsdp_class(cls: type) -> type:
 
 
 def group_of(module: Any) -> FSDPParamGroup:
-    unit = getattr(module, "_vescale_fsdp_unit", None)
+    unit = vars(module).get("_vescale_fsdp_unit")
     if unit is None:
         raise ValueError(f"{type(module).__name__} is not managed by vescale_plugins.fully_shard")
     return unit

@@ -13,6 +13,7 @@ IterationContext`; the end of backward is driven from above, by the root's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -25,9 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer import DBuffer
+from vescale_plugins.dbuffer.faults import CollectiveError
 from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, ReduceScatterHandle
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
-from vescale_plugins.dbuffer.reduction import gradient_reduction
+from vescale_plugins.dbuffer.reduction import GradientReduction, gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw, with_own_bytes
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
@@ -415,10 +417,17 @@ class FSDPParamGroup:
         return handles
 
     def wait_for_unshard(self) -> None:
+        """Complete the all-gathers issued; if one fails (a peer died), drop the others
+        unwaited and raise its error, naming the unit."""
+        pending, self._pending_unshard = self._pending_unshard, []
         with outside_functorch():
-            for work in self._pending_unshard:
-                work.wait()
-        self._pending_unshard = []
+            try:
+                for work in pending:
+                    work.wait()
+            except CollectiveError:
+                for work in pending:
+                    work.abandon()
+                raise
 
     def use_unsharded_params(self) -> None:
         """Gather (if needed) and register the unsharded parameters in the modules."""
@@ -829,31 +838,38 @@ class FSDPParamGroup:
             if replicate_group is not None and not self.requires_all_reduce:
                 # HSDP accumulating without the all-reduce (FSDP2's set_requires_all_reduce):
                 # the shard group's reductions wait in a partial buffer; no gradient is attached yet.
-                issued.append(dbuffer.reduce_scatter(reduction, accumulate=False, async_op=True, partial=True))
+                issued.append(_issue_reduce(context, issued, dbuffer, reduction, accumulate=False, partial=True))
                 self.reduced_partially = True
                 continue
             self.reduced_partially = False  # this all-reduce carries the partial sums too
             after = None
             if replicate_group is not None or self.all_reduce_hook is not None:
                 after = AfterReduceScatter(replicate_group, self.all_reduce_hook, self.all_reduce_hook_stream)
-            handle = dbuffer.reduce_scatter(reduction, accumulate=accumulate, async_op=True, after=after)
+            handle = _issue_reduce(context, issued, dbuffer, reduction, accumulate=accumulate, after=after)
             handle.after_wait = functools.partial(_run_post_accumulate_grad_hooks, members)
             issued.append(handle)
+            attached = []
             for p, got in zip(members, received):
                 if p.sharded.grad is not None:
                     continue
                 if got:
                     p.attach_sharded_grad()
+                    attached.append(p)
                 else:
                     sharded_grad = dbuffer.sharded_grad
                     assert sharded_grad is not None  # the reduce-scatter's handle holds it
                     context.reduced_without_local_grad.append((p, sharded_grad))
+            # A reduce-scatter that fails leaves no half-reduced gradient behind: those made
+            # views of its buffer here are forgotten (accumulated ones keep their old values).
+            handle.on_abandon = functools.partial(_forget_gradients, attached)
         if issued:
             context.reduces_in_flight.append(issued)
 
     def reset_iteration_state(self) -> None:
-        """Forget this iteration (after an exception aborted it): no gradient, no gather."""
-        self.wait_for_unshard()
+        """Forget this iteration (after an exception aborted it): no gradient, no gather (one
+        whose group failed is dropped, not waited on)."""
+        with contextlib.suppress(CollectiveError):  # raised once its gathers were dropped
+            self.wait_for_unshard()
         self.training_state = TrainingState.IDLE
         self._pending_post_backward = 0
         self.post_backward_nodes = []
@@ -876,6 +892,29 @@ def _compute_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+def _issue_reduce(
+    context: IterationContext[FSDPParamGroup],
+    issued: list[ReduceScatterHandle],
+    dbuffer: DBuffer,
+    reduction: GradientReduction,
+    accumulate: bool,
+    after: AfterReduceScatter | None = None,
+    partial: bool = False,
+) -> ReduceScatterHandle:
+    """``dbuffer``'s reduce-scatter, issued asynchronously; if it fails, this unit's
+    reductions ``issued`` so far and every one in flight are dropped before its error rises."""
+    try:
+        return dbuffer.reduce_scatter(reduction, accumulate, async_op=True, after=after, partial=partial)
+    except CollectiveError:
+        context.abandon_reductions(issued)
+        raise
+
+
+def _forget_gradients(params: list[FSDPParam]) -> None:
+    for fsdp_param in params:
+        fsdp_param.sharded.grad = None
 
 
 def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:

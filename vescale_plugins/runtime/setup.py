@@ -191,7 +191,9 @@ def _check_modules_and_policies(modules: list[nn.Module], reshard_after_forward:
             f"offload_policy={offload_policy!r}: pass OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...)"
         )
     for m in modules:
-        if getattr(m, "_vescale_fsdp_unit", None) is not None:
+        # The module's own attribute, never getattr: a CheckpointWrapper forwards unknown
+        # attributes to the module it wraps, whose unit is not the wrapper's (LitGPT shards both).
+        if vars(m).get("_vescale_fsdp_unit") is not None:
             # FSDP2's error (from torch's composable-API ``contract``), for every module already
             # in a unit, also where FSDP2 itself fails later (a child listed with its parent).
             raise SetupAssertionError(

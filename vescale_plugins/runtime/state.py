@@ -12,6 +12,7 @@ reach it only through the two callbacks it gives the context.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
 
+from vescale_plugins.dbuffer.faults import CollectiveError
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
 from vescale_plugins.runtime.iteration import IterationContext, TrainingState
 from vescale_plugins.runtime.param_group import FSDPParamGroup
@@ -32,7 +34,7 @@ def groups_under(modules: Iterable[nn.Module]) -> list[FSDPParamGroup]:
     groups: list[FSDPParamGroup] = []
     for module in modules:
         for sub in module.modules():
-            group = getattr(sub, "_vescale_fsdp_unit", None)
+            group = vars(sub).get("_vescale_fsdp_unit")
             if group is not None and group not in groups:
                 groups.append(group)
     return groups
@@ -82,7 +84,7 @@ class RootState(IterationContext[FSDPParamGroup]):
             group.context = state
         for root_module in root.modules:
             for name, module in root_module.named_modules():
-                unit = getattr(module, "_vescale_fsdp_unit", None)
+                unit = vars(module).get("_vescale_fsdp_unit")
                 if unit in groups and module is unit.modules[0]:
                     for dbuffer in unit.dbuffers:
                         dbuffer.label = name or "<root>"
@@ -196,10 +198,14 @@ class RootState(IterationContext[FSDPParamGroup]):
     def reset_iteration(self) -> None:
         """After an exception aborted a forward or backward: finish every collective in
         flight, reshard every unit and forget the iteration (its unreduced gradients and
-        no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``."""
+        no-sync accumulation are dropped), as FSDP2's ``reset_iter_state``.
+
+        After a collective failed (a peer died), nothing is waited on the broken group:
+        its collectives in flight are dropped, with the gradients attached to their buffers."""
         for handle in self.in_flight():
             handle.after_wait = None  # the aborted iteration's gradients trigger no hooks
-        self.wait_for_gradients()
+        with contextlib.suppress(CollectiveError):  # raised once its reductions were dropped
+            self.wait_for_gradients()
         self.reduced_without_local_grad = []
         self.callback_queued = self.finish_queued = False
         self.manual_active = None

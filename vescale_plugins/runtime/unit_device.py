@@ -40,7 +40,7 @@ def unit_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
         for buffer in module.buffers(recurse=False):
             found.setdefault(id(buffer), buffer)
         for child in module.children():
-            if getattr(child, "_vescale_fsdp_unit", None) is None:
+            if vars(child).get("_vescale_fsdp_unit") is None:
                 visit(child)
 
     for module in modules:

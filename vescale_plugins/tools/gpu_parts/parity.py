@@ -132,7 +132,7 @@ def _sleep_before_each_unit(model: torch.nn.Module, cycles: int, counts: dict[st
         torch.cuda._sleep(cycles)
         counts["pre_forward_sleeps"] = counts.get("pre_forward_sleeps", 0) + 1
 
-    units = [m for m in model.modules() if hasattr(m, "_vescale_fsdp_unit")]
+    units = [m for m in model.modules() if "_vescale_fsdp_unit" in vars(m)]
     return [unit.register_forward_pre_hook(sleep, prepend=True) for unit in units]
 
 

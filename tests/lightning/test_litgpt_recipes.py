@@ -1,0 +1,407 @@
+"""LitGPT 0.5.13's three recipes with the vescale_fsdp Fabric strategy swapped in, loss for loss
+against Lightning's ``ModelParallelStrategy`` + torch's FSDP2 from the same start weights, W=2.
+
+Each recipe's ``main`` is reproduced call for call with LitGPT's own objects and functions
+(``GPT``, ``Config``, ``Block``, ``litgpt.lora``, ``pretrain.initialize_weights``,
+``utils.load_checkpoint``, ``utils.instantiate_torch_optimizer``, ``chunked_cross_entropy``,
+the LoRA recipe's own ``parallelize_fn`` and ``save_lora_checkpoint``), with the strategy
+built from the recipe's own arguments. ``setup()`` itself is not called: it needs a tokenizer
+and a data set on disk, its fine-tuning ``main`` ends in ``save_hyperparameters``, which parses
+the process's command line through jsonargparse (which LitGPT pins to an old release), and
+pretraining wraps the model in ``torch.compile`` (minutes on two CPU cores; our compile path is
+tests/runtime/test_compile.py). The training loop is the recipes' (gradient accumulation under
+``no_backward_sync``, pretraining's clipping), without their logging and validation; full
+fine-tuning also resumes from its periodic save as its ``resume`` branch does.
+
+The reference shards as the recipes' strategy does on FSDP2: each ``Block`` (checkpoint-wrapped
+for full fine-tuning), then the root; the LoRA recipe's ``parallelize_fn`` runs unchanged under
+both strategies (under ours its torch ``fully_shard`` calls run ours). The checkpoints each
+recipe saves are loaded by stock LitGPT on rank 0 (``lazy_load`` + ``load_state_dict``; LoRA
+adapters into ``litgpt.lora.GPT``, then ``merge_lora_weights``) and compared with the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_utilities.core import rank_zero as rank_zero_module
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from lightning_strategy import VeScaleFSDPFabricStrategy
+from tests.support.lightning_harness import launched_by_harness
+from tests.support.parity import EXACT
+
+# `make setup` installs LitGPT in the default (2.13.0) environment only; the other releases'
+# environments run none of tests/lightning (make test-other-torch).
+litgpt = pytest.importorskip("litgpt", reason="LitGPT is installed in the torch 2.13.0 environment only (Makefile)")
+from litgpt import lora  # noqa: E402
+from litgpt.finetune import lora as lora_recipe  # noqa: E402
+from litgpt.model import GPT, Block, Config  # noqa: E402
+from litgpt.pretrain import initialize_weights  # noqa: E402
+from litgpt.utils import chunked_cross_entropy, instantiate_torch_optimizer, lazy_load, load_checkpoint  # noqa: E402
+
+WORLD, MICRO_BATCH, ACCUMULATE, STEPS = 2, 2, 2, 3
+RESUME_AT = 2  # full fine-tuning saves its resumable state after this many steps
+ARCH = dict(
+    block_size=16,
+    vocab_size=64,
+    padded_vocab_size=64,
+    n_layer=2,
+    n_head=4,
+    n_embd=32,
+    n_query_groups=2,
+    rotary_percentage=1.0,
+    parallel_residual=False,
+    bias=False,
+    norm_class_name="RMSNorm",
+    mlp_class_name="LLaMAMLP",
+    intermediate_size=48,
+)
+LORA = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_query=True, lora_value=True, lora_mlp=True)
+
+
+def _batch(step: int, micro: int) -> torch.Tensor:
+    """This rank's token ids for one micro-batch, the same under both strategies."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+    return torch.randint(0, ARCH["vocab_size"], (MICRO_BATCH, ARCH["block_size"]), generator=g)
+
+
+def _fit(fabric, model, optimizer, max_norm: float | None, steps: range = range(STEPS)) -> list[float]:
+    """The recipes' step: accumulate under ``no_backward_sync``, (clip,) step, zero; local losses."""
+    losses = []
+    for step in steps:
+        for micro in range(ACCUMULATE):
+            input_ids = _batch(step, micro)
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                logits = model(input_ids)
+                loss = chunked_cross_entropy(logits[..., :-1, :], input_ids[..., 1:])
+                fabric.backward(loss / ACCUMULATE)
+            losses.append(loss.item())
+        if max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter gathered (a collective), names as in a LitGPT checkpoint."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        name = name.removeprefix("_forward_module.").replace("_checkpoint_wrapped_module.", "")
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    return out
+
+
+def _fabric(strategy) -> Fabric:
+    # The recipes: L.Fabric(devices=devices, num_nodes=num_nodes, strategy=strategy, precision=precision, ...)
+    return Fabric(accelerator="cpu", devices=WORLD, num_nodes=1, strategy=strategy, precision="32-true")
+
+
+def _fsdp2_blocks_and_root(checkpoint_blocks: bool):
+    """What the recipes' ``FSDPStrategy(auto_wrap_policy={Block}, ...)`` shards, in FSDP2 terms."""
+
+    def parallelize(model, device_mesh):
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if isinstance(module, Block):
+                # The composable form: Lightning's load_raw does not see through checkpoint_wrapper's names.
+                if checkpoint_blocks:
+                    checkpoint(module)
+                fully_shard(module, mesh=device_mesh["data_parallel"])
+        fully_shard(model, mesh=device_mesh["data_parallel"])
+        return model
+
+    return parallelize
+
+
+def _start_weights(root: Path, config: Config, model_cls) -> Path:
+    """The "pretrained" checkpoint both strategies start from: ``lit_model.pth``, written on rank 0,
+    with a base model's names (a LoRA model's start values of its adapters too)."""
+    path = root / "lit_model.pth"
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        state = model_cls(config).state_dict()
+        torch.save({name.replace(".linear.", "."): value for name, value in state.items()}, path)
+    dist.barrier()
+    return path
+
+
+def _stock_litgpt_params(path: Path, config: Config) -> dict[str, torch.Tensor]:
+    """Stock LitGPT's load of a full checkpoint (``load_checkpoint``'s single-device branch)."""
+    model = GPT(config)
+    state_dict = lazy_load(path)
+    model.load_state_dict(state_dict.get("model", state_dict), strict=True)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+# -- pretrain ---------------------------------------------------------------------------------
+
+
+def _pretrain_main(fabric, config, initial_checkpoint: Path, out_dir: Path):
+    # litgpt/pretrain.py main(), less torch.compile, the data and the logging.
+    fabric.seed_everything(42)
+    with fabric.init_module(empty_init=True):
+        model = GPT(config)
+    initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
+    model = fabric.setup(model)
+    optimizer = instantiate_torch_optimizer("AdamW", model.parameters(), fused=False)
+    optimizer = fabric.setup_optimizers(optimizer)
+    fabric.load_raw(initial_checkpoint, model)
+    losses = _fit(fabric, model, optimizer, max_norm=1.0)
+    state = {"model": model, "optimizer": optimizer, "iter_num": STEPS * ACCUMULATE, "step_count": STEPS}
+    fabric.save(out_dir / "step-final" / "lit_model.pth", state)  # pretrain.save_checkpoint's call
+    return losses, _full_params(model)
+
+
+def _pretrain(root: str):
+    root = Path(root)
+    config = Config(**ARCH)
+    initial = _start_weights(root, config, GPT)
+    with launched_by_harness():
+        # litgpt/pretrain.py: FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD")
+        ours = _fabric(
+            VeScaleFSDPFabricStrategy(
+                auto_wrap_policy={Block}, state_dict_type="full", sharding_strategy="HYBRID_SHARD"
+            )
+        )
+        our_losses, our_params = ours.launch(_pretrain_main, config, initial, root / "ours")
+        theirs = _fabric(
+            ModelParallelStrategy(
+                parallelize_fn=_fsdp2_blocks_and_root(False), data_parallel_size=WORLD, tensor_parallel_size=1
+            )
+        )
+        their_losses, their_params = theirs.launch(_pretrain_main, config, initial, root / "fsdp2")
+    stock = _stock_litgpt_params(root / "ours" / "step-final" / "lit_model.pth", config) if dist.get_rank() == 0 else {}
+    return our_losses, their_losses, our_params, their_params, stock
+
+
+# -- full fine-tune ---------------------------------------------------------------------------
+
+
+def _full_main(fabric, config, checkpoint_path: Path, out_dir: Path):
+    # litgpt/finetune/full.py main(), less the data, validation and logging.
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=(fabric.world_size > 1)):
+        model = GPT(config)
+    model = fabric.setup(model)
+    optimizer = instantiate_torch_optimizer("AdamW", model.parameters())
+    optimizer = fabric.setup_optimizers(optimizer)
+    if isinstance(fabric.strategy, ModelParallelStrategy):
+        # The reference: LitGPT's load_checkpoint has a ModelParallelStrategy branch for LoRA
+        # models only (it renames every ".weight" to ".linear.weight"); Lightning's load_raw is
+        # what its FSDPStrategy branch calls.
+        fabric.load_raw(checkpoint_path, model)
+    else:
+        load_checkpoint(fabric, model, checkpoint_path)
+    losses = _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT))
+    state = {"model": model, "optimizer": optimizer, "iter_num": RESUME_AT * ACCUMULATE, "step_count": RESUME_AT}
+    fabric.save(out_dir / f"step-{RESUME_AT:06d}" / "lit_model.pth", state)  # fit()'s periodic save
+    losses += _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT, STEPS))
+    save_path = out_dir / "final" / "lit_model.pth"
+    save_path.parent.mkdir(parents=True, exist_ok=True)
+    fabric.save(save_path, {"model": model})
+    return losses, _full_params(model)
+
+
+def _full_resume(fabric, config, out_dir: Path):
+    # full.py main() with resume: the same set-up, then fabric.load(resume, state).
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=(fabric.world_size > 1)):
+        model = GPT(config)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(instantiate_torch_optimizer("AdamW", model.parameters()))
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    fabric.load(out_dir / f"step-{RESUME_AT:06d}" / "lit_model.pth", state)
+    assert state["step_count"] == RESUME_AT
+    return _fit(fabric, model, optimizer, max_norm=None, steps=range(RESUME_AT, STEPS)), _full_params(model)
+
+
+def _full(root: str):
+    root = Path(root)
+    config = Config(**ARCH)
+    checkpoint = _start_weights(root, config, GPT)
+    with launched_by_harness():
+        # litgpt/finetune/full.py's FSDPStrategy arguments, as they are.
+        def strategy():
+            return VeScaleFSDPFabricStrategy(
+                auto_wrap_policy={Block},
+                activation_checkpointing_policy={Block},
+                state_dict_type="full",
+                limit_all_gathers=True,
+                cpu_offload=False,
+            )
+
+        our_losses, our_params = _fabric(strategy()).launch(_full_main, config, checkpoint, root / "ours")
+        resumed = _fabric(strategy()).launch(_full_resume, config, root / "ours")
+        theirs = _fabric(
+            ModelParallelStrategy(
+                parallelize_fn=_fsdp2_blocks_and_root(True), data_parallel_size=WORLD, tensor_parallel_size=1
+            )
+        )
+        their_losses, their_params = theirs.launch(_full_main, config, checkpoint, root / "fsdp2")
+    stock = _stock_litgpt_params(root / "ours" / "final" / "lit_model.pth", config) if dist.get_rank() == 0 else {}
+    return our_losses, their_losses, our_params, their_params, stock, resumed
+
+
+# -- LoRA fine-tune ---------------------------------------------------------------------------
+
+
+def _lora_main(fabric, config, checkpoint_path: Path, out_dir: Path):
+    # litgpt/finetune/lora.py main(), less the data, validation and logging.
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=(fabric.world_size > 1)):
+        model = lora.GPT(config)
+    lora.mark_only_lora_as_trainable(model)
+    model = fabric.setup_module(model)
+    reference = isinstance(fabric.strategy, ModelParallelStrategy)
+    if reference:
+        # LitGPT's ModelParallelStrategy branch loads with load_state_dict(assign=True), which
+        # replaces the parameters: an optimizer built before steps the replaced ones, and the
+        # model's adapters never change (stock LitGPT 0.5.13). The reference loads first.
+        load_checkpoint(fabric, model, checkpoint_path, strict=False)
+    optimizer = instantiate_torch_optimizer("AdamW", model.parameters())
+    optimizer = fabric.setup_optimizers(optimizer)
+    if not reference:
+        load_checkpoint(fabric, model, checkpoint_path, strict=False)  # the recipe's order
+    losses = _fit(fabric, model, optimizer, max_norm=None)
+    save_path = out_dir / "final" / "lit_model.pth.lora"
+    save_path.parent.mkdir(parents=True, exist_ok=True)
+    lora_recipe.save_lora_checkpoint(fabric, model, save_path)
+    fabric.barrier()
+    return losses, _full_params(model)
+
+
+def _merged(base: Path, adapter: Path, config) -> dict[str, torch.Tensor]:
+    """Stock LitGPT on one process: the base weights, the adapter, ``merge_lora_weights``."""
+    model = lora.GPT(config)
+    model.load_state_dict(lazy_load(base), strict=False)
+    model.load_state_dict(lazy_load(adapter)["model"], strict=False)
+    lora.merge_lora_weights(model)
+    # litgpt.scripts.merge_lora saves the merged model under a base model's names, as here.
+    return {name.replace(".linear.", "."): p for name, p in model.state_dict().items() if "lora_" not in name}
+
+
+def _lora(root: str):
+    root = Path(root)
+    config = lora.Config(**ARCH, **LORA)
+    checkpoint = _start_weights(root, config, lora.GPT)  # with the adapters' start values
+    with launched_by_harness():
+        # litgpt/finetune/lora.py: ModelParallelStrategy(parallelize_fn=parallelize_fn, data_parallel_size=..., tensor_parallel_size=1)
+        mp_args = dict(parallelize_fn=lora_recipe.parallelize_fn, data_parallel_size=WORLD, tensor_parallel_size=1)
+        log = rank_zero_module.log  # Lightning's Fabric or Trainer logger, whichever was imported last
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+        log.addHandler(handler)
+        level = log.level
+        log.setLevel(logging.INFO)
+        try:
+            our_losses, our_params = _fabric(VeScaleFSDPFabricStrategy(**mp_args)).launch(
+                _lora_main, config, checkpoint, root / "ours"
+            )
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+        theirs = _fabric(ModelParallelStrategy(**mp_args))
+        their_losses, their_params = theirs.launch(_lora_main, config, checkpoint, root / "fsdp2")
+    merged = {}
+    if dist.get_rank() == 0:
+        adapter = Path("final") / "lit_model.pth.lora"
+        merged = {who: _merged(checkpoint, root / who / adapter, config) for who in ("ours", "fsdp2")}
+        merged["base"] = torch.load(checkpoint)
+    routed_logs = [r for r in records if "called torch.distributed.fsdp.fully_shard" in r]
+    return our_losses, their_losses, our_params, their_params, merged, routed_logs
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+
+def _assert_same(got: dict, want: dict, tol: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def _check_training(results, tol=EXACT):
+    our_losses, their_losses, our_params, their_params = results[:4]
+    assert len(our_losses) == STEPS * ACCUMULATE
+    torch.testing.assert_close(our_losses, their_losses, **tol)
+    _assert_same(our_params, their_params, tol, "parameter after training")
+
+
+@pytest.mark.timeout(240)
+def test_litgpt_pretrain_matches_fsdp2_and_loads_in_litgpt(dist_run, tmp_path):
+    for rank, results in enumerate(dist_run(_pretrain, WORLD, str(tmp_path), timeout=200)):
+        _check_training(results)
+        if rank == 0:  # the checkpoint stock LitGPT loads holds the trained weights
+            _assert_same(results[4], results[3], EXACT, "stock LitGPT's load of our checkpoint")
+
+
+@pytest.mark.timeout(240)
+def test_litgpt_full_finetune_matches_fsdp2_resumes_and_loads_in_litgpt(dist_run, tmp_path):
+    for rank, results in enumerate(dist_run(_full, WORLD, str(tmp_path), timeout=200)):
+        _check_training(results)
+        resumed_losses, resumed_params = results[5]  # continued from the step-2 checkpoint
+        torch.testing.assert_close(resumed_losses, results[0][RESUME_AT * ACCUMULATE :], **EXACT)
+        _assert_same(resumed_params, results[2], EXACT, "parameter after resuming")
+        if rank == 0:
+            _assert_same(results[4], results[3], EXACT, "stock LitGPT's load of our checkpoint")
+
+
+@pytest.mark.timeout(240)
+def test_litgpt_lora_recipe_runs_unchanged_matches_fsdp2_and_merges(dist_run, tmp_path):
+    for rank, results in enumerate(dist_run(_lora, WORLD, str(tmp_path), timeout=200)):
+        _check_training(results)
+        if rank == 0:
+            merged = results[4]
+            _assert_same(merged["ours"], merged["fsdp2"], EXACT, "merged LoRA weights")
+            changed = [
+                n for n, w in merged["base"].items() if "lora_" not in n and not torch.equal(w, merged["ours"][n])
+            ]
+            assert changed, "merging the trained adapters changed no weight"
+            assert len(results[5]) == 1, results[5]  # the routing is logged once
+
+
+# -- a model torch's FSDP2 sharded ------------------------------------------------------------
+
+
+def _refused(root: str, where: str) -> str:
+    config = Config(**ARCH)
+    with launched_by_harness():
+        fabric = _fabric(VeScaleFSDPFabricStrategy(parallelize_fn=_bound_before(where)))
+        fabric.launch()
+        torch.manual_seed(0)
+        model = GPT(config)
+        if where == "before setup":
+            torch_fully_shard(model, mesh=fabric.strategy.device_mesh)
+        with pytest.raises(ValueError, match="sharded by torch.distributed.fsdp.fully_shard") as error:
+            fabric.setup_module(model)
+    return str(error.value)
+
+
+def _bound_before(where: str):
+    def parallelize(model, device_mesh):
+        if where == "in parallelize_fn":  # a name bound at import, out of the strategy's reach
+            torch_fully_shard(model, mesh=device_mesh)
+        return model
+
+    return parallelize
+
+
+@pytest.mark.parametrize("where", ["before setup", "in parallelize_fn"])
+def test_model_sharded_by_torch_fsdp2_is_refused_with_the_way_out(dist_run, tmp_path, where):
+    messages = dist_run(_refused, WORLD, str(tmp_path), where)
+    assert messages[0] == messages[1]
+    assert "GPT" in messages[0]
+    assert "vescale_plugins.fully_shard" in messages[0]
