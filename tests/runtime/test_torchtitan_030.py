@@ -11,7 +11,8 @@ annotation, its SPMD context and its ``clip_grad_norm_``. The trainer's loop
 needs tensorboard, torchdata and datasets (its metrics and dataloaders), and it reads a
 tokenizer and a data set from files the wheel does not ship.
 
-CPU adaptations, the only ones made (``_torchtitan_on_cpu_with``, ``_same_initial_values``):
+CPU adaptations, the only ones made (``torchtitan_on_cpu_with``, ``same_initial_values`` in
+``tests/support/torchtitan_cpu.py``):
 - torchtitan picks ``"cuda"`` as its device type when no accelerator is visible;
 - its ``FlexAttention`` calls a ``torch.compile``'d ``flex_attention``, which (compiled or
   eager) has no CPU backward: SDPA with the block mask made dense stands in;
@@ -27,10 +28,8 @@ Needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3`` and ``pip in
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from tests.support.parity import EXACT, TOL
+from tests.support.torchtitan_cpu import same_initial_values, torchtitan_on_cpu_with
 from vescale_plugins import RaggedShard
 
 pytestmark = [
@@ -61,53 +61,6 @@ STEPS, BATCH, SEQ, DOC = (
 MAX_NORM = 1e9  # torchtitan's default is 1.0: see the test's docstring
 
 
-@contextlib.contextmanager
-def _torchtitan_on_cpu_with(fully_shard) -> Iterator[None]:
-    """torchtitan's modules patched for the CPU (see the module's docstring) and its
-    ``fully_shard`` swapped for ``fully_shard``; restored after (the gloo workers live on)."""
-    import torchtitan.distributed.fsdp as fsdp
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.tools.utils as tt_utils
-    from torchtitan.models.common.attention import FlexAttention
-
-    disable_division = fsdp.disable_fsdp_gradient_division
-
-    def disable_division_and_premul(model: torch.nn.Module) -> None:
-        disable_division(model)  # a factor of 1: PREMUL_SUM(1.0) is SUM, which gloo has
-        for module in model.modules():
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
-
-    patches = [
-        (tt_utils, "device_type", "cpu"),
-        (tt_utils, "device_module", torch.cpu),
-        (parallel_dims, "device_type", "cpu"),
-        (FlexAttention, "_compiled_flex_attn", _dense_flex_attention),
-        (fsdp, "disable_fsdp_gradient_division", disable_division_and_premul),
-        (fsdp, "fully_shard", fully_shard),  # what apply_fsdp_to_decoder calls
-    ]
-    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
-    try:
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-
-
-def _dense_flex_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
-    """``flex_attention`` for llama3's block-causal masks (no score_mod, no lse) as SDPA with
-    the mask made dense: flex_attention has no CPU backward, compiled or eager."""
-    from torch.nn.attention.flex_attention import AuxOutput, create_mask
-
-    assert score_mod is None
-    assert not return_aux.lse
-    mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[-2], k.shape[-2], device=q.device)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return out, AuxOutput()
-
-
 def _batches(rank: int, steps: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """What torchtitan's text dataloader yields: inputs, labels and per-document positions."""
     g = torch.Generator().manual_seed(100 + rank)
@@ -119,31 +72,12 @@ def _batches(rank: int, steps: int) -> list[tuple[dict[str, torch.Tensor], torch
     return out
 
 
-def _same_initial_values(model: torch.nn.Module, model_config) -> None:
-    """Every parameter set to the value torchtitan's ``init_weights`` gives it in an unsharded
-    copy of the model (seeded). A CPU adaptation: DTensor's random ops make a sharded
-    parameter's values independent of its layout only on CUDA (the offset-based RNG tracker);
-    on CPU each rank draws its local tensor from the same seed, so FSDP2's even shards and
-    our ragged ones would start from different weights."""
-    from torch.distributed.tensor import distribute_tensor
-
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        reference = model_config.build()
-    reference.to_empty(device="cpu")
-    reference.init_weights(buffer_device=None)
-    full = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        value = full[name.replace("_checkpoint_wrapped_module.", "")]
-        p.copy_(distribute_tensor(value, p.device_mesh, p.placements))
-
-
 def _train(engine: str, typecheck: bool, steps: int) -> dict:
     if engine == "vescale":
         from vescale_plugins import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    with _torchtitan_on_cpu_with(fully_shard):
+    with torchtitan_on_cpu_with(fully_shard):
         return _train_torchtitan(typecheck, steps)
 
 
@@ -192,7 +126,7 @@ def _train_torchtitan(typecheck: bool, steps: int) -> dict:
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-        _same_initial_values(model, model_config)
+        same_initial_values(model, model_config)
     model.train()
 
     loss_fn = ChunkedLossWrapper.Config(
