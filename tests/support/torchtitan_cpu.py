@@ -44,7 +44,7 @@ def torchtitan_on_cpu_with(fully_shard) -> Iterator[None]:
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
 
-    with _patched(
+    with patched(
         [
             (tt_utils, "device_type", "cpu"),
             (tt_utils, "device_module", torch.cpu),
@@ -66,7 +66,7 @@ def trainer_on_cpu() -> Iterator[None]:
     import torchtitan.distributed.utils as dist_utils
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    with _patched(
+    with patched(
         [
             (metrics, "device_type", "cpu"),
             (metrics, "device_module", torch.cpu),
@@ -99,7 +99,8 @@ def _keep_pg_timeouts(**_: object) -> None:
 
 
 @contextlib.contextmanager
-def _patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+def patched(patches: list[tuple[object, str, object]]) -> Iterator[None]:
+    """Each ``(owner, name, value)`` set, the old values restored after."""
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:
