@@ -13,10 +13,13 @@ VENV := $(if $(filter 2.13.0,$(TORCH)),.venv,.venv-torch-$(TORCH))
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==$(TORCH)
 WHEEL_CACHE ?= $(HOME)/.cache/vescale-plugins/wheels
-# torchtitan 0.3.0 needs torch 2.15 (tests/runtime/test_torchtitan_030.py): installed without its
-# training-data packages (tensorboard, torchdata, datasets), which its model path never imports.
+# torchtitan 0.3.0 needs torch 2.15 (tests/runtime/test_torchtitan_030.py, test_torchtitan_trainer.py):
+# installed without its dependencies, then what its model path (tyro) and its trainer (tensorboard,
+# torchdata, datasets) import. Not wandb, einops, torch_checkpointing: the llama3 trainer never
+# imports them. datasets at 5.x, past torchtitan's pin (<4.8): 4.x needs huggingface_hub<2, which the
+# test extra's transformers cannot install beside; its text data set loads the same.
 INSTALL_TORCHTITAN = $(if $(filter 2.15.%,$(TORCH)),$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && \
-	$(PY) -m pip install --quiet tyro)
+	$(PY) -m pip install --quiet tyro tensorboard torchdata "datasets>=5,<6")
 # LitGPT 0.5.13 (tests/lightning/test_litgpt_recipes.py), on the default release: it pins
 # huggingface_hub<1.4, which the test extra's transformers cannot install beside, so without its
 # dependencies (what its model, LoRA and recipe modules import is in the test extra already).
@@ -60,7 +63,8 @@ test: $(STAMP)
 # The fast subset, then the compatibility suite with the tests of what differs between torch
 # releases (gradient dtypes, the 2.15 surface, torchtitan 0.3.0 where it installs, pipelining,
 # whose private reach into FSDP2 follows each release's stage.py).
-OTHER_TORCH_TESTS := tests/fsdp2_compat tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_torchtitan_030.py tests/runtime/test_pipelining.py
+OTHER_TORCH_TESTS := tests/fsdp2_compat tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_torchtitan_030.py \
+	tests/runtime/test_torchtitan_trainer.py tests/runtime/test_pipelining.py
 test-other-torch: $(STAMP)
 	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q -m "not distributed"

@@ -7,9 +7,10 @@ model built on meta from ``model_registry("debugmodel")`` with its sharding conf
 checkpointing, ``apply_fsdp_to_decoder`` with the dense SPMD mesh and ``dp_mesh_dims``),
 ``init_weights``, its chunked loss, its AdamW container and LR schedulers, its input
 annotation, its SPMD context and its ``clip_grad_norm_``. The trainer's loop
-(``Trainer.train_step``) is restated here in a few lines: importing ``torchtitan.trainer``
-needs tensorboard, torchdata and datasets (its metrics and dataloaders), and it reads a
-tokenizer and a data set from files the wheel does not ship.
+(``Trainer.train_step``) is restated here in a few lines, which lets this test compare the
+parameters after the steps and run one step with ``debug.spmd_typechecking``;
+``test_torchtitan_trainer.py`` runs torchtitan's ``Trainer`` itself (its dataloader, metrics,
+checkpointer, activation checkpointing choices, compile, resume).
 
 CPU adaptations, the only ones made (``torchtitan_on_cpu_with``, ``same_initial_values`` in
 ``tests/support/torchtitan_cpu.py``):
