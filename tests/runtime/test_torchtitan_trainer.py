@@ -85,6 +85,7 @@ def assets(tmp_path_factory) -> str:
 def _train(engine: str, assets: str, out: str, variant: str, steps: int, resume_from: str | None = None) -> dict:
     """``Trainer`` built from ``llama3_debugmodel()`` and trained on this rank; its logged
     loss and gradient norm per step. ``resume_from``: a ``step-2`` checkpoint it resumes from."""
+    import torchtitan.trainer
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     if engine == "vescale":
@@ -121,8 +122,6 @@ def _train(engine: str, assets: str, out: str, variant: str, steps: int, resume_
     )
 
     logged: list[tuple[int, float, float]] = []
-    import torchtitan.trainer
-
     # train() ends with rank 0 sleeping 2 s "for other ranks to complete" (their logs): skipped.
     no_sleep = types.SimpleNamespace(perf_counter=time.perf_counter, time=time.time, sleep=lambda _: None)
     with torchtitan_on_cpu_with(fully_shard), trainer_on_cpu(), patched([(torchtitan.trainer, "time", no_sleep)]):
