@@ -19,7 +19,7 @@ WHEEL_CACHE ?= $(HOME)/.cache/vescale-plugins/wheels
 # imports them. datasets at 5.x, past torchtitan's pin (<4.8): 4.x needs huggingface_hub<2, which the
 # test extra's transformers cannot install beside; its text data set loads the same.
 INSTALL_TORCHTITAN = $(if $(filter 2.15.%,$(TORCH)),$(PY) -m pip install --quiet --no-deps torchtitan==0.3.0 spmd_types==0.2.3 && \
-	$(PY) -m pip install --quiet tyro tensorboard torchdata "datasets>=5,<6")
+	$(PY) -m pip install --quiet tyro tensorboard torchdata "datasets~=5.0")
 # LitGPT 0.5.13 (tests/lightning/test_litgpt_recipes.py), on the default release: it pins
 # huggingface_hub<1.4, which the test extra's transformers cannot install beside, so without its
 # dependencies (what its model, LoRA and recipe modules import is in the test extra already).
