@@ -22,13 +22,19 @@ adapters into ``litgpt.lora.GPT``, then ``merge_lora_weights``) and compared wit
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
+import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning_utilities.core import rank_zero as rank_zero_module
 from torch.distributed._composable import checkpoint
@@ -405,3 +411,145 @@ def test_model_sharded_by_torch_fsdp2_is_refused_with_the_way_out(dist_run, tmp_
     assert messages[0] == messages[1]
     assert "GPT" in messages[0]
     assert "vescale_plugins.fully_shard" in messages[0]
+
+
+# -- the recipes' own setup() -------------------------------------------------------------------
+
+SETUP_STEPS, SETUP_MICRO, SETUP_GLOBAL = 3, 2, 8  # 8 / (2 ranks x 2) = 2 accumulated micro-batches
+WORDS = [f"w{i}" for i in range(ARCH["vocab_size"] - 3)]
+
+
+def _checkpoint_dir(root: Path, config: Config, model_cls) -> Path:
+    """What ``setup(checkpoint_dir)`` reads, written on rank 0: the start weights, the config, a
+    tokenizer ``litgpt.Tokenizer`` loads (a word-level ``tokenizers`` one over ``WORDS``) and a
+    JSON instruction data set."""
+    ckpt = root / "checkpoint"
+    if dist.get_rank() == 0:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers
+
+        ckpt.mkdir(parents=True)
+        torch.manual_seed(0)
+        state = model_cls(config).state_dict()
+        torch.save({name.replace(".linear.", "."): value for name, value in state.items()}, ckpt / "lit_model.pth")
+        config_dict = {k: v for k, v in ARCH.items()}
+        (ckpt / "model_config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in config_dict.items()))
+        vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+        tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(ckpt / "tokenizer.json"))
+        special = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "tokenizer_class": "Tiny"}
+        (ckpt / "tokenizer_config.json").write_text(json.dumps(special))
+        g = torch.Generator().manual_seed(7)
+        samples = []
+        for _ in range(40):
+            words = [WORDS[i] for i in torch.randint(0, len(WORDS), (12,), generator=g).tolist()]
+            samples.append({"instruction": " ".join(words[:6]), "input": "", "output": " ".join(words[6:])})
+        (root / "data.json").write_text(json.dumps(samples))
+    dist.barrier()
+    return ckpt
+
+
+def _recipe_args(root: Path, who: str) -> dict:
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import JSON
+    from litgpt.prompts import Default
+
+    return dict(
+        out_dir=root / who,
+        precision="32-true",
+        devices=WORLD,
+        data=JSON(json_path=root / "data.json", val_split_fraction=0.2, prompt_style=Default(), num_workers=0),
+        train=TrainArgs(
+            save_interval=None,
+            log_interval=1,
+            global_batch_size=SETUP_GLOBAL,
+            micro_batch_size=SETUP_MICRO,
+            lr_warmup_steps=1,
+            epochs=5,
+            max_steps=SETUP_STEPS,
+            max_seq_length=ARCH["block_size"],
+        ),
+        eval=EvalArgs(interval=10**6, max_new_tokens=4, max_iters=1, initial_validation=False, final_validation=False),
+    )
+
+
+def _logged_losses(out_dir: Path) -> list[float]:
+    """The ``loss`` column of the recipe's CSV log (rank 0's running mean over a step's micro-batches)."""
+    with open(out_dir / "logs" / "csv" / "version_0" / "metrics.csv") as f:
+        return [float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")]
+
+
+@contextmanager
+def _swapped(module, name: str, strategy_cls):
+    """The swap: the recipe module's strategy name bound to ``strategy_cls`` (None: LitGPT's own)."""
+    original = getattr(module, name)
+    if strategy_cls is not None:
+        setattr(module, name, strategy_cls)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _run_setup(recipe, strategy_name: str, strategy_cls, argv: list[str], **kwargs) -> None:
+    """``recipe.setup(**kwargs)`` as in a fresh process started by ``argv``: workers are reused,
+    and Fabric seeds its DistributedSampler from ``PL_GLOBAL_SEED``, which the recipe's
+    ``seed_everything`` sets only after the data loaders are built."""
+    saved_argv, saved_seed = sys.argv, os.environ.pop("PL_GLOBAL_SEED", None)
+    sys.argv = argv  # save_hyperparameters parses the command line a user typed
+    try:
+        with launched_by_harness(), _swapped(recipe, strategy_name, strategy_cls):
+            recipe.setup(**kwargs)
+    finally:
+        sys.argv = saved_argv
+        os.environ.pop("PL_GLOBAL_SEED", None)
+        if saved_seed is not None:
+            os.environ["PL_GLOBAL_SEED"] = saved_seed
+
+
+class _FSDP2Reference(ModelParallelStrategy, FabricFSDPStrategy):
+    """The reference for the full fine-tuning recipe: ``ModelParallelStrategy`` + FSDP2, sharding
+    what the recipe's ``FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})``
+    names, writing its ``state_dict_type="full"`` file. Lightning's FSDP1 cannot be the reference
+    here: Fabric refuses it off GPU, and torch's FSDP1 wants an accelerator unless given a CPU
+    ``device_id``, which Lightning never passes. An ``FSDPStrategy`` by class only so that LitGPT's
+    ``load_checkpoint`` takes its ``load_raw`` branch (its ModelParallelStrategy branch renames
+    every weight for LoRA models); every method is ``ModelParallelStrategy``'s."""
+
+    def __init__(self, **fsdp1_arguments) -> None:
+        ModelParallelStrategy.__init__(
+            self,
+            parallelize_fn=_fsdp2_blocks_and_root(True),
+            data_parallel_size=WORLD,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+        )
+
+
+def _full_setup(root: str):
+    from litgpt.finetune import full as full_recipe
+
+    root = Path(root)
+    ckpt = _checkpoint_dir(root, Config(**ARCH), GPT)
+    argv = ["litgpt", "finetune_full", str(ckpt), "--devices", str(WORLD)]
+    for who, cls in (("ours", VeScaleFSDPFabricStrategy), ("fsdp2", _FSDP2Reference)):
+        _run_setup(full_recipe, "FSDPStrategy", cls, argv, checkpoint_dir=ckpt, **_recipe_args(root, who))
+    if dist.get_rank() != 0:
+        return None
+    losses = {who: _logged_losses(root / who) for who in ("ours", "fsdp2")}
+    final = {who: torch.load(root / who / "final" / "lit_model.pth")["model"] for who in ("ours", "fsdp2")}
+    final["stock LitGPT's load of ours"] = _stock_litgpt_params(
+        root / "ours" / "final" / "lit_model.pth", Config(**ARCH)
+    )
+    return losses, final
+
+
+@pytest.mark.timeout(240)
+def test_litgpt_full_finetune_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
+    result = dist_run(_full_setup, WORLD, str(tmp_path), timeout=200)[0]
+    losses, final = result
+    assert len(losses["ours"]) == SETUP_STEPS * 2  # logged every micro-batch (log_interval=1)
+    torch.testing.assert_close(losses["ours"], losses["fsdp2"], **EXACT)
+    _assert_same(final["ours"], final["fsdp2"], EXACT, "the recipe's final checkpoint")
+    _assert_same(final["stock LitGPT's load of ours"], final["fsdp2"], EXACT, "stock LitGPT's load")
