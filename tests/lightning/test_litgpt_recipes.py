@@ -38,6 +38,7 @@ from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning_utilities.core import rank_zero as rank_zero_module
 from torch.distributed._composable import checkpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -517,14 +518,29 @@ class _FSDP2Reference(ModelParallelStrategy, FabricFSDPStrategy):
     ``load_checkpoint`` takes its ``load_raw`` branch (its ModelParallelStrategy branch renames
     every weight for LoRA models); every method is ``ModelParallelStrategy``'s."""
 
-    def __init__(self, **fsdp1_arguments) -> None:
+    def __init__(self, parallelize_fn=None, data_parallel_size=WORLD, tensor_parallel_size=1, **fsdp1_arguments):
         ModelParallelStrategy.__init__(
             self,
-            parallelize_fn=_fsdp2_blocks_and_root(True),
-            data_parallel_size=WORLD,
-            tensor_parallel_size=1,
+            parallelize_fn=parallelize_fn or _fsdp2_blocks_and_root(True),
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=False,
         )
+
+    def load_checkpoint(self, path, state=None, strict=True, **kwargs):
+        """``fabric.load_raw(path, model)``: the full state dict under the model's names, as
+        Lightning's FSDP loads it through ``load_state_dict`` (where ``litgpt.lora.GPT``'s hook
+        maps a base checkpoint's ``qkv.weight`` to ``qkv.linear.weight``; torch's
+        ``set_model_state_dict`` bypasses that hook and would drop those weights)."""
+        if not isinstance(state, torch.nn.Module):
+            return super().load_checkpoint(path, state, strict, **kwargs)
+        names = set(state.state_dict())
+        full = {}
+        for name, value in torch.load(path).items():
+            lora_name = name.replace(".weight", ".linear.weight").replace(".bias", ".linear.bias")
+            full[name if name in names else lora_name] = value
+        set_model_state_dict(state, full, options=StateDictOptions(full_state_dict=True, strict=strict))
+        return {}
 
 
 def _full_setup(root: str):
@@ -545,6 +561,26 @@ def _full_setup(root: str):
     return losses, final
 
 
+def _lora_setup(root: str):
+    root = Path(root)
+    ckpt = _checkpoint_dir(root, lora.Config(**ARCH, **LORA), lora.GPT)  # with the adapters' start values
+    argv = ["litgpt", "finetune_lora", str(ckpt), "--devices", str(WORLD)]
+    argv += [arg for key, value in LORA.items() for arg in (f"--{key}", str(value).lower())]
+    for who, cls in (("ours", VeScaleFSDPFabricStrategy), ("fsdp2", _FSDP2Reference)):
+        _run_setup(
+            lora_recipe, "ModelParallelStrategy", cls, argv, checkpoint_dir=ckpt, **LORA, **_recipe_args(root, who)
+        )
+    if dist.get_rank() != 0:
+        return None
+    losses = {who: _logged_losses(root / who) for who in ("ours", "fsdp2")}
+    final = root / "{}" / "final"
+    adapters = {who: torch.load(str(final).format(who) + "/lit_model.pth.lora")["model"] for who in ("ours", "fsdp2")}
+    # The recipe's own merge_lora (rank 0) writes the merged model beside the adapters.
+    merged = {who: torch.load(str(final).format(who) + "/lit_model.pth") for who in ("ours", "fsdp2")}
+    merged["base"] = torch.load(ckpt / "lit_model.pth")
+    return losses, adapters, merged
+
+
 @pytest.mark.timeout(240)
 def test_litgpt_full_finetune_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
     result = dist_run(_full_setup, WORLD, str(tmp_path), timeout=200)[0]
@@ -553,3 +589,13 @@ def test_litgpt_full_finetune_setup_runs_with_the_strategy_swapped(dist_run, tmp
     torch.testing.assert_close(losses["ours"], losses["fsdp2"], **EXACT)
     _assert_same(final["ours"], final["fsdp2"], EXACT, "the recipe's final checkpoint")
     _assert_same(final["stock LitGPT's load of ours"], final["fsdp2"], EXACT, "stock LitGPT's load")
+
+
+@pytest.mark.timeout(240)
+def test_litgpt_lora_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
+    losses, adapters, merged = dist_run(_lora_setup, WORLD, str(tmp_path), timeout=200)[0]
+    assert len(losses["ours"]) == SETUP_STEPS * 2
+    torch.testing.assert_close(losses["ours"], losses["fsdp2"], **EXACT)
+    _assert_same(adapters["ours"], adapters["fsdp2"], EXACT, "the recipe's LoRA checkpoint")
+    _assert_same(merged["ours"], merged["fsdp2"], EXACT, "the recipe's merged checkpoint")
+    assert any(not torch.equal(w, merged["ours"][n]) for n, w in merged["base"].items() if "lora_" not in n)
