@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies import ModelParallelStrategy, Strategy
 from lightning_utilities.core import rank_zero as rank_zero_module
 from torch.distributed._composable import checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -521,11 +521,15 @@ class _FSDP2Reference(ModelParallelStrategy, FabricFSDPStrategy):
     def __init__(self, parallelize_fn=None, data_parallel_size=WORLD, tensor_parallel_size=1, **fsdp1_arguments):
         ModelParallelStrategy.__init__(
             self,
-            parallelize_fn=parallelize_fn or _fsdp2_blocks_and_root(True),
+            parallelize_fn=parallelize_fn
+            or _fsdp2_blocks_and_root("activation_checkpointing_policy" in fsdp1_arguments),
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=False,
         )
+
+    # FSDPStrategy's clipping asks for FSDP1 modules; ModelParallelStrategy inherits Strategy's.
+    clip_gradients_norm = Strategy.clip_gradients_norm
 
     def load_checkpoint(self, path, state=None, strict=True, **kwargs):
         """``fabric.load_raw(path, model)``: the full state dict under the model's names, as
@@ -581,6 +585,81 @@ def _lora_setup(root: str):
     return losses, adapters, merged
 
 
+class _TokenRows(torch.utils.data.Dataset):
+    """Fixed rows of ``length`` token ids (pretraining's input and its shifted targets)."""
+
+    def __init__(self, rows: int, length: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, ARCH["vocab_size"], (rows, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class _PretrainData(litgpt.data.DataModule):
+    """A pretraining data module over in-memory token rows (LitGPT's own ones stream with litdata)."""
+
+    def connect(self, tokenizer=None, batch_size: int = 1, max_seq_length: int = -1) -> None:
+        self.batch_size, self.length = batch_size, max_seq_length + 1
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_TokenRows(32, self.length, 1), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(_TokenRows(8, self.length, 2), batch_size=self.batch_size)
+
+
+def _pretrain_once(pretrain, root: Path, ckpt: Path, argv: list[str], who: str, cls, train, eval) -> None:
+    kwargs = dict(model_config=Config(**ARCH), out_dir=root / who, precision="32-true", initial_checkpoint_dir=ckpt)
+    kwargs.update(data=_PretrainData(), train=train, eval=eval, devices=WORLD, logger_name="csv")
+    _run_setup(pretrain, "FSDPStrategy", cls, argv, model_name="tiny", **kwargs)
+
+
+def _pretrain_setup(root: str):
+    from litgpt import pretrain
+    from litgpt.args import EvalArgs, TrainArgs
+
+    root = Path(root)
+    ckpt = _checkpoint_dir(root, Config(**ARCH), GPT)
+    argv = ["litgpt", "pretrain", "tiny", "--devices", str(WORLD)]
+    train = TrainArgs(
+        save_interval=None,
+        log_interval=1,
+        global_batch_size=SETUP_GLOBAL,
+        micro_batch_size=SETUP_MICRO,
+        # pretraining stops by tokens: SETUP_STEPS steps of 2 micro-batches of block_size tokens, per rank
+        max_tokens=SETUP_STEPS * 2 * SETUP_MICRO * ARCH["block_size"] * WORLD,
+        max_norm=1.0,
+        min_lr=4e-5,
+        lr_warmup_steps=1,
+        tie_embeddings=False,
+    )
+    eval = EvalArgs(interval=10**6, max_iters=1, initial_validation=False, final_validation=False)
+    # The recipe wraps the model in torch.compile: compiling takes minutes on two CPU cores, so
+    # dynamo is switched off as TORCH_COMPILE_DISABLE=1 would (the OptimizedModule runs eagerly;
+    # our compile path is tests/runtime/test_compile.py).
+    compile_disabled, torch._dynamo.config.disable = torch._dynamo.config.disable, True
+    try:
+        for who, cls in (("ours", VeScaleFSDPFabricStrategy), ("fsdp2", _FSDP2Reference)):
+            _pretrain_once(pretrain, root, ckpt, argv, who, cls, train, eval)
+    finally:
+        torch._dynamo.config.disable = compile_disabled
+    if dist.get_rank() != 0:
+        return None
+    losses = {who: _logged_losses(root / who) for who in ("ours", "fsdp2")}
+    # pretrain.save_checkpoint saves the whole state, its (pickled) data loader too: a file this test wrote
+    final = {
+        w: torch.load(root / w / "final" / "lit_model.pth", weights_only=False)["model"] for w in ("ours", "fsdp2")
+    }
+    final["stock LitGPT's load of ours"] = _stock_litgpt_params(
+        root / "ours" / "final" / "lit_model.pth", Config(**ARCH)
+    )
+    return losses, final
+
+
 @pytest.mark.timeout(240)
 def test_litgpt_full_finetune_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
     result = dist_run(_full_setup, WORLD, str(tmp_path), timeout=200)[0]
@@ -599,3 +678,12 @@ def test_litgpt_lora_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
     _assert_same(adapters["ours"], adapters["fsdp2"], EXACT, "the recipe's LoRA checkpoint")
     _assert_same(merged["ours"], merged["fsdp2"], EXACT, "the recipe's merged checkpoint")
     assert any(not torch.equal(w, merged["ours"][n]) for n, w in merged["base"].items() if "lora_" not in n)
+
+
+@pytest.mark.timeout(300)
+def test_litgpt_pretrain_setup_runs_with_the_strategy_swapped(dist_run, tmp_path):
+    losses, final = dist_run(_pretrain_setup, WORLD, str(tmp_path), timeout=60)[0]
+    assert len(losses["ours"]) == SETUP_STEPS
+    torch.testing.assert_close(losses["ours"], losses["fsdp2"], **EXACT)
+    _assert_same(final["ours"], final["fsdp2"], EXACT, "the recipe's final checkpoint")
+    _assert_same(final["stock LitGPT's load of ours"], final["fsdp2"], EXACT, "stock LitGPT's load")
