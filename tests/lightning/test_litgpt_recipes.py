@@ -1,17 +1,24 @@
 """LitGPT 0.5.13's three recipes with the vescale_fsdp Fabric strategy swapped in, loss for loss
 against Lightning's ``ModelParallelStrategy`` + torch's FSDP2 from the same start weights, W=2.
 
-Each recipe's ``main`` is reproduced call for call with LitGPT's own objects and functions
+Two ways. The recipes' own ``setup()`` (``_*_setup``): ``litgpt.pretrain.setup``,
+``litgpt.finetune.full.setup`` and ``litgpt.finetune.lora.setup`` called as a user would, with
+the strategy name in the recipe's module bound to ours and nothing else of LitGPT patched; a
+checkpoint directory, a tokenizer and a data set written into tmp_path, ``sys.argv`` set to the
+command line ``save_hyperparameters`` parses. The losses the recipes log (``metrics.csv``), their
+final checkpoints and LoRA's adapters and merged model are compared with the same recipe run on
+``_FSDP2Reference``, which is not Lightning's FSDP1 ``FSDPStrategy`` (Fabric refuses it off GPU);
+pretraining's ``torch.compile`` is switched off (minutes on two CPU cores; our compile path is
+tests/runtime/test_compile.py).
+
+And each recipe's ``main`` reproduced call for call with LitGPT's own objects and functions
 (``GPT``, ``Config``, ``Block``, ``litgpt.lora``, ``pretrain.initialize_weights``,
 ``utils.load_checkpoint``, ``utils.instantiate_torch_optimizer``, ``chunked_cross_entropy``,
 the LoRA recipe's own ``parallelize_fn`` and ``save_lora_checkpoint``), with the strategy
-built from the recipe's own arguments. ``setup()`` itself is not called: it needs a tokenizer
-and a data set on disk, its fine-tuning ``main`` ends in ``save_hyperparameters``, which parses
-the process's command line through jsonargparse (which LitGPT pins to an old release), and
-pretraining wraps the model in ``torch.compile`` (minutes on two CPU cores; our compile path is
-tests/runtime/test_compile.py). The training loop is the recipes' (gradient accumulation under
-``no_backward_sync``, pretraining's clipping), without their logging and validation; full
-fine-tuning also resumes from its periodic save as its ``resume`` branch does.
+built from the recipe's own arguments: this covers what ``setup()`` does not reach, full
+fine-tuning resumed from its periodic save as its ``resume`` branch does, and a LoRA
+reference on stock LitGPT's own ``ModelParallelStrategy`` branch (loaded before the optimizer
+is built: in the recipe's order, its ``assign=True`` load leaves the adapters untrained).
 
 The reference shards as the recipes' strategy does on FSDP2: each ``Block`` (checkpoint-wrapped
 for full fine-tuning), then the root; the LoRA recipe's ``parallelize_fn`` runs unchanged under
