@@ -440,8 +440,7 @@ def _checkpoint_dir(root: Path, config: Config, model_cls) -> Path:
         torch.manual_seed(0)
         state = model_cls(config).state_dict()
         torch.save({name.replace(".linear.", "."): value for name, value in state.items()}, ckpt / "lit_model.pth")
-        config_dict = {k: v for k, v in ARCH.items()}
-        (ckpt / "model_config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in config_dict.items()))
+        (ckpt / "model_config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in ARCH.items()))
         vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
         tokenizer = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
