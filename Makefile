@@ -23,9 +23,10 @@ INSTALL_TORCHTITAN = $(if $(filter 2.15.%,$(TORCH)),$(PY) -m pip install --quiet
 # LitGPT 0.5.13 (tests/lightning/test_litgpt_recipes.py), on the default release: it pins
 # huggingface_hub<1.4, which the test extra's transformers cannot install beside, so without its
 # dependencies (what its model, LoRA and recipe modules import is in the test extra already),
-# then the jsonargparse its recipes' save_hyperparameters parses the command line with (its pin).
+# then the jsonargparse its recipes' save_hyperparameters parses the command line with (the
+# newest its pin, >=4.37,<=4.41, allows; written without a comma, which $(if ...) would split at).
 INSTALL_LITGPT = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet --no-deps litgpt==0.5.13 && \
-	$(PY) -m pip install --quiet "jsonargparse[signatures]>=4.37,<=4.41")
+	$(PY) -m pip install --quiet "jsonargparse[signatures]==4.41.0")
 # The local 2.13.0 wheel as pip finds it; another release through the wheel cache.
 INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(TORCH_PIN)",\
 	$(PY) -m pip download --quiet --dest "$(WHEEL_CACHE)" "$(TORCH_PIN)" && \
