@@ -125,6 +125,14 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
                 started.unlink()
                 os._exit(CRASH_EXIT)  # the whole group dies between two steps
             both_from_start = scenario == "crash" and step == 0  # (healthy: the lighthouse waits)
+            if replica == 1 and both_from_start and not os.environ.get("RESTARTED"):
+                # The lighthouse (min_replicas=1) would let a group alone form the first quorum:
+                # replica 1, up first on a loaded machine, then trained steps 0-2 by itself
+                # and crashed before replica 0 joined, leaving nothing to heal from. Wait for
+                # replica 0's manager (its started files) and its first heartbeat.
+                while not all((out_dir / f"started0.{r}").exists() for r in range(world)):
+                    time.sleep(0.1)
+                time.sleep(0.5)
             if replica == 0 and (both_from_start or step >= WAIT_AT) and manager.num_participants() < 2:
                 if step == WAIT_AT:
                     (out_dir / f"waiting0.{rank}").touch()
