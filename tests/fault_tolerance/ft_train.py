@@ -124,22 +124,7 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
             if replica == 1 and scenario == "crash" and step == CRASH_AT and not os.environ.get("RESTARTED"):
                 started.unlink()
                 os._exit(CRASH_EXIT)  # the whole group dies between two steps
-            both_from_start = scenario == "crash" and step == 0  # (healthy: the lighthouse waits)
-            if replica == 1 and both_from_start and not os.environ.get("RESTARTED"):
-                # The lighthouse (min_replicas=1) would let a group alone form the first quorum:
-                # replica 1, up first on a loaded machine, then trained steps 0-2 by itself
-                # and crashed before replica 0 joined, leaving nothing to heal from. Wait for
-                # replica 0's manager (its started files) and its first heartbeat.
-                while not all((out_dir / f"started0.{r}").exists() for r in range(world)):
-                    time.sleep(0.1)
-                time.sleep(0.5)
-            if replica == 0 and (both_from_start or step >= WAIT_AT) and manager.num_participants() < 2:
-                if step == WAIT_AT:
-                    (out_dir / f"waiting0.{rank}").touch()
-                while scenario != "healthy" and not all((out_dir / f"started1.{r}").exists() for r in range(world)):
-                    time.sleep(0.1)
-                if step > 0:
-                    time.sleep(0.3)  # replica 1's first quorum request is on its way
+            _wait_for_the_other_group(replica, rank, world, scenario, step, manager, out_dir)
             optimizer.zero_grad()  # the quorum, and a heal if this group is behind
             step = manager.current_step()
             inner_step = _StepOnCommit(optimizer)
@@ -153,6 +138,28 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
     finally:
         manager.shutdown(wait=False)
         dist.destroy_process_group()
+
+
+def _wait_for_the_other_group(
+    replica: int, rank: int, world: int, scenario: str, step: int, manager: Manager, out_dir: Path
+) -> None:
+    """Before a quorum: hold a group where the scenario needs both groups in that quorum."""
+    both_from_start = scenario == "crash" and step == 0  # (healthy: the lighthouse waits)
+    if replica == 1 and both_from_start and not os.environ.get("RESTARTED"):
+        # The lighthouse (min_replicas=1) would let a group alone form the first quorum:
+        # replica 1, up first on a loaded machine, then trained steps 0-2 by itself and
+        # crashed before replica 0 joined, leaving nothing to heal from. Wait for replica 0's
+        # manager (its started files) and its first heartbeat.
+        while not all((out_dir / f"started0.{r}").exists() for r in range(world)):
+            time.sleep(0.1)
+        time.sleep(0.5)
+    if replica == 0 and (both_from_start or step >= WAIT_AT) and manager.num_participants() < 2:
+        if step == WAIT_AT:
+            (out_dir / f"waiting0.{rank}").touch()
+        while scenario != "healthy" and not all((out_dir / f"started1.{r}").exists() for r in range(world)):
+            time.sleep(0.1)
+        if step > 0:
+            time.sleep(0.3)  # replica 1's first quorum request is on its way
 
 
 class _StepOnCommit:
