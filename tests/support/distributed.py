@@ -45,9 +45,18 @@ class DistributedTestError(AssertionError):
 
 
 def _seeded_body(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, int]:
-    """``fn``'s value, and the process groups this rank holds besides the default one."""
+    """``fn``'s value, and the process groups this rank holds besides the default one.
+
+    The pooled worker's environment variables are restored afterwards: a variable one test
+    leaves behind changes the next (Lightning's ``seed_everything`` sets ``PL_GLOBAL_SEED``,
+    which seeds a later Fabric's ``DistributedSampler``: other data, other losses)."""
     torch.manual_seed(SEED)
-    value = fn(*args, **kwargs)
+    environ = dict(os.environ)
+    try:
+        value = fn(*args, **kwargs)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     return value, len(dist.distributed_c10d._world.pg_map) - 1
 
 
