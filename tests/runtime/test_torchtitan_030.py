@@ -12,16 +12,8 @@ parameters after the steps and run one step with ``debug.spmd_typechecking``;
 ``test_torchtitan_trainer.py`` runs torchtitan's ``Trainer`` itself (its dataloader, metrics,
 checkpointer, activation checkpointing choices, compile, resume).
 
-CPU adaptations, the only ones made (``torchtitan_on_cpu_with``, ``same_initial_values`` in
-``tests/support/torchtitan_cpu.py``):
-- torchtitan picks ``"cuda"`` as its device type when no accelerator is visible;
-- its ``FlexAttention`` calls a ``torch.compile``'d ``flex_attention``, which (compiled or
-  eager) has no CPU backward: SDPA with the block mask made dense stands in;
-- gloo has no ``PREMUL_SUM``, which FSDP2 asks for even with torchtitan's divide factor of 1
-  (``disable_fsdp_gradient_division``); ``set_force_sum_reduction_for_comms(True)`` next to
-  it makes that the plain sum it amounts to;
-- DTensor's random init depends on the layout on CPU: both engines start from the weights
-  torchtitan's ``init_weights`` gives an unsharded copy.
+CPU adaptations, the only ones made: ``torchtitan_on_cpu_with`` and ``same_initial_values``,
+listed with their reasons in ``tests/support/torchtitan_cpu.py``.
 
 Needs ``pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3`` and ``pip install tyro``
 (what importing torchtitan's model and parallelization code needs besides torch).
@@ -35,18 +27,14 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
-from torch.torch_version import TorchVersion
 
 from tests.support.parity import EXACT, TOL
-from tests.support.torchtitan_cpu import same_initial_values, torchtitan_on_cpu_with
+from tests.support.torchtitan_cpu import NEEDS_TORCH_215, same_initial_values, torchtitan_on_cpu_with
 from vescale_plugins import RaggedShard
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        TorchVersion(torch.__version__) < "2.15",
-        reason=f"torchtitan 0.3.0 needs torch>=2.15 (DataParallelMeshDims, set_timeout); this is {torch.__version__}",
-    ),
+    NEEDS_TORCH_215,
     pytest.mark.skipif(
         importlib.util.find_spec("torchtitan") is None,
         reason="torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro)",

@@ -34,20 +34,22 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from torch.torch_version import TorchVersion
 
 from tests.support.parity import TOL
-from tests.support.torchtitan_cpu import patched, same_initial_values, torchtitan_on_cpu_with, trainer_on_cpu
+from tests.support.torchtitan_cpu import (
+    NEEDS_TORCH_215,
+    patched,
+    same_initial_values,
+    torchtitan_on_cpu_with,
+    trainer_on_cpu,
+)
 from vescale_plugins import RaggedShard
 
 _MISSING = [m for m in ("torchtitan", "tensorboard", "torchdata", "datasets") if importlib.util.find_spec(m) is None]
 
 pytestmark = [
     pytest.mark.timeout(400),
-    pytest.mark.skipif(
-        TorchVersion(torch.__version__) < "2.15",
-        reason=f"torchtitan 0.3.0 needs torch>=2.15 (DataParallelMeshDims, set_timeout); this is {torch.__version__}",
-    ),
+    NEEDS_TORCH_215,
     pytest.mark.skipif(
         bool(_MISSING),
         reason=f"{', '.join(_MISSING)} not installed (the Makefile's INSTALL_TORCHTITAN, TORCH=2.15.0)",

@@ -24,7 +24,15 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import pytest
 import torch
+from torch.torch_version import TorchVersion
+
+# Both torchtitan test modules' first mark.
+NEEDS_TORCH_215 = pytest.mark.skipif(
+    TorchVersion(torch.__version__) < "2.15",
+    reason=f"torchtitan 0.3.0 needs torch>=2.15 (DataParallelMeshDims, set_timeout); this is {torch.__version__}",
+)
 
 
 @contextlib.contextmanager
