@@ -1,24 +1,70 @@
-"""Launching two torchft replica groups of 2 ranks (each rank a ``python -m
-tests.fault_tolerance.ft_train`` process) under a lighthouse started here on loopback, every
-process under a deadline: for :mod:`.test_manager_heal` and :mod:`.measure_async_heal`."""
+"""Launching two torchft replica groups of 2 ranks (each rank a process running
+:func:`tests.fault_tolerance.ft_train.main`) under a lighthouse started here on loopback, every
+process under a deadline: for :mod:`.test_manager_heal`, :mod:`.test_heal_matrix` and
+:mod:`.measure_async_heal`.
+
+Rank processes are forked from a multiprocessing fork server that imported torch, torchft and
+the package once: a case starts 6 processes, and importing them afresh in each (about 4 s of
+CPU apiece) was most of a case's time on 2 cores. Each child is then what ``python -m
+tests.fault_tolerance.ft_train`` would be: its own environment, working directory, log file.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchft._torchft import LighthouseServer
 
-from tests.fault_tolerance.ft_train import CRASH_EXIT
+from tests.fault_tolerance.ft_case import CRASH_EXIT, Case
 
 STEPS = 8
 DEADLINE_S = 150.0
 ROOT = Path(__file__).resolve().parents[2]
+_FORKS = multiprocessing.get_context("forkserver")
+_FORKS.set_forkserver_preload(["tests.fault_tolerance.ft_train"])
+
+
+def _rank_process(env: dict[str, str], log: str, args: list[str]) -> None:
+    """A child of the fork server: ``python -m tests.fault_tolerance.ft_train ARGS`` with
+    ``env`` as its environment and ``log`` as its stdout and stderr."""
+    import sys
+
+    import torch
+
+    from tests.fault_tolerance import ft_train
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    sys.argv = ["ft_train", *args]
+    ft_train.main(args[0], args[1], int(args[2]), int(args[3]), Path(args[4]), args[5])
+
+
+class _RankProcess:
+    """The ``_RankProcess`` surface the launcher uses, over a fork server's child."""
+
+    def __init__(self, env: dict[str, str], log: Path, args: list[str]) -> None:
+        self.process: Any = _FORKS.Process(target=_rank_process, args=(env, str(log), args), daemon=True)
+        self.process.start()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> None:
+        self.process.join()
 
 
 def _free_port() -> int:
@@ -36,7 +82,8 @@ def _start_group(
     scenario: str,
     restarted: bool = False,
     async_quorum: bool = False,
-) -> list[subprocess.Popen]:
+    case: Case = Case(),
+) -> list[_RankProcess]:
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -45,24 +92,14 @@ def _start_group(
             env["RESTARTED"] = "1"
         if async_quorum:
             env["ASYNC_QUORUM"] = "1"
-        env.update(TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        log = open(out / f"log{replica}.{rank}{'.restarted' if restarted else ''}.txt", "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "tests.fault_tolerance.ft_train",
-            engine,
-            transport,
-            str(replica),
-            str(STEPS),
-            str(out),
-            scenario,
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        env.update(FT_CASE=case.to_env(), TORCHFT_LIGHTHOUSE=lighthouse, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        log = out / f"log{replica}.{rank}{'.restarted' if restarted else ''}.txt"
+        args = [engine, transport, str(replica), str(STEPS), str(out), scenario]
+        procs.append(_RankProcess(env, log, args))
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], out: Path, until: float, what: str, exit_code: int = 0) -> None:
+def _wait(procs: list[_RankProcess], out: Path, until: float, what: str, exit_code: int = 0) -> None:
     while any(p.poll() is None for p in procs) and time.monotonic() < until:
         time.sleep(0.2)
     failed = [p for p in procs if p.poll() != exit_code]
@@ -72,7 +109,7 @@ def _wait(procs: list[subprocess.Popen], out: Path, until: float, what: str, exi
 
 
 def run_heal(
-    engine: str, transport: str, out: Path, scenario: str, async_quorum: bool = False
+    engine: str, transport: str, out: Path, scenario: str, async_quorum: bool = False, case: Case = Case()
 ) -> dict[tuple[int, int], dict]:
     """Run the scenario (see :mod:`.ft_train`); every rank's result by (replica, rank)."""
     # A replica whose heartbeat is older than heartbeat_timeout_ms counts as dead, and a group
@@ -82,22 +119,22 @@ def run_heal(
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0", min_replicas=2 if scenario == "healthy" else 1, heartbeat_timeout_ms=3_000
     )
-    procs: list[subprocess.Popen] = []
+    procs: list[_RankProcess] = []
     try:
         until = time.monotonic() + DEADLINE_S
         address = lighthouse.address()
-        procs += _start_group(engine, transport, 0, address, out, scenario, async_quorum=async_quorum)
+        procs += _start_group(engine, transport, 0, address, out, scenario, async_quorum=async_quorum, case=case)
         if scenario == "restart":
             while not list(out.glob("waiting0.*")):
                 assert time.monotonic() < until, "replica 0 did not reach WAIT_AT in time"
                 assert all(p.poll() is None for p in procs), "a rank of replica 0 exited before WAIT_AT"
                 time.sleep(0.1)
-        group1 = _start_group(engine, transport, 1, address, out, scenario, async_quorum=async_quorum)
+        group1 = _start_group(engine, transport, 1, address, out, scenario, async_quorum=async_quorum, case=case)
         procs += group1
         if scenario == "crash":
             _wait(group1, out, until, "replica 1 before its crash", exit_code=CRASH_EXIT)
             procs += _start_group(
-                engine, transport, 1, address, out, scenario, restarted=True, async_quorum=async_quorum
+                engine, transport, 1, address, out, scenario, restarted=True, async_quorum=async_quorum, case=case
             )
         _wait([p for p in procs if p not in group1 or scenario != "crash"], out, until, f"{engine} over {transport}")
     finally:

@@ -14,6 +14,11 @@ Scenarios:
   ``CRASH_AT``; the test starts it again (``RESTARTED=1``).
 
 ``ASYNC_QUORUM=1`` runs torchft's default asynchronous quorum instead of the synchronous one.
+``FT_CASE`` (JSON, :class:`tests.fault_tolerance.ft_case.Case`) picks the rest of the matrix:
+the model (the decoder, or the uneven MLP), the state dicts (the modules' own, or DCP's
+``get_*_state_dict`` / ``set_*_state_dict``, torchtitan's), the manager's all-reduce hook or
+none, a flat or an HSDP (1 x 2) mesh per group, and where replica 1 dies (between two steps,
+or inside a backward).
 
 Whenever replica 1 is missing from step ``WAIT_AT`` on, replica 0 waits until replica 1's
 manager is up, then steps slowly until the quorum has both groups, so that replica 1 joins,
@@ -23,6 +28,7 @@ its final full parameters and optimizer states, its losses and what its transpor
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -32,19 +38,64 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._serialization import _streaming_save
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import keystr, tree_flatten_with_path
 from torchft.checkpointing.http_transport import HTTPTransport
+from torchft.checkpointing.pg_transport import PGTransport as TorchftPGTransport
 from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-from tests.fault_tolerance.heal import ENGINES, train_step
-from tests.support.models import make_decoder
+from tests.fault_tolerance.ft_case import CRASH_EXIT, Case, build_model, case_step
+from tests.fault_tolerance.heal import ENGINES
 from vescale_plugins.checkpoint.fault_tolerance import FlatBufferTransport, PGTransport
 
 TIMEOUT = timedelta(seconds=30)
 WAIT_AT = 3
-CRASH_AT, CRASH_EXIT = 3, 17
+CRASH_AT = 3
+
+
+def local_snapshot(state: Any) -> dict[str, Any]:
+    """Every leaf of a state dict by its path: a DTensor as (global shape, placements, a copy of
+    its local shard), a tensor as a copy, anything else as it is."""
+    out: dict[str, Any] = {}
+    for path, value in tree_flatten_with_path(state)[0]:
+        if isinstance(value, DTensor):
+            out[keystr(path)] = (tuple(value.shape), repr(value.placements), value.to_local().detach().clone())
+        elif isinstance(value, torch.Tensor):
+            out[keystr(path)] = value.detach().clone()
+        else:
+            out[keystr(path)] = value
+    return out
+
+
+class Recording:
+    """A checkpoint transport that records what each heal sends (:func:`local_snapshot` of the
+    state dict, by step, for the test to compare with what the healed group loaded) and, for
+    HTTP, the bytes its server streams (``torch.distributed._serialization``, torchft's format)."""
+
+    def __init__(self, transport: Any, out: Path, name: str, http: bool) -> None:
+        self.transport, self.out, self.name, self.http = transport, out, name, http
+        self.messages, self.bytes = 0, 0
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        torch.save(local_snapshot(state_dict["user"]), self.out / f"sent.{self.name}.step{step}.pt")
+        if self.http:
+            out = io.BytesIO()
+            _streaming_save(state_dict, out)
+            self.messages, self.bytes = self.messages + 1, self.bytes + len(out.getvalue())
+        self.transport.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 class CountingGloo(ProcessGroupGloo):
@@ -62,12 +113,16 @@ class CountingGloo(ProcessGroupGloo):
 
 def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Path, scenario: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    case = Case.from_env()
     dist.init_process_group("gloo", timeout=TIMEOUT)
-    mesh = init_device_mesh("cpu", (world,))
+    if case.hsdp:  # HSDP inside the group: 1 replica x 2 shards, 2-D placements
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("hsdp", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     # Groups that start together start equal (torchft's init sync may heal either one from the
     # other at step 0); a restarted group does not, so only its heal can make it equal.
     restarted = replica == 1 and (scenario == "restart" or bool(os.environ.get("RESTARTED")))
-    model = make_decoder(seed=100 if restarted else 0, layers=4)
+    model = build_model(case.model, seed=100 if restarted else 0)
     shard = ENGINES[engine]
     for layer in model.layers:
         shard(layer, mesh=mesh)
@@ -75,19 +130,28 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def state_dict() -> dict[str, Any]:
+        if case.state == "dcp":  # torchtitan's fault-tolerance path
+            return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner)}
         return {"model": model.state_dict(), "optim": inner.state_dict()}
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optim"])
+        if case.state == "dcp":
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, inner, state["optim"])
+        else:
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["optim"])
+        # What the healed group holds now, in the form its sender sent (compared by the test).
+        torch.save(local_snapshot({"default": state_dict()}), out_dir / f"healed.{replica}.{rank}.step{manager.current_step()}.pt")
 
     pg = CountingGloo(TIMEOUT)
     transports = {
         "http": lambda: HTTPTransport(TIMEOUT, num_chunks=0),
         "pg": lambda: PGTransport(pg, TIMEOUT, torch.device("cpu")),
+        "torchft-pg": lambda: TorchftPGTransport(pg, TIMEOUT, torch.device("cpu")),
         "flat": lambda: FlatBufferTransport(pg, TIMEOUT, torch.device("cpu")),
     }
-    transport = transports[transport_name]()
+    transport = Recording(transports[transport_name](), out_dir, f"{replica}.{rank}", http=transport_name == "http")
     manager = Manager(
         pg=pg,
         min_replica_size=1,
@@ -112,7 +176,7 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
         manager.allreduce(gradient).wait()
 
     for module in model.modules():
-        if hasattr(module, "set_all_reduce_hook"):
+        if case.hook and hasattr(module, "set_all_reduce_hook"):
             module.set_all_reduce_hook(all_reduce_hook)
     optimizer = OptimizerWrapper(manager, inner)
     started = out_dir / f"started{replica}.{rank}"
@@ -121,19 +185,22 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
     try:
         while manager.current_step() < steps:
             step = manager.current_step()
-            if replica == 1 and scenario == "crash" and step == CRASH_AT and not os.environ.get("RESTARTED"):
+            dies = replica == 1 and scenario == "crash" and step == CRASH_AT and not os.environ.get("RESTARTED")
+            if dies:
                 started.unlink()
-                os._exit(CRASH_EXIT)  # the whole group dies between two steps
+                if case.fail == "boundary":
+                    os._exit(CRASH_EXIT)  # the whole group dies between two steps
             _wait_for_the_other_group(replica, rank, world, scenario, step, manager, out_dir)
             optimizer.zero_grad()  # the quorum, and a heal if this group is behind
             step = manager.current_step()
             inner_step = _StepOnCommit(optimizer)
-            losses.append((step, train_step(model, inner_step, step, rank)))
+            losses.append((step, case_step(case.model, model, inner_step, step, rank, die_in_backward=dies)))
         full = {name: p.full_tensor() for name, p in model.named_parameters()}
         for name, p in model.named_parameters():
             for key, value in inner.state[p].items():
                 full[f"{name}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
-        result = {"losses": losses, "full": full, "messages": pg.messages, "bytes": pg.bytes}
+        sent = transport if transport_name == "http" else pg
+        result = {"losses": losses, "full": full, "messages": sent.messages, "bytes": sent.bytes}
         torch.save(result, out_dir / f"result{replica}.{rank}.pt")
     finally:
         manager.shutdown(wait=False)

@@ -5,14 +5,19 @@ Between steps a managed parameter is an ``nn.Parameter(DTensor)`` whose placemen
 *sharded* face). Around its unit's forward and backward the modules see a plain
 ``nn.Parameter`` that is a view of the unsharded buffer (the *unsharded* face). Gradients
 arrive on the unsharded face and leave as a view of the sharded gradient buffer.
+
+Only the threads that train the modules see the unsharded face (:class:`ManagedParameters`):
+any other thread (torchft's quorum thread building a heal's state dict, a checkpointing
+thread) iterating the modules' parameters sees the sharded ones, the optimizer's own.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, ItemsView, ValuesView
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -41,7 +46,73 @@ if TYPE_CHECKING:
 else:
     ShardedParameter = DTensor
 
-__all__ = ["FSDPParam", "ShardedBuffer"]
+__all__ = [
+    "FSDPParam",
+    "ManagedParameters",
+    "ShardedBuffer",
+    "is_training_thread",
+    "manage_parameters",
+    "mark_training_thread",
+]
+
+# Set on every thread that gathers a unit (forward, backward: on CUDA autograd runs backward
+# on its own device threads; ``unshard()``): those threads see what the modules hold now.
+# Thread-local, so a new thread never inherits a finished one's flag through a reused ident.
+_TRAINING = threading.local()
+
+
+def mark_training_thread() -> None:
+    """This thread trains the modules: it sees their unsharded faces while they are gathered."""
+    _TRAINING.trains = True
+
+
+def is_training_thread() -> bool:
+    return getattr(_TRAINING, "trains", False)
+
+
+class ManagedParameters(dict):
+    """``module._parameters`` of a module whose parameters ``fully_shard`` manages.
+
+    A plain dict to the threads that train (``module.weight``, the forward, FSDP2's faces as
+    they are registered). Iterated from any other thread (``named_parameters()``,
+    ``state_dict()``, ``load_state_dict()``, DCP's ``get_optimizer_state_dict`` and
+    ``set_model_state_dict``), each managed name reads its sharded face, whatever the unit
+    holds at that moment: a heal's state dict built in torchft's quorum thread while this
+    thread's forward runs names the optimizer's own parameters, as it does between steps, and
+    touches nothing. Lookups by name (``__getitem__``, the forward's hot path) are dict's own.
+    """
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        super().__init__(params)
+        self.managed: dict[str, FSDPParam] = {}
+
+    def _for_this_thread(self) -> dict[str, Any]:
+        if is_training_thread() or not self.managed:
+            return self
+        return {name: self.managed[name].sharded if name in self.managed else p for name, p in dict.items(self)}
+
+    def items(self) -> ItemsView[str, Any]:  # type: ignore[override]
+        view = self._for_this_thread()
+        return dict.items(view) if view is self else view.items()
+
+    def values(self) -> ValuesView[Any]:  # type: ignore[override]
+        view = self._for_this_thread()
+        return dict.values(view) if view is self else view.values()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Copied or pickled as the plain dict it replaced (a deep-copied module is unmanaged).
+        return (dict, (list(dict.items(self)),))
+
+
+def manage_parameters(fsdp_params: Iterable[FSDPParam]) -> None:
+    """Make each owner module's ``_parameters`` a :class:`ManagedParameters` naming them."""
+    for fsdp_param in fsdp_params:
+        for module, name in fsdp_param.owners:
+            params = module.__dict__["_parameters"]
+            if not isinstance(params, ManagedParameters):
+                params = ManagedParameters(params)
+                module.__dict__["_parameters"] = params
+            params.managed[name] = fsdp_param
 
 
 @dataclass

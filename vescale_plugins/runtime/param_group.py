@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from vescale_plugins.dbuffer import DBuffer
 from vescale_plugins.dbuffer.faults import CollectiveError
@@ -45,7 +45,13 @@ from vescale_plugins.runtime.fsdp2_semantics import (
 )
 from vescale_plugins.runtime.iteration import IterationContext, TrainingState
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
-from vescale_plugins.runtime.param import FSDPParam, ShardedBuffer
+from vescale_plugins.runtime.param import (
+    FSDPParam,
+    ShardedBuffer,
+    is_training_thread,
+    manage_parameters,
+    mark_training_thread,
+)
 from vescale_plugins.runtime.registry import track_slots
 from vescale_plugins.runtime.setup import ParamSpec
 from vescale_plugins.runtime.traversal import (
@@ -116,7 +122,6 @@ class FSDPParamGroup:
         # This backward's post-backward already ran once (see _pre_backward_hook).
         self._backward_again = False
         self._pending_unshard: list[GatherHandle] = []
-        self._gathering_thread: int | None = None  # the thread that last gathered the unit
         self._modules_run: set[int] = set()
         self.buffers: list[ShardedBuffer] = []
         self.fsdp_params = self._build(params, buffer_split_cost)
@@ -175,6 +180,7 @@ class FSDPParamGroup:
         for fsdp_param in fsdp_params:
             fsdp_param.to_sharded()
         track_slots(self.adopt_assigned, fsdp_params)
+        manage_parameters(fsdp_params)
         return fsdp_params
 
     def _new_dbuffer(
@@ -316,9 +322,10 @@ class FSDPParamGroup:
         return fsdp_param.sharded
 
     def _register_state_dict_hooks(self) -> None:
-        """``state_dict()`` hands out the sharded parameters whatever the unit's state, and
-        reshards first (as FSDP2) only on the thread that gathers the unit;
-        ``load_state_dict()`` reshards first, so it writes the sharded parameters."""
+        """``state_dict()`` hands out the sharded parameters whatever the unit's state;
+        ``state_dict()`` and ``load_state_dict()`` reshard first (as FSDP2) only on a thread
+        that trains the modules (another one sees and writes the sharded faces anyway:
+        :class:`~vescale_plugins.runtime.param.ManagedParameters`)."""
         slots: dict[int, tuple[nn.Module, list[tuple[str, FSDPParam]]]] = {}
         for fsdp_param in self.fsdp_params:
             for module, name in fsdp_param.owners:
@@ -326,14 +333,15 @@ class FSDPParamGroup:
         for module, names in slots.values():
             module.register_state_dict_pre_hook(lambda *args, **kwargs: self._reshard_for_state_dict())
             module.register_state_dict_post_hook(functools.partial(_sharded_state_dict_entries, names))
-            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self.reshard())
+            module._register_load_state_dict_pre_hook(functools.partial(_check_loaded_entries, names))
+            module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self._reshard_for_state_dict())
 
     def _reshard_for_state_dict(self) -> None:
-        """FSDP2 reshards before ``state_dict()``. Only the thread that gathers this unit may:
-        another one (torchft's quorum thread, building a heal's state dict while this unit's
-        forward runs) would swap the sharded parameters in under that forward. Such a thread
-        touches nothing; the post-hook reads the sharded parameters for it."""
-        if self._gathering_thread == threading.get_ident():
+        """FSDP2 reshards before ``state_dict()`` and ``load_state_dict()``. Only a thread that
+        trains the modules may: another one (torchft's quorum thread, building a heal's state
+        dict while this unit's forward runs) would swap the sharded parameters in under that
+        forward. Such a thread touches nothing; it reads and writes the sharded faces."""
+        if is_training_thread():
             self.reshard()
 
     # -- unshard / reshard ------------------------------------------------------------
@@ -383,7 +391,7 @@ class FSDPParamGroup:
         """All-gather every DBuffer in place; with ``async_op`` the caller waits later."""
         if self._pending_unshard or self.is_unsharded:
             return
-        self._gathering_thread = threading.get_ident()
+        mark_training_thread()
         self.check_materialized()
         with outside_functorch():
             self._pending_unshard = [h for b in self.buffers for h in self._all_gather(b, async_op)]
@@ -935,6 +943,40 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.group.post_backward_from_inputs(ctx)  # ctx is this autograd node
         return (None, *grads)
+
+
+def _check_loaded_entries(
+    names: list[tuple[str, FSDPParam]], state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """A unit's load pre-hook: refuse, before anything is copied or communicated, an entry that
+    cannot be this rank's value of its parameter (a shard taken on another rank, on another
+    mesh, of another shape), naming the parameter. A DTensor of other placements on an equal
+    mesh is redistributed, as FSDP2's load does (a collective every rank runs alike)."""
+    for name, fsdp_param in names:
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        sharded, key = fsdp_param.sharded, prefix + name
+        if tuple(value.shape) != tuple(sharded.shape):
+            continue  # torch's own load reports the size mismatch (with strict=False, skips it)
+        if not isinstance(value, DTensor):
+            continue  # a full tensor: each rank takes its part
+        problem = None
+        if value.device_mesh.shape != sharded.device_mesh.shape:
+            problem = f"is on a mesh of shape {tuple(value.device_mesh.shape)}, the model's is {tuple(sharded.device_mesh.shape)}"
+        elif tuple(value.placements) == tuple(sharded.placements):
+            local, own = tuple(value._local_tensor.shape), tuple(sharded._local_tensor.shape)
+            if local != own:
+                problem = (
+                    f"holds a local shard of shape {local} where this rank's shard under "
+                    f"{list(sharded.placements)} is {own}: it was taken on another rank"
+                )
+        if problem is not None:
+            raise RuntimeError(
+                f"load_state_dict: the state dict's {key!r} {problem}. Load on each rank the state dict "
+                "its own rank (the same rank of a replica group) produced, or a full state dict; a "
+                "checkpoint from another world size loads through torch.distributed.checkpoint.load"
+            )
 
 
 def _sharded_state_dict_entries(
