@@ -24,6 +24,7 @@ from torchft._torchft import LighthouseServer
 from tests.fault_tolerance.ft_case import CRASH_EXIT, Case
 
 STEPS = 8
+DEFAULT_CASE = Case()  # the decoder, the modules' state dicts, the all-reduce hook, a flat mesh
 DEADLINE_S = 150.0
 ROOT = Path(__file__).resolve().parents[2]
 _FORKS = multiprocessing.get_context("forkserver")
@@ -82,7 +83,7 @@ def _start_group(
     scenario: str,
     restarted: bool = False,
     async_quorum: bool = False,
-    case: Case = Case(),
+    case: Case = DEFAULT_CASE,
 ) -> list[_RankProcess]:
     port = _free_port()
     procs = []
@@ -109,7 +110,7 @@ def _wait(procs: list[_RankProcess], out: Path, until: float, what: str, exit_co
 
 
 def run_heal(
-    engine: str, transport: str, out: Path, scenario: str, async_quorum: bool = False, case: Case = Case()
+    engine: str, transport: str, out: Path, scenario: str, async_quorum: bool = False, case: Case = DEFAULT_CASE
 ) -> dict[tuple[int, int], dict]:
     """Run the scenario (see :mod:`.ft_train`); every rank's result by (replica, rank)."""
     # A replica whose heartbeat is older than heartbeat_timeout_ms counts as dead, and a group

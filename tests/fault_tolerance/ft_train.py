@@ -39,13 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed._serialization import _streaming_save
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import keystr, tree_flatten_with_path
 from torchft.checkpointing.http_transport import HTTPTransport
@@ -142,7 +142,10 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optim"])
         # What the healed group holds now, in the form its sender sent (compared by the test).
-        torch.save(local_snapshot({"default": state_dict()}), out_dir / f"healed.{replica}.{rank}.step{manager.current_step()}.pt")
+        torch.save(
+            local_snapshot({"default": state_dict()}),
+            out_dir / f"healed.{replica}.{rank}.step{manager.current_step()}.pt",
+        )
 
     pg = CountingGloo(TIMEOUT)
     transports = {
@@ -193,7 +196,7 @@ def main(engine: str, transport_name: str, replica: int, steps: int, out_dir: Pa
             _wait_for_the_other_group(replica, rank, world, scenario, step, manager, out_dir)
             optimizer.zero_grad()  # the quorum, and a heal if this group is behind
             step = manager.current_step()
-            inner_step = _StepOnCommit(optimizer)
+            inner_step = _StepOnCommit(optimizer, case.hook)
             losses.append((step, case_step(case.model, model, inner_step, step, rank, die_in_backward=dies)))
         full = {name: p.full_tensor() for name, p in model.named_parameters()}
         for name, p in model.named_parameters():
@@ -233,10 +236,17 @@ class _StepOnCommit:
     """``train_step``'s optimizer: the manager's wrapper steps only if the quorum commits;
     ``zero_grad`` already ran (it starts the quorum), so it is not run again."""
 
-    def __init__(self, optimizer: OptimizerWrapper) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: OptimizerWrapper, hooked: bool) -> None:
+        self.optimizer, self.hooked = optimizer, hooked
 
     def step(self) -> None:
+        if not self.optimizer.manager._use_async_quorum or self.hooked:
+            self.optimizer.step()
+            return
+        # Without the manager's all-reduce nothing waits for an async quorum before
+        # should_commit: a heal that lands after it is never applied (its step count is), for
+        # any engine. torchtitan always reduces through the manager; here, wait as it would.
+        self.optimizer.manager.wait_quorum()
         self.optimizer.step()
 
     def zero_grad(self) -> None:

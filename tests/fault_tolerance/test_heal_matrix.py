@@ -57,7 +57,7 @@ def check_heal(results: dict[tuple[int, int], dict], out: Path, final_equal: boo
             _assert_same_state(torch.load(sent_file, weights_only=False), torch.load(healed_file, weights_only=False))
         for replica in range(2):
             steps = [s for s, _ in results[(replica, rank)]["losses"]]
-            assert steps and steps[-1] == STEPS - 1, f"replica {replica} rank {rank} stopped at {steps}"
+            assert steps[-1:] == [STEPS - 1], f"replica {replica} rank {rank} stopped at {steps}"
         if final_equal:
             live, healed = results[(0, rank)]["full"], results[(1, rank)]["full"]
             assert live.keys() == healed.keys()
@@ -74,7 +74,7 @@ def _assert_same_state(sent: dict[str, Any], loaded: dict[str, Any]) -> None:
             assert value[:2] == got[:2], f"{key}: sent {value[:2]}, loaded {got[:2]}"
             value, got = value[2], got[2]
         if isinstance(value, torch.Tensor):
-            assert value.dtype == got.dtype and value.shape == got.shape, (key, value.shape, got.shape)
+            assert (value.dtype, value.shape) == (got.dtype, got.shape), key
             assert torch.equal(value, got), f"{key}: values differ"
         else:
             assert value == got, (key, value, got)
@@ -102,7 +102,9 @@ def _matrix() -> list[Any]:
         cheap = transport == "http" and state == "dcp" and hook == "hook" and mesh == "flat"
         marks = [] if cheap else [pytest.mark.slow]
         case = Case(model="mlp", state=state, hook=hook == "hook", hsdp=mesh == "hsdp")
-        cases.append(pytest.param(transport, quorum, case, marks=marks, id=f"{transport}-{state}-{quorum}-{hook}-{mesh}"))
+        cases.append(
+            pytest.param(transport, quorum, case, marks=marks, id=f"{transport}-{state}-{quorum}-{hook}-{mesh}")
+        )
     for transport, fail in itertools.product(TRANSPORTS, ("boundary", "midstep")):
         # The decoder over torchtitan's path, killed between two steps or inside a backward.
         case = Case(model="decoder", state="dcp", hook=True, fail=fail)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, ItemsView, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, ValuesView
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 

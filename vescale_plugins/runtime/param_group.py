@@ -47,6 +47,7 @@ from vescale_plugins.runtime.iteration import IterationContext, TrainingState
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import (
     FSDPParam,
+    ManagedParameters,
     ShardedBuffer,
     is_training_thread,
     manage_parameters,
@@ -330,10 +331,11 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             for module, name in fsdp_param.owners:
                 slots.setdefault(id(module), (module, []))[1].append((name, fsdp_param))
+        for unit_module in self.modules:  # first in a load: everything under it is checked before a copy
+            unit_module._register_load_state_dict_pre_hook(functools.partial(_check_loaded_entries, unit_module))
         for module, names in slots.values():
             module.register_state_dict_pre_hook(lambda *args, **kwargs: self._reshard_for_state_dict())
             module.register_state_dict_post_hook(functools.partial(_sharded_state_dict_entries, names))
-            module._register_load_state_dict_pre_hook(functools.partial(_check_loaded_entries, names))
             module._register_load_state_dict_pre_hook(lambda *args, **kwargs: self._reshard_for_state_dict())
 
     def _reshard_for_state_dict(self) -> None:
@@ -945,38 +947,44 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _check_loaded_entries(
-    names: list[tuple[str, FSDPParam]], state_dict: dict[str, Any], prefix: str, *args: Any
-) -> None:
-    """A unit's load pre-hook: refuse, before anything is copied or communicated, an entry that
-    cannot be this rank's value of its parameter (a shard taken on another rank, on another
-    mesh, of another shape), naming the parameter. A DTensor of other placements on an equal
-    mesh is redistributed, as FSDP2's load does (a collective every rank runs alike)."""
-    for name, fsdp_param in names:
-        value = state_dict.get(prefix + name)
-        if not isinstance(value, torch.Tensor):
-            continue
-        sharded, key = fsdp_param.sharded, prefix + name
-        if tuple(value.shape) != tuple(sharded.shape):
-            continue  # torch's own load reports the size mismatch (with strict=False, skips it)
-        if not isinstance(value, DTensor):
-            continue  # a full tensor: each rank takes its part
-        problem = None
-        if value.device_mesh.shape != sharded.device_mesh.shape:
-            problem = f"is on a mesh of shape {tuple(value.device_mesh.shape)}, the model's is {tuple(sharded.device_mesh.shape)}"
-        elif tuple(value.placements) == tuple(sharded.placements):
-            local, own = tuple(value._local_tensor.shape), tuple(sharded._local_tensor.shape)
-            if local != own:
-                problem = (
-                    f"holds a local shard of shape {local} where this rank's shard under "
-                    f"{list(sharded.placements)} is {own}: it was taken on another rank"
-                )
-        if problem is not None:
-            raise RuntimeError(
-                f"load_state_dict: the state dict's {key!r} {problem}. Load on each rank the state dict "
-                "its own rank (the same rank of a replica group) produced, or a full state dict; a "
-                "checkpoint from another world size loads through torch.distributed.checkpoint.load"
+def _check_loaded_entries(unit_module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A unit module's load pre-hook: refuse an entry that cannot be this rank's value of its
+    parameter (a shard taken on another rank, on another mesh), naming the parameter. Every
+    managed parameter under the module is checked, so the outermost unit (whose hook torch
+    runs first) refuses a bad state dict before any parameter is written or any collective
+    runs. A DTensor of other placements on an equal mesh is redistributed, as FSDP2's load
+    does (a collective every rank runs alike)."""
+    for module_name, module in unit_module.named_modules():
+        params = module.__dict__["_parameters"]
+        for name, fsdp_param in params.managed.items() if isinstance(params, ManagedParameters) else ():
+            key = f"{prefix}{module_name}.{name}" if module_name else prefix + name
+            _check_loaded_entry(key, state_dict.get(key), fsdp_param)
+
+
+def _check_loaded_entry(key: str, value: Any, fsdp_param: FSDPParam) -> None:
+    if not isinstance(value, torch.Tensor):
+        return
+    sharded, problem = fsdp_param.sharded, None
+    if tuple(value.shape) != tuple(sharded.shape):
+        problem = f"has shape {tuple(value.shape)}, the parameter {tuple(sharded.shape)}"
+    elif not isinstance(value, DTensor):
+        return  # a full tensor: each rank takes its part
+    elif value.device_mesh.shape != sharded.device_mesh.shape:
+        problem = f"is sharded over a mesh of shape {tuple(value.device_mesh.shape)}, the parameter over {tuple(sharded.device_mesh.shape)}"
+    elif tuple(value.placements) == tuple(sharded.placements):
+        local, own = tuple(value._local_tensor.shape), tuple(sharded._local_tensor.shape)
+        if local != own:
+            problem = (
+                f"holds a local shard of shape {local} where this rank's shard under "
+                f"{list(sharded.placements)} is {own}: it was taken on another rank"
             )
+    if problem is not None:
+        raise RuntimeError(
+            f"load_state_dict: the state dict's {key!r} {problem}; nothing was loaded. Load on each rank "
+            "the state dict that same rank produced (in torchft, the same rank of the healing replica "
+            "group), or a full state dict; a checkpoint from another world size loads through "
+            "torch.distributed.checkpoint.load"
+        )
 
 
 def _sharded_state_dict_entries(
