@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from tests.fault_tolerance.heal import train_step
@@ -58,6 +59,17 @@ def build_model(name: str, seed: int) -> nn.Module:
     return make_decoder(seed=seed, layers=4)
 
 
+def die_together() -> None:
+    """Both ranks of the group exit here (neither is left waiting on a peer gone first: that
+    one would fail its next call with another exit code)."""
+    dist.barrier()
+    os._exit(CRASH_EXIT)
+
+
+def _die_at_its_gradient(output: torch.Tensor) -> None:
+    output.register_hook(lambda _grad: die_together())
+
+
 def case_step(
     name: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, shard_rank: int, die_in_backward: bool
 ) -> float:
@@ -65,7 +77,7 @@ def case_step(
     ``die_in_backward`` the process exits inside the backward (the gradient of the first
     layer's output: the later units' reduce-scatters were issued, the first unit's not)."""
     if die_in_backward:
-        model.layers[0].register_forward_hook(lambda _m, _i, out: out.register_hook(lambda _g: os._exit(CRASH_EXIT)))
+        model.layers[0].register_forward_hook(lambda _m, _i, out: _die_at_its_gradient(out))
     if name != "mlp":
         return train_step(model, optimizer, step, shard_rank)
     g = torch.Generator().manual_seed(2000 + step)
