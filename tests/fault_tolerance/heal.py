@@ -227,3 +227,69 @@ def state_dicts_while_training(engine: str, steps: int = 6) -> dict[str, Any]:
         stop.set()
         reader.join()
     return {"alone": alone, "losses": losses, "errors": errors, "reads": reads[0], "unsharded": sorted(unsharded)}
+
+
+def dcp_state_dicts_inside_a_forward(engine: str) -> dict[str, Any]:
+    """Another thread takes DCP's ``get_model_state_dict`` and ``get_optimizer_state_dict``
+    while the main thread is inside the second block's forward (held there until the thread is
+    done, so the two always meet: a thread racing freely meets a forward only sometimes).
+    Returns the thread's errors, how many parameters its optimizer state dict names and those
+    of them that are not the optimizer's, how many the optimizer holds states for, its
+    model entries that were not this rank's shards, and the step's loss beside the same step
+    without the thread."""
+    import threading
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    model, optimizer = build(engine, mesh, 4)
+    train_step(model, optimizer, 0, rank)  # optimizer states exist, as in a live group
+    alone_model, alone_optimizer = build(engine, mesh, 4)
+    train_step(alone_model, alone_optimizer, 0, rank)
+    alone = train_step(alone_model, alone_optimizer, 1, rank)
+    shards = {name: v.to_local().shape for name, v in model.state_dict().items() if isinstance(v, DTensor)}
+    inside, done, seen, errors = threading.Event(), threading.Event(), {}, []
+
+    def hold(*_: Any) -> None:
+        inside.set()
+        done.wait(60)
+
+    def take() -> None:
+        inside.wait(60)
+        try:
+            seen["model"] = get_model_state_dict(model)
+            seen["optim"] = get_optimizer_state_dict(model, optimizer)
+        except Exception as error:  # reported to the test
+            errors.append(repr(error))
+        done.set()
+
+    handle = model.layers[1].register_forward_pre_hook(hold)
+    reader = threading.Thread(target=take)
+    reader.start()
+    try:
+        loss = train_step(model, optimizer, 1, rank)
+    except Exception as error:  # FSDP2's forward meets the reader's reshard
+        loss = float("nan")
+        errors.append(f"main thread: {error!r}")
+    finally:
+        done.set()
+        reader.join()
+        handle.remove()
+    unsharded = [
+        name
+        for name, value in seen.get("model", {}).items()
+        if name in shards and (not isinstance(value, DTensor) or value.to_local().shape != shards[name])
+    ]
+    # Each name the thread's optimizer state dict keys by is one of the optimizer's parameters.
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = sorted(seen.get("optim", {}).get("state", {}))
+    return {
+        "errors": errors,
+        "named": len(named),
+        "foreign": [name for name in named if id(model.get_parameter(name)) not in owned],
+        "states": len(optimizer.state),
+        "unsharded": unsharded,
+        "loss": loss,
+        "alone": alone,
+    }

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from tests.fault_tolerance.heal import state_dicts_while_training
+from tests.fault_tolerance.heal import dcp_state_dicts_inside_a_forward, state_dicts_while_training
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,3 +22,20 @@ def test_state_dict_from_another_thread_while_training(dist_run):
         assert result["reads"] > 0
         assert result["unsharded"] == []
         assert result["losses"] == result["alone"]
+
+
+def test_dcp_state_dicts_from_another_thread_inside_a_forward(dist_run):
+    """torchtitan's heal path under the async quorum: DCP's state dicts from another thread
+    while a forward is inside a unit. Ours: no error (before: ``KeyError`` in
+    ``get_optimizer_state_dict``, the optimizer's parameters not among those the modules
+    named), the optimizer state dict keyed by every parameter's name, every model entry this
+    rank's shard, and the step's loss what it is without the thread. FSDP2, forced to meet
+    the forward the same way, fails in the forward (its state dict reshards under it)."""
+    for result in dist_run(dcp_state_dicts_inside_a_forward, 2, "vescale"):
+        assert result["errors"] == []
+        assert result["named"] == result["states"]
+        assert result["foreign"] == []
+        assert result["unsharded"] == []
+        assert result["loss"] == result["alone"]
+    for result in dist_run(dcp_state_dicts_inside_a_forward, 2, "torch"):
+        assert any("main thread" in error for error in result["errors"]), result["errors"]
