@@ -92,12 +92,10 @@ class ManagedParameters(dict):
         return {name: self.managed[name].sharded if name in self.managed else p for name, p in dict.items(self)}
 
     def items(self) -> ItemsView[str, Any]:  # type: ignore[override]
-        view = self._for_this_thread()
-        return dict.items(view) if view is self else view.items()
+        return dict.items(self._for_this_thread())
 
     def values(self) -> ValuesView[Any]:  # type: ignore[override]
-        view = self._for_this_thread()
-        return dict.values(view) if view is self else view.values()
+        return dict.values(self._for_this_thread())
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Copied or pickled as the plain dict it replaced (a deep-copied module is unmanaged).
