@@ -34,7 +34,7 @@ INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(T
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-other-torch bench bench-deepspeed setup lint
+.PHONY: test test-other-torch bench bench-host bench-deepspeed setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(INSTALL_TORCH)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
 	$(INSTALL_TORCHTITAN)
 	$(INSTALL_LITGPT)
 	touch $(STAMP)
@@ -83,6 +83,11 @@ lint: $(LINT_STAMP)
 # The side-by-side benchmark against torch's FSDP2 (CPU: 2 gloo ranks; CUDA: every GPU).
 bench: $(STAMP)
 	$(PY) -m vescale_plugins.bench $(BENCH_ARGS)
+
+# Host work per step and phase (forward, backward, clipping, optimizer step, zero_grad): ours,
+# FSDP2's and the unsharded model's, W=1 and 2 on gloo, W=8 and 1,024 on the fake process group.
+bench-host: $(STAMP)
+	$(PY) -m vescale_plugins.bench host $(BENCH_ARGS)
 
 # The same with DeepSpeed ZeRO-3 as a third engine (installs the `deepspeed` extra first).
 bench-deepspeed: $(STAMP)

@@ -8,9 +8,8 @@
 #   scripts/gpu_check.sh [OUT]        (default gpu_check_out; an OUT ending in .json is the report's path)
 # Nothing is installed: this checkout runs from source (PYTHONPATH) on the torch of the Python
 # chosen here: $PYTHON, else this checkout's .venv, else python3 (the device machine's, which
-# holds its torch and Triton), else python. The package declares torch>=2.13,<2.16; the device's
-# torch 2.11 is older, so scripts/below_floor/sitecustomize.py gives it 2.13's names (nothing on
-# a supported torch), and the report records the version.
+# holds its torch and Triton), else python. The package supports the device's torch 2.11 as it
+# is (torch>=2.11,<2.16); the report records the version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
@@ -18,7 +17,7 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 elif command -v python3 >/dev/null; then PY=python3
 else PY=python; fi
-export PYTHONPATH="$PWD:$PWD/scripts/below_floor${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 case "$OUT" in
   *.json) WHERE=(--json "$OUT") ;;
   *) WHERE=(--out "$OUT") ;;

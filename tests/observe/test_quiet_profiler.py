@@ -3,6 +3,7 @@
 import torch
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
+from torch.torch_version import TorchVersion
 
 from vescale_plugins.observe.quiet_profiler import profile
 
@@ -14,6 +15,7 @@ def _profile_once(profiler_class):
 
 def test_profiler_markers_do_not_reach_stderr(capfd):
     _profile_once(torch_profile)
-    assert "profiler_start" in capfd.readouterr().err  # what the benchmark printed dozens of times
+    if TorchVersion(torch.__version__) >= "2.13":  # 2.11 and 2.12 print no marker
+        assert "profiler_start" in capfd.readouterr().err  # what the benchmark printed dozens of times
     _profile_once(profile)
     assert "profiler_" not in capfd.readouterr().err

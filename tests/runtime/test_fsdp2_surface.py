@@ -38,7 +38,7 @@ OURS = {
     "MixedPrecisionPolicy": fsdp.MixedPrecisionPolicy,
     "OffloadPolicy": fsdp.OffloadPolicy,
     "CPUOffloadPolicy": fsdp.CPUOffloadPolicy,
-    "DataParallelMeshDims": fsdp.DataParallelMeshDims,
+    "DataParallelMeshDims": getattr(fsdp, "DataParallelMeshDims", None),  # torch 2.13 on
 }
 
 # Each field of a configuration dataclass ours reads, and where its semantics are proven
@@ -90,6 +90,8 @@ def test_every_public_method_with_fsdp2s_parameters(name):
 
 @pytest.mark.parametrize("name", sorted(HONOURED_FIELDS))
 def test_every_configuration_field_is_honoured(name):
+    if not hasattr(fsdp, name):
+        pytest.skip(f"torch {torch.__version__} has no {name} (2.13 added it)")
     fields = [field.name for field in dataclasses.fields(getattr(fsdp, name))]
     unknown = [field for field in fields if field not in HONOURED_FIELDS[name]]
     assert not unknown, f"torch {torch.__version__}'s {name} has fields ours does not read: {unknown}"

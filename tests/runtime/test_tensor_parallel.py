@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, reduce_scatter_tensor_autograd
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -36,6 +35,12 @@ from tests.support.tp_transformer import (
 )
 from vescale_plugins import fully_shard
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
+
+# FSDP2's dp_mesh_dims and its DataParallelMeshDims came with torch 2.13.
+DataParallelMeshDims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+needs_dp_mesh_dims = pytest.mark.skipif(
+    DataParallelMeshDims is None, reason="torch < 2.13: FSDP2 has no dp_mesh_dims (DataParallelMeshDims came in 2.13)"
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -381,6 +386,7 @@ def _dp_mesh_dims_parity():
     _train_like_both(ours, theirs, reference, STEPS, _spmd_backward(ours, theirs, reference, mesh))
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_on_a_dp_x_tp_mesh_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_parity, 4)
 
@@ -408,6 +414,7 @@ def _dp_mesh_dims_replicate_only_parity():
     _train_like_both(ours, theirs, reference, 3, _spmd_backward(ours, theirs, reference, mesh), grads_at_step_0=True)
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_with_replicate_dims_only_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_replicate_only_parity, 4)
 
@@ -495,6 +502,7 @@ def _dp_mesh_dims_forms_parity():
         _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_hsdp_and_flattened_shard_dims_match_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_forms_parity, 4)
 
@@ -571,6 +579,7 @@ def _dp_mesh_dims_with_expert_meshes_parity():
     _train_like_both(ours, theirs, reference, 3, backward, grads_at_step_0=True)
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_with_expert_shard_placement_meshes_matches_fsdp2_and_unsharded(dist_run):
     dist_run(_dp_mesh_dims_with_expert_meshes_parity, 4)
 
@@ -623,6 +632,7 @@ def _dp_mesh_dims_errors():
     dist.barrier()
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_validation_matches_fsdp2(dist_run):
     dist_run(_dp_mesh_dims_errors, 4)
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from vescale_plugins.bench import adam8bit, compare, gloo_collectives, init_memory, muon, scale, step
+from vescale_plugins.bench import adam8bit, compare, gloo_collectives, host, init_memory, muon, scale, step
 
 SUBCOMMANDS = {
     "step": step,
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "muon": muon,
     "init-memory": init_memory,
     "scale": scale,
+    "host": host,
 }
 SUMMARIES = {
     "step": "the same comparison on a stack of Linear layers",
@@ -28,6 +29,7 @@ SUMMARIES = {
     "muon": "distributed Muon against FSDP2's full_tensor() workaround",
     "init-memory": "peak memory of meta-device initialisation",
     "scale": "host work, set-up and padding at 1,024 to 16,384 ranks on torch's fake process group",
+    "host": "host work per step and phase against FSDP2 and the unsharded model (W=1, 2, fake W)",
 }
 
 

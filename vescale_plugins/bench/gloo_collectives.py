@@ -21,6 +21,7 @@ import torch.distributed as dist
 from vescale_plugins.bench.arguments import count
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
 from vescale_plugins.observe.allocations import AllocationTracker
+from vescale_plugins.ragged.ragged_collectives import all_gather_single, reduce_scatter_single
 from vescale_plugins.tools.launch import launch_ranks
 from vescale_plugins.tools.timing import median_seconds
 
@@ -33,11 +34,9 @@ def _calls(world: int, numel: int) -> dict[str, Callable[[], object]]:
     shard, gathered = torch.randn(numel), torch.empty(numel * world)
     full, reduced = torch.randn(numel * world), torch.empty(numel)
     return {
-        "gloo all_gather_into_tensor": lambda: dist.all_gather_single(gathered, shard, group=group),
+        "gloo all_gather_into_tensor": lambda: all_gather_single(gathered, shard, group=group),
         "in-place all-gather": lambda: all_gather_into(gathered, shard, group),
-        "gloo reduce_scatter_tensor": lambda: dist.reduce_scatter_single(
-            reduced, full, op=dist.ReduceOp.SUM, group=group
-        ),
+        "gloo reduce_scatter_tensor": lambda: reduce_scatter_single(reduced, full, op=dist.ReduceOp.SUM, group=group),
         "in-place reduce-scatter": lambda: reduce_scatter_into(reduced, full, group),
     }
 

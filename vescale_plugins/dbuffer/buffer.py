@@ -215,13 +215,30 @@ class DBuffer:
 
     def sharded_grad_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s gradient shard: a view of the sharded gradient buffer (one
-        ``as_strided``, as FSDP2 cuts its gradient shards: every step cuts them anew)."""
-        flat = self._sharded_grad_for_reduce()
+        ``as_strided``, as FSDP2 cuts its gradient shards)."""
+        return self.sharded_grad_views((index,))[0]
+
+    def grad_view_offset(self, index: int) -> int | None:
+        """The storage offset :meth:`sharded_grad_view` gives slot ``index``'s view in the live
+        sharded gradient buffer (``None`` for an empty slot, or with no buffer alive)."""
+        flat = self._sharded_grad_ref()
         geometry = self._grad_view_geometry[index]
-        if geometry is None:
-            return self._local_view(flat, index)
-        shape, strides, offset = geometry
-        return flat.as_strided(shape, strides, flat.storage_offset() + offset)
+        if flat is None or geometry is None:
+            return None
+        return int(flat.storage_offset()) + geometry[2]
+
+    def sharded_grad_views(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`sharded_grad_view` of each of ``indices``, the buffer looked up once."""
+        flat = self._sharded_grad_for_reduce()
+        base = flat.storage_offset()
+        views = []
+        for index in indices:
+            geometry = self._grad_view_geometry[index]
+            if geometry is None:
+                views.append(self._local_view(flat, index))
+            else:
+                views.append(flat.as_strided(geometry[0], geometry[1], base + geometry[2]))
+        return views
 
     def _sharded_view_geometry(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
         """Slot ``index``'s local shard in a flat sharded buffer: (shape, strides, offset);
@@ -313,7 +330,7 @@ class DBuffer:
                 with observer.scope(COMM_BUFFER_REGION):
                     # No copy unless one of them differs; from pinned memory, on this stream.
                     shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
-            watcher = observer.current()
+            watcher = observer.current() if group.size() > 1 else None  # one rank: a copy, no collective
             token = (
                 watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype)
                 if watcher is not None
@@ -417,7 +434,13 @@ class DBuffer:
             sources: list[torch.Tensor] = []
             while grads:
                 index, grad = grads.popitem()
-                plan.targets[index].collect(grad, targets, sources)
+                slot_targets = plan.targets[index]
+                views = slot_targets.views
+                if type(grad) is torch.Tensor and len(views) == 1 and grad.shape == views[0].shape:
+                    targets.append(views[0])  # the common case inline: one view, the gradient's shape
+                    sources.append(grad)
+                else:
+                    slot_targets.collect(grad, targets, sources)
                 del grad
             if sources:
                 torch._foreach_copy_(targets, sources)
@@ -479,8 +502,12 @@ class DBuffer:
             token = None
             if watcher is not None:
                 watcher.buffer_allocated("comm_buffers", temp_bytes)
-                token = watcher.collective_issued(
-                    "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
+                token = (  # one rank: a copy, no collective
+                    watcher.collective_issued(
+                        "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
+                    )
+                    if self.group.size() > 1
+                    else None
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
@@ -493,7 +520,7 @@ class DBuffer:
                     premul_divide=reduction.premul_divide,
                     async_op=async_op and not streams.enabled,
                 )
-            if watcher is not None:
+            if watcher is not None and token is not None:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
         handle = ReduceScatterHandle(

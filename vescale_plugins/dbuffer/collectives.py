@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from vescale_plugins.planner.bounds import round_up
+from vescale_plugins.ragged.ragged_collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather_into", "gloo_sum_orders", "reduce_scatter_into", "uses_point_to_point", "POINT_TO_POINT_SCOPE"]
 
@@ -119,9 +120,15 @@ def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
 def all_gather_into(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
 ) -> dist.Work | PointToPointWork | None:
-    """``output[r * n:(r + 1) * n]`` = rank r's ``shard`` on every rank (``n = shard.numel()``)."""
+    """``output[r * n:(r + 1) * n]`` = rank r's ``shard`` on every rank (``n = shard.numel()``).
+
+    On one rank no collective runs (as FSDP2 issues none there): ``output`` is a copy of
+    ``shard``."""
+    if group.size() == 1:
+        output.view(-1).copy_(shard.view(-1))
+        return None
     if not uses_point_to_point(group, output.device):
-        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+        return all_gather_single(output, shard, group=group, async_op=async_op)
     with record_function(POINT_TO_POINT_SCOPE + "all_gather"):
         rank, peers = _peers(group)
         n = shard.numel()
@@ -167,7 +174,7 @@ def reduce_scatter_into(
             op = dist.ReduceOp.AVG
         elif premul_divide is not None:
             op = dist.ReduceOp.PREMUL_SUM(1 / premul_divide)  # FSDP2's spelling (NCCL's PreMulSum)
-        return dist.reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
+        return reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
     if premul_divide is not None:
         full.mul_(1 / premul_divide)
     with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter"):

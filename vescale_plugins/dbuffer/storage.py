@@ -37,7 +37,7 @@ class ResizableStorage:
 
     @property
     def allocated(self) -> bool:
-        return self._tensor is not None and self._tensor.untyped_storage().size() > 0
+        return self._tensor is not None and self._tensor.untyped_storage().nbytes() > 0  # nbytes: C, size: Python
 
     def allocate(self) -> torch.Tensor:
         if not self.allocated:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from vescale_plugins.ragged.layout import RaggedLayout
 
 __all__ = [
+    "all_gather_single",
+    "reduce_scatter_single",
     "gather_ragged",
     "reshard_ragged",
     "reduce_scatter_ragged",
@@ -21,6 +23,12 @@ __all__ = [
     "gather_shard_dim",
     "split_shard_dim",
 ]
+
+
+# The tensor-in/tensor-out collectives under their torch 2.13 names; the same functions,
+# same arguments, under their older names before.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _lengths(layout: RaggedLayout) -> list[int]:
@@ -44,12 +52,12 @@ def gather_ragged(local: torch.Tensor, layout: RaggedLayout, group: dist.Process
     longest = max(lengths)
     if all(n == longest for n in lengths):
         gathered = flat.new_empty(longest * len(lengths))
-        dist.all_gather_single(gathered, flat.contiguous(), group=group)
+        all_gather_single(gathered, flat.contiguous(), group=group)
         return gathered.view(layout.shape)
     padded = flat.new_zeros(longest)
     padded[: flat.numel()] = flat
     gathered = flat.new_empty(longest * len(lengths))
-    dist.all_gather_single(gathered, padded, group=group)
+    all_gather_single(gathered, padded, group=group)
     pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(lengths)]
     return torch.cat(pieces).view(layout.shape)
 
@@ -102,7 +110,7 @@ def reduce_scatter_ragged(
                 rank_slice.offset : rank_slice.offset + rank_slice.length
             ]
     out = flat.new_empty(longest)
-    dist.reduce_scatter_single(out, send, op=_REDUCE_OPS[reduce_op], group=group)
+    reduce_scatter_single(out, send, op=_REDUCE_OPS[reduce_op], group=group)
     if reduce_op == "avg":
         out.div_(world)
     return out[: lengths[rank]].view(layout.slices[rank].local_shape)
@@ -139,6 +147,6 @@ def gather_shard_dim(local: torch.Tensor, full_shape: torch.Size, dim: int, grou
     padded = moved.new_zeros((longest, *moved.shape[1:]))
     padded[: moved.shape[0]] = moved
     gathered = padded.new_empty((longest * world, *moved.shape[1:]))
-    dist.all_gather_single(gathered, padded.contiguous(), group=group)
+    all_gather_single(gathered, padded.contiguous(), group=group)
     pieces = [gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim).contiguous()

@@ -123,14 +123,18 @@ def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
     return post_forward(group_of(module), module, output)
 
 
+_eager_pre_forward = eager_hook(pre_forward)
+_eager_post_forward = eager_hook(post_forward)
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run the unit's pre- and post-forward logic around ``module.<method_name>`` too."""
     group: FSDPParamGroup = group_of(module)
     original = getattr(module, method_name)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = pre_forward(group, module, args, kwargs)
-        return post_forward(group, module, original(*args, **kwargs))
+        args, kwargs = _eager_pre_forward(group, module, args, kwargs)
+        return _eager_post_forward(group, module, original(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 

@@ -41,9 +41,17 @@ from vescale_plugins.dbuffer.input_buffers import InputBuffer
 from vescale_plugins.dbuffer.planning import row_numel
 from vescale_plugins.runtime.agreement import agree_across_ranks
 
-__all__ = ["ExtensionGather", "ExtensionParam", "check_extension_param", "defines_extension", "has_extension"]
+__all__ = [
+    "EXTENSION_HOOK",
+    "ExtensionGather",
+    "ExtensionParam",
+    "check_extension_param",
+    "defines_extension",
+    "has_extension",
+]
 
 _PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+EXTENSION_HOOK = _PRE  # what has_extension asks for, for callers that ask it inline
 _SIGNATURE = (
     "fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], "
     "module: nn.Module, mp_policy: MixedPrecisionPolicy)"

@@ -21,6 +21,7 @@ On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.torch_version import TorchVersion
 
 __all__ = [
+    "ShardPlacementResult",
     "TorchGradientReductionHandle",
     "default_reduce_dtype",
     "defer_upcast",
@@ -43,6 +45,17 @@ __all__ = [
     "takes_spmd_typed_parameters",
     "upcast_gradient",
 ]
+
+try:  # shard_placement_fn's answer naming another mesh (torch 2.13 on)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # before 2.13 a shard_placement_fn returns a Shard or None, as ours then takes
+
+    class ShardPlacementResult:  # type: ignore[no-redef]
+        """Stands for torch 2.13's class, which no earlier torch can hand us."""
+
+        placement: Any
+        mesh_info: Any
+
 
 # Whether autograd gives the unsharded parameters' gradients in the reduce dtype (2.15 on).
 gradients_in_reduce_dtype = TorchVersion(torch.__version__) >= "2.15"
@@ -65,12 +78,15 @@ TorchGradientReductionHandle: type = getattr(fsdp, "GradientReductionHandle", ob
 def spmd_no_typecheck() -> contextlib.AbstractContextManager[None]:
     """(torch 2.15 on, spmd_types installed) The unit's own work on its buffers (gathers,
     reshards, reductions) runs outside spmd_types' type checking, as FSDP2's hooks do; a
-    null context otherwise."""
-    if takes_spmd_typed_parameters():
+    null context otherwise (one, reused: called a few times per unit per step)."""
+    if _reads_spmd_types and dist._is_spmd_types_available():
         import spmd_types
 
         return spmd_types.no_typecheck()
-    return contextlib.nullcontext()
+    return _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def register_spmd_local_autograd_function(function: type) -> type:

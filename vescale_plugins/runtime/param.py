@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, ItemsView, Iterable, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Sequence, ValuesView
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,9 +50,14 @@ __all__ = [
     "FSDPParam",
     "ManagedParameters",
     "ShardedBuffer",
+    "adopt_assigned_grads",
+    "attach_sharded_grads",
     "is_training_thread",
     "manage_parameters",
     "mark_training_thread",
+    "register_sharded_faces",
+    "register_unsharded_faces",
+    "take_gradients",
 ]
 
 # Set on every thread that gathers a unit (forward, backward: on CUDA autograd runs backward
@@ -388,16 +393,7 @@ class FSDPParam:
 
     def attach_sharded_grad(self) -> None:
         """``.grad`` of the sharded face: a DTensor view of the sharded gradient buffer."""
-        local = self.dbuffer.sharded_grad_view(self.slot)
-        sharded = self.sharded
-        spec = sharded._spec
-        if spec.tensor_meta is not None and spec.tensor_meta.dtype == local.dtype:
-            # The parameter's own spec (mesh, placements, shape, stride, dtype: the gradient's
-            # too), as FSDP2 builds its gradients from its cached sharding spec: no new spec
-            # per gradient per step.
-            sharded.grad = DTensor(local, spec, requires_grad=False)
-        else:
-            sharded.grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
+        attach_sharded_grads(self.dbuffer, [self])
 
     def adopt_assigned_grad(self) -> None:
         """A ``.grad`` assigned by the user (``p.grad = torch.zeros_like(p)``), not a view of the
@@ -428,6 +424,84 @@ class FSDPParam:
             self.dbuffer.wait_for_offloaded_grads()  # a hook reads the gradient on the host
             for hook in list(hooks.values()):
                 hook(self.sharded)
+
+
+def attach_sharded_grads(dbuffer: DBuffer, params: Sequence[FSDPParam]) -> None:
+    """``.grad`` of each sharded face in ``params`` (all of ``dbuffer``): DTensor views of the
+    sharded gradient buffer, cut in one pass over the buffer. The parameter's own spec (mesh,
+    placements, shape, stride, dtype: the gradient's too) where the dtypes agree, as FSDP2
+    builds its gradients from its cached sharding spec: no new spec per gradient per step."""
+    new = DTensor.__new__  # wrap_local, inline (once per parameter per step)
+    for fsdp_param, local in zip(params, dbuffer.sharded_grad_views([p.slot for p in params])):
+        sharded = fsdp_param.sharded
+        spec = sharded._spec
+        if spec.tensor_meta is not None and spec.tensor_meta.dtype == local.dtype:
+            grad = new(DTensor, local, spec, requires_grad=False)
+        else:
+            grad = make_dtensor(local, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride())
+        sharded.grad = grad
+
+
+def adopt_assigned_grads(dbuffer: DBuffer, params: Sequence[FSDPParam]) -> None:
+    """:meth:`FSDPParam.adopt_assigned_grad` of each (all of ``dbuffer``) whose ``.grad`` is not
+    the view of the sharded gradient buffer attached to it: asked inline, by storage and
+    offset, without cutting a view (no weak reference either: ``swap_tensors`` refuses a
+    tensor that has one)."""
+    flat = dbuffer.sharded_grad
+    storage = flat.untyped_storage().data_ptr() if flat is not None else None
+    for p in params:
+        grad = p.sharded.grad
+        if grad is None:
+            continue
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        if (
+            storage is not None
+            and local.numel()
+            and local.untyped_storage().data_ptr() == storage
+            and local.storage_offset() == dbuffer.grad_view_offset(p.slot)
+        ):
+            continue
+        p.adopt_assigned_grad()
+
+
+def take_gradients(params: Sequence[FSDPParam]) -> dict[int, torch.Tensor | None]:
+    """:meth:`FSDPParam.take_gradient` of each, by slot; a plain parameter with nothing
+    accumulated read inline (the common case, once per parameter per step)."""
+    grads: dict[int, torch.Tensor | None] = {}
+    for p in params:
+        unsharded = p.unsharded
+        if unsharded is not None and p.parallel is None and p.accumulated_grad is None:
+            grads[p.slot] = unsharded.grad
+            unsharded.grad = None
+        else:
+            grads[p.slot] = p.take_gradient()
+    return grads
+
+
+def register_unsharded_faces(
+    params: Sequence[FSDPParam], after_gradient: Callable[[nn.Parameter], None]
+) -> list[FSDPParam]:
+    """Every parameter's unsharded face into its modules: the face made at an earlier gather
+    set in place inline (a plain parameter of a buffer without extensions), else through
+    :meth:`FSDPParam.to_unsharded`. Returns the parameters that took the latter."""
+    slow = []
+    for p in params:
+        face = p.unsharded
+        if face is None or p.unsharded_by_extension or p.parallel is not None or p.buffer.extensions is not None:
+            p.to_unsharded(after_gradient)
+            slow.append(p)
+            continue
+        for module, name in p.owners:
+            module._parameters[name] = face
+    return slow
+
+
+def register_sharded_faces(params: Sequence[FSDPParam]) -> None:
+    """Every parameter's sharded face into its modules (:meth:`FSDPParam.to_sharded`, inline)."""
+    for p in params:
+        sharded = p.sharded
+        for module, name in p.owners:
+            module._parameters[name] = sharded
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,12 @@ from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.dbuffer.reduction import GradientReduction, gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw, with_own_bytes
 from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
-from vescale_plugins.runtime.extensions import ExtensionGather, check_extension_param, defines_extension, has_extension
+from vescale_plugins.runtime.extensions import (
+    EXTENSION_HOOK,
+    ExtensionGather,
+    check_extension_param,
+    defines_extension,
+)
 from vescale_plugins.runtime.fsdp2_semantics import (
     default_reduce_dtype,
     defer_upcast,
@@ -49,9 +54,14 @@ from vescale_plugins.runtime.param import (
     FSDPParam,
     ManagedParameters,
     ShardedBuffer,
+    adopt_assigned_grads,
+    attach_sharded_grads,
     is_training_thread,
     manage_parameters,
     mark_training_thread,
+    register_sharded_faces,
+    register_unsharded_faces,
+    take_gradients,
 )
 from vescale_plugins.runtime.registry import track_slots
 from vescale_plugins.runtime.setup import ParamSpec
@@ -401,7 +411,8 @@ class FSDPParamGroup:
     def _all_gather(self, buffer: ShardedBuffer, async_op: bool) -> list[GatherHandle]:
         """The DBuffer's all-gather, and its extension parameters' through their inputs (the
         DBuffer's own only when some parameter has none)."""
-        extended = [p for p in buffer.params if has_extension(p.sharded._local_tensor)]
+        # has_extension, inline: asked of every parameter at every all-gather, as FSDP2 asks.
+        extended = [p for p in buffer.params if hasattr(p.sharded._local_tensor, EXTENSION_HOOK)]
         for p in buffer.params:
             if p.owns_local and p not in extended:
                 raise RuntimeError(
@@ -444,16 +455,14 @@ class FSDPParamGroup:
         with spmd_no_typecheck():
             self.unshard()
             self.wait_for_unshard()
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.to_unsharded(self._after_gradient)
-        for fsdp_param in self.fsdp_params:
+            made_anew = register_unsharded_faces(self.fsdp_params, self._after_gradient)
+        for fsdp_param in made_anew:
             fsdp_param.restore_spmd_types()
 
     def reshard(self) -> None:
         """Free the unsharded buffers and register the sharded parameters again."""
         self.wait_for_unshard()
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+        register_sharded_faces(self.fsdp_params)
         for buffer in self.buffers:
             buffer.dbuffer.release_unsharded()
             if buffer.extensions is not None:
@@ -473,7 +482,8 @@ class FSDPParamGroup:
 
     # -- forward ----------------------------------------------------------------------
 
-    @eager_hook
+    # pre_forward and post_forward run under the module hooks' eager_hook (runtime/api.py):
+    # not wrapped again, as each wrap costs the host a Dynamo context switch per call.
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._recomputing():
             # Activation checkpointing recomputes this forward inside the unit's backward: the
@@ -539,7 +549,6 @@ class FSDPParamGroup:
             return cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    @eager_hook
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return self._cast_output(output)  # a recomputation (see pre_forward)
@@ -621,7 +630,7 @@ class FSDPParamGroup:
         if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
             # Under compiled autograd at FSDP2's place: each eager call splits the compiled
             # backward, and _after_gradient then has nothing eager to do (see there).
-            self._prefetch_for_backward()
+            self._prefetch_for_backward_now()
 
     def _gradients_upcast_late(self) -> list[tuple[nn.Parameter, torch.dtype]]:
         """The unsharded parameters (with their reduce dtype) whose DBuffer follows FSDP2
@@ -659,8 +668,7 @@ class FSDPParamGroup:
             and any(p.sharded.requires_grad for p in self.fsdp_params)
         )
 
-    @eager_hook
-    def _prefetch_for_backward(self) -> None:
+    def _prefetch_for_backward_now(self) -> None:
         """Start gathering the unit(s) whose backward comes next.
 
         A unit with gradients does this at its first gradient rather than at its pre-backward
@@ -684,6 +692,9 @@ class FSDPParamGroup:
             context.wait_for_host_reduces(keep=self.reduce_scatter_max_input_buffers - 1)
         for group in targets:
             group.unshard(async_op=True)
+
+    # From a gradient hook, which runs outside any eager hook of ours.
+    _prefetch_for_backward = eager_hook(_prefetch_for_backward_now)
 
     def _backward_prefetch_targets(self, context: IterationContext[FSDPParamGroup]) -> list[FSDPParamGroup]:
         """The units set by ``set_modules_to_backward_prefetch``, else the latest unit to
@@ -724,7 +735,7 @@ class FSDPParamGroup:
         self._pending_post_backward -= 1
         self.post_backward_nodes = [ref for ref in self.post_backward_nodes if ref() not in (None, node)]
         if self.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and self._backward_done():
-            self.post_backward()
+            self._post_backward_now()
         assert self.context is not None  # set at the first forward (RootState.init_under)
         self.context.count_backward_event()
 
@@ -745,8 +756,7 @@ class FSDPParamGroup:
         will_run = torch._C._will_engine_execute_node
         return not any(node is not None and will_run(node) for node in (ref() for ref in self.post_backward_nodes))
 
-    @eager_hook
-    def post_backward(self) -> None:
+    def _post_backward_now(self) -> None:
         """Reshard, then reduce-scatter the unit's gradients (unless accumulating without sync).
 
         Resharding first frees the unsharded parameters before the reduce-scatter allocates.
@@ -760,7 +770,7 @@ class FSDPParamGroup:
         for unsharded, reduce_dtype in self._gradients_upcast_late():
             upcast_gradient(unsharded, reduce_dtype)
         if in_models_backward:
-            self._prefetch_for_backward()  # if no gradient reached this unit
+            self._prefetch_for_backward_now()  # if no gradient reached this unit
         if self.reshard_after_backward:
             self.reshard()
         if self.requires_gradient_sync:
@@ -774,6 +784,8 @@ class FSDPParamGroup:
                 fsdp_param.accumulate_in(fsdp_param.dbuffer.reduce_dtype)
             # Under manual finalization, finalize_backward reduces them (sync on by then).
             self.post_backward_pending = bool(self.context is not None and self.context.manual_active)
+
+    post_backward = eager_hook(_post_backward_now)
 
     def reduce_when_finalized(self) -> None:
         """(``finalize_backward``, manual finalization) The reduction that waited for it."""
@@ -824,11 +836,10 @@ class FSDPParamGroup:
             # data may have reached parameters this one's did not): slices no gradient reached
             # are zeroed. The dict holds the only references, so each gradient is freed as it
             # is copied, before the reduce-scatter allocates the sharded gradient.
-            grads = {p.slot: p.take_gradient() for p in members}
+            grads = take_gradients(members)
             received = [grads[p.slot] is not None for p in members]
             dbuffer.fill_unsharded_grad(grads)
-            for p in members:
-                p.adopt_assigned_grad()
+            adopt_assigned_grads(dbuffer, members)
             accumulate = any(p.sharded.grad is not None for p in members)
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.
@@ -863,12 +874,13 @@ class FSDPParamGroup:
                 if p.sharded.grad is not None:
                     continue
                 if got:
-                    p.attach_sharded_grad()
                     attached.append(p)
                 else:
                     sharded_grad = dbuffer.sharded_grad
                     assert sharded_grad is not None  # the reduce-scatter's handle holds it
                     context.reduced_without_local_grad.append((p, sharded_grad))
+            if attached:
+                attach_sharded_grads(dbuffer, attached)
             # A reduce-scatter that fails leaves no half-reduced gradient behind: those made
             # views of its buffer here are forgotten (accumulated ones keep their old values).
             handle.on_abandon = functools.partial(_forget_gradients, attached)
@@ -929,7 +941,8 @@ def _forget_gradients(params: list[FSDPParam]) -> None:
 
 def _run_post_accumulate_grad_hooks(members: list[FSDPParam]) -> None:
     for fsdp_param in members:
-        fsdp_param.run_post_accumulate_grad_hooks()
+        if getattr(fsdp_param.sharded, "_post_accumulate_grad_hooks", None):  # the usual none, inline
+            fsdp_param.run_post_accumulate_grad_hooks()
 
 
 @register_spmd_local_autograd_function

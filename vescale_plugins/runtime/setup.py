@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard
 
 from vescale_plugins.runtime.agreement import agree_across_ranks
 from vescale_plugins.runtime.discovery import collect_params
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
+from vescale_plugins.runtime.fsdp2_semantics import ShardPlacementResult
 from vescale_plugins.runtime.mesh import is_group_size
 from vescale_plugins.runtime.registry import fsdp_param_of, sharded_by_another_call
 from vescale_plugins.runtime.tensor_parallel import (
@@ -389,7 +389,7 @@ def _check_shard_placements(
         if not isinstance(placement, Shard):
             raise ValueError(
                 f"Invalid shard_placement_fn result: {placement} ({placement!r} for {fqn!r}); return a Shard, a "
-                "ShardPlacementResult or None"
+                "ShardPlacementResult (torch >= 2.13) or None"
             )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < max(param.dim(), 1):

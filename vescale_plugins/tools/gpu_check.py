@@ -82,6 +82,7 @@ PLAN = [
     Part("rs_wait", ".rs_wait:run", 60, _NO_STREAMS),
     # Before the benches: what a short loan must answer first. Off CUDA a dry run (no capture).
     Part("cuda_graph", ".cuda_graph:run", 90),
+    Part("host", ".host:run", 90, "CUDA only: the CPU has make bench-host itself"),
     Part("bench", ".bench:run_default", 100),
     # Items built on other branches: each is skipped, with the reason, until its module exists.
     Part("hsdp_allreduce_stream", ".hsdp_allreduce_stream:run", 45, _NO_STREAMS),

@@ -77,6 +77,7 @@ from vescale_plugins.ragged.dtensor.local_tensor import (
     own_bytes,
     set_local_tensor,
     with_own_bytes,
+    wrap_local,
 )
 from vescale_plugins.ragged.dtensor.mesh import concatenate_meshes, every_copy_of_mesh
 from vescale_plugins.ragged.dtensor.norms import (
@@ -101,6 +102,7 @@ __all__ = [
     "buffer_view",
     "own_bytes",
     "with_own_bytes",
+    "wrap_local",
     "concatenate_meshes",
     "every_copy_of_mesh",
     "other_dims_slice",

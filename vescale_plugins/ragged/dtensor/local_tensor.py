@@ -30,6 +30,13 @@ def set_local_tensor(dtensor: DTensor, local: torch.Tensor) -> None:
     dtensor._local_tensor = local
 
 
+def wrap_local(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
+    """``DTensor(local, spec, requires_grad=...)`` without its ``__init__``, which does nothing
+    but pass through a Dynamo-disabling and an export-marking wrapper (six Python calls a
+    tensor, eagerly): the gradients the runtime attaches each step are built here."""
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
 def make_dtensor(
     local: torch.Tensor,
     mesh: DeviceMesh,
@@ -46,7 +53,7 @@ def make_dtensor(
     (:func:`dtensor_deepcopy`, :func:`dtensor_reduce_ex`).
     """
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=requires_grad)
+    return wrap_local(local, spec, requires_grad)
 
 
 def dtensor_at_offset_zero(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:

@@ -1,5 +1,9 @@
 """p-norms of ragged operands (``linalg_vector_norm``, ``_foreach_norm``): a rank that holds
-no element contributes the identity instead of failing (inf-norm)."""
+no element contributes the identity instead of failing (inf-norm).
+
+``_foreach_norm`` (``clip_grad_norm_``'s) stays one local ``_foreach_norm`` per (device,
+dtype) group, as FSDP2's is: one kernel per group on CUDA, not one per parameter. A ragged
+spec is checked, and its norm's spec built, once per layout (the mesh's cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
+from vescale_plugins.ragged.dtensor.cache import ShardingCache
 from vescale_plugins.ragged.dtensor.specs import (
     call_torch_default,
     check_spec,
@@ -60,23 +65,58 @@ def vector_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     return DTensor(out, spec, requires_grad=False)
 
 
+def _norm_specs(tensors: list[DTensor], ord: float, dtype: torch.dtype) -> list[DTensorSpec | None]:
+    """Each ragged operand's norm spec (:func:`_ragged_norm_spec`, its spec checked first),
+    once per (layouts, ord, dtype): one cache lookup per call, keyed on the specs' identities
+    (the cached entry holds the specs, so no identity is reused while it lives)."""
+    specs = [t._spec for t in tensors]
+    key = ("norms", tuple([id(spec) for spec in specs]), ord, dtype)
+    cache = ShardingCache.of(specs[0].mesh)
+
+    def compute() -> tuple[list[DTensorSpec], list[DTensorSpec | None]]:
+        out = torch.empty((), dtype=dtype, device="meta")
+        results = []
+        for spec in specs:
+            check_spec(spec.placements, spec.mesh, spec.shape)
+            results.append(_ragged_norm_spec(spec, ord, out))
+        return specs, results
+
+    return cache.get(key, compute)[1]
+
+
 def foreach_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     tensors = args[0]
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
-    if not any(isinstance(t, DTensor) and has_ragged(t.placements) for t in tensors):
+    ragged = [isinstance(t, DTensor) and has_ragged(t._spec.placements) for t in tensors]
+    if not any(ragged):
         return call_torch_default(op_call, args, kwargs)
-    results = []
-    for t in tensors:
-        if not (isinstance(t, DTensor) and has_ragged(t.placements)):
-            results.append(call_torch_default(op_call, ([t], ord, dtype), {})[0])
-            continue
-        check_spec(t.placements, t.device_mesh, t.shape)
-        out = _local_vector_norm(t._local_tensor, ord, dtype)
-        spec = _ragged_norm_spec(t._spec, ord, out)
-        results.append(
-            DTensor(out, spec, requires_grad=False)
-            if spec is not None
-            else torch.linalg.vector_norm(t.full_tensor(), ord, dtype=dtype)
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    others = [i for i, is_ragged in enumerate(ragged) if not is_ragged]
+    if others:
+        for i, out in zip(others, call_torch_default(op_call, ([tensors[i] for i in others], ord, dtype), {})):
+            results[i] = out
+    indices = [i for i, is_ragged in enumerate(ragged) if is_ragged]
+    locals_ = [tensors[i]._local_tensor for i in indices]
+    # One local _foreach_norm per (device, dtype); an empty shard's identity apart (the
+    # inf-norm of no element is an error).
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    norms: list[torch.Tensor | None] = [None] * len(indices)
+    for position, local in enumerate(locals_):
+        if local.numel() == 0:
+            norms[position] = _local_vector_norm(local, ord, dtype)
+        else:
+            groups.setdefault((local.device, local.dtype), []).append(position)
+    for positions in groups.values():
+        for position, out in zip(positions, torch._foreach_norm([locals_[p] for p in positions], ord, dtype=dtype)):
+            norms[position] = out
+    out_dtype = next(n for n in norms if n is not None).dtype
+    new = DTensor.__new__  # without DTensor.__init__'s wrappers (see wrap_local)
+    for i, spec, out in zip(indices, _norm_specs([tensors[i] for i in indices], ord, out_dtype), norms):
+        assert out is not None  # every ragged operand has its local norm from above
+        results[i] = (
+            new(DTensor, out, spec, requires_grad=False)
+            if spec is not None and out.dtype == out_dtype
+            else torch.linalg.vector_norm(tensors[i].full_tensor(), ord, dtype=dtype)
         )
     return results

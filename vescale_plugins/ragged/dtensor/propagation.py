@@ -1,7 +1,9 @@
 """Sharding propagation for ops on ragged operands (OpDispatcher's slow path, private).
 
-The C++ sharding cache keys on our placement's ``__hash__``/``__eq__``, so a rule runs
-once per layout."""
+A rule runs once per layout on every torch release. The C++ sharding cache keys on our
+placement's ``__hash__``/``__eq__``; where it builds no key (``_foreach_*`` ops before torch
+2.13) torch calls the slow path with ``try_cache=True`` at every call, and its own answer then
+comes from a Python cache: ours is :class:`ShardingCache`, the same rule's answer, per mesh."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import math
 from typing import Any, cast
 
 import torch
+from torch.distributed._functional_collectives import _are_we_tracing
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.utils import _pytree as pytree
 
+from vescale_plugins.ragged.dtensor.cache import ShardingCache
 from vescale_plugins.ragged.dtensor.specs import (
     ORIGINAL,
     aten,
@@ -194,13 +199,21 @@ def _propagate_ragged(propagator: Any, schema: OpSchema) -> OutputSharding:
     return rule if rule is not None else _replicate_fallback(propagator, schema)
 
 
-def _schema_has_ragged(schema: OpSchema | None) -> bool:
+def _first_ragged_spec(schema: OpSchema | None) -> DTensorSpec | None:
+    """The first operand spec with a RaggedShard, or ``None``. Operands are specs, or lists of
+    them (foreach ops): one flat scan, no pytree, as it runs at every call torch's C++ cache
+    cannot answer (every ``_foreach_*`` op before torch 2.13)."""
     if schema is None:
-        return False
-    return any(
-        isinstance(a, DTensorSpec) and has_ragged(a.placements)
-        for a in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
-    )
+        return None
+    for arg in (*schema.args_schema, *schema.kwargs_schema.values()):
+        if isinstance(arg, DTensorSpec):
+            if has_ragged(arg.placements):
+                return arg
+        elif isinstance(arg, (list, tuple)):
+            for a in arg:
+                if isinstance(a, DTensorSpec) and has_ragged(a.placements):
+                    return a
+    return None
 
 
 def _identity_view(op_info: Any) -> DTensor | None:
@@ -231,12 +244,23 @@ def _identity_view(op_info: Any) -> DTensor | None:
     return DTensor(local.view(local.shape), spec, requires_grad=False)
 
 
+def propagate_ragged_cached(propagator: Any, schema: OpSchema, mesh: DeviceMesh) -> OutputSharding:
+    """:func:`_propagate_ragged` through ``mesh``'s :class:`ShardingCache` (the first ragged
+    operand's mesh)."""
+    return ShardingCache.of(mesh).get(("rule", schema), lambda: _propagate_ragged(propagator, schema))
+
+
 def propagate_op_sharding_dispatch_slow_path(
     self: Any, op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool
 ) -> object:
-    if _schema_has_ragged(op_info.schema):
+    ragged = _first_ragged_spec(op_info.schema)
+    if ragged is not None:
         view = _identity_view(op_info)
         if view is not None:
             return view
+        # torch asks for a cached answer exactly where its C++ cache has none (no key, not
+        # tracing); otherwise the C++ cache keeps what we return.
+        if try_cache and not _are_we_tracing():
+            return propagate_ragged_cached(self.sharding_propagator, op_info.schema, ragged.mesh)
         return _propagate_ragged(self.sharding_propagator, op_info.schema)
     return ORIGINAL["slow_path"](self, op_call, args, kwargs, op_info, try_cache)

@@ -19,7 +19,10 @@ ORIGINAL: dict[str, Any] = {}
 
 
 def has_ragged(placements: Sequence[Placement]) -> bool:
-    return any(isinstance(p, RaggedShard) for p in placements)
+    for p in placements:  # a loop, not any(genexpr): asked of every operand of every op
+        if isinstance(p, RaggedShard):
+            return True
+    return False
 
 
 def ragged_mesh_dim(spec: DTensorSpec) -> int | None:

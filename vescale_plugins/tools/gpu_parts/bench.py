@@ -19,7 +19,7 @@ from typing import Any
 import vescale_plugins
 from vescale_plugins.tools.gpu_parts.context import PartContext
 
-__all__ = ["run_bench", "run_default", "run_bf16", "run_medium"]
+__all__ = ["bench_env", "run_bench", "run_default", "run_bf16", "run_medium"]
 
 ROOT = Path(vescale_plugins.__file__).resolve().parents[1]
 KEEP = (
@@ -36,10 +36,16 @@ KEEP = (
 CUDA_MEMORY = ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes", "cuda_alloc_retries")
 
 
-def run_bench(args: list[str], timeout_s: float, kind: str) -> dict[str, Any]:
-    """``python -m vescale_plugins.bench ARGS``; its summary (ratios, memory, page faults)."""
+def bench_env() -> dict[str, str]:
+    """This process's environment with this checkout first on ``PYTHONPATH``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_bench(args: list[str], timeout_s: float, kind: str) -> dict[str, Any]:
+    """``python -m vescale_plugins.bench ARGS``; its summary (ratios, memory, page faults)."""
+    env = bench_env()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
         command = [sys.executable, "-m", "vescale_plugins.bench", *args, "--json", str(path), "--plot", ""]
