@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed import fsdp
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.torch_version import TorchVersion
 
 import vescale_plugins
 from vescale_plugins import RaggedShard, VeScaleFSDPModule
@@ -256,8 +257,11 @@ def _cast_forward_inputs(impl: str):
 
 def test_cast_forward_inputs_reaches_dataclasses_and_every_grouped_module(dist_run):
     ours = dist_run(_cast_forward_inputs, 2, "vescale", timeout=T)[0]
-    assert ours == dist_run(_cast_forward_inputs, 2, "torch", timeout=T)[0]
     assert ours[0] == [["torch.bfloat16", "torch.bfloat16"]] * 2
+    # FSDP2 before torch 2.13 casts the inputs of a grouped unit's first module only (its
+    # second then fails on fp32 inputs): compared where FSDP2 casts every module's.
+    if TorchVersion(torch.__version__) >= "2.13":
+        assert ours == dist_run(_cast_forward_inputs, 2, "torch", timeout=T)[0]
 
 
 class _WithAllGatherExtension(torch.Tensor):

@@ -30,12 +30,18 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.torch_version import TorchVersion
 
 from tests.support.torchtitan_models import chunked_loss
 from vescale_plugins import fully_shard
 from vescale_plugins.runtime.fsdp2_semantics import gradients_in_reduce_dtype
 
 ENGINES = {"torch": torch_fully_shard, "vescale": fully_shard}
+# FSDP2 before torch 2.13 fails a grouped [norm, head] unit called in part (a chunked loss calls
+# the head after forward): its backward reads parameters it already resharded ("data is not
+# allocated yet"). There ours is checked against the gradients computed by hand, FSDP2 not run.
+FSDP2_PARTIAL_GROUPED_FORWARD = TorchVersion(torch.__version__) >= "2.13"
+PARTIAL_GROUPED_ENGINES = ENGINES if FSDP2_PARTIAL_GROUPED_FORWARD else {"vescale": fully_shard}
 DIM, HIDDEN, VOCAB, LAYERS = 13, 22, 37, 2  # uneven: nothing divides by 2, 3 or 4
 TOKENS = 32  # per rank and micro-batch
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -145,7 +151,8 @@ def _assert_like_fsdp2(ours: dict, theirs: dict, reduce_dtype: torch.dtype, what
 
 def _chunked_head_like_fsdp2(chunks: int, setup: Setup) -> None:
     grads, inputs = {}, {}
-    for engine, shard in ENGINES.items():
+    engines = ENGINES if not setup.group_head_with_norm else PARTIAL_GROUPED_ENGINES
+    for engine, shard in engines.items():
         model = _build(shard, setup)
         x, y = _batch(0)
         loss, inputs[engine] = chunked_loss(
@@ -154,14 +161,15 @@ def _chunked_head_like_fsdp2(chunks: int, setup: Setup) -> None:
         loss.backward()
         grads[engine] = _grads(model)
         head_weight = model.head.weight.full_tensor()
-    _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
+    if "torch" in grads:
+        _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
     # Both are the reduce-dtype sum of the per-chunk gradients (each in the parameter dtype,
     # as autograd computes it), averaged over ranks.
     _, y = _batch(0)
     param_dtype = setup.mp_policy.param_dtype or torch.float32
     weight = head_weight.to(param_dtype).requires_grad_()
     local = torch.zeros(VOCAB, DIM, dtype=torch.float32)
-    for piece, target in zip(inputs["torch"], y.chunk(chunks)):
+    for piece, target in zip(inputs["torch" if "torch" in inputs else "vescale"], y.chunk(chunks)):
         loss = F.cross_entropy(F.linear(piece, weight).float(), target, reduction="sum") / (
             TOKENS * dist.get_world_size()
         )
@@ -213,7 +221,8 @@ def _micro_batches_like_fsdp2(setup: Setup, micro_batches: int, keep_unsharded: 
             losses[engine].append(loss.detach())
         grads[engine] = _grads(model)
     assert torch.equal(torch.stack(losses["vescale"]), torch.stack(losses["torch"]))
-    _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
+    if "torch" in grads:
+        _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
 
 
 MICRO_BATCH_SETUPS = {
@@ -277,7 +286,8 @@ def _forwards_then_backwards_like_fsdp2(micro_batches: int) -> None:
             model.set_requires_gradient_sync(micro == micro_batches - 1)
             loss.backward()
         grads[engine] = _grads(model)
-    _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
+    if "torch" in grads:
+        _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -305,7 +315,8 @@ def _no_sync_under_compiled_autograd_like_fsdp2(micro_batches: int) -> None:
             with compiled_autograd._enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext():
                 (F.cross_entropy(model(x).float(), y) / micro_batches).backward()
         grads[engine] = _grads(model)
-    _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
+    if "torch" in grads:
+        _assert_like_fsdp2(grads["vescale"], grads["torch"], _reduce_dtype(setup))
 
 
 @pytest.mark.xfail(
@@ -372,5 +383,10 @@ def _torchtitan_bf16_like_fsdp2(compile_blocks: bool) -> None:
 
 
 @pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled-blocks"])
+@pytest.mark.skipif(
+    not FSDP2_PARTIAL_GROUPED_FORWARD,
+    reason="torch < 2.13: FSDP2 fails the grouped [norm, output] unit called in part (a chunked loss); "
+    "ours on this case: test_chunked_head_accumulates_in_the_reduce_dtype_like_fsdp2 against hand-computed gradients",
+)
 def test_torchtitan_llama_bf16_chunked_loss_losses_equal_fsdp2s(dist_run, compile_blocks):
     dist_run(_torchtitan_bf16_like_fsdp2, 2, compile_blocks, timeout=300)

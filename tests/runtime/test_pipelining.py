@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.torch_version import TorchVersion
 
 from vescale_plugins import fully_shard as our_fully_shard
 
@@ -194,7 +195,10 @@ def _train(schedule: str, shard, meshes, mp_policy, checkpoint_dir: str | None =
             optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=LR)
         x, y = _batch(step, dp_size)
         rows = slice(dp_rank * BATCH_PER_DP_RANK, (dp_rank + 1) * BATCH_PER_DP_RANK)
-        runner.step(x[rows], target=y[rows])
+        # Inputs on the first stage's rank only (pp rank 0 holds stage 0 in every schedule
+        # here): torch before 2.13 refuses them on the others.
+        inputs = (x[rows],) if pp_mesh.get_local_rank() == 0 else ()
+        runner.step(*inputs, target=y[rows])
         record = {}
         for module, prefix in zip(modules, prefixes):
             for name, p in module.named_parameters():
@@ -232,6 +236,20 @@ def _assert_close(got, want, grad_tol, param_tol, label):
             )
 
 
+# torch's pipelining before 2.13 fails two kinds of case this file runs, for FSDP2 and ours
+# alike (the same error at the same place): bf16 mixed precision (the stage backward: "Found
+# dtype Float but expected BFloat16") and the V-schedules (ZBV, DualPipeV: gloo's "Pair is not
+# connected"). Skipped there, with that reason.
+_PIPELINES_ALL = TorchVersion(torch.__version__) >= "2.13"
+_V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+def _skip_where_torch_pipelining_fails(schedule: str, bf16: bool) -> None:
+    if not _PIPELINES_ALL and (bf16 or schedule in _V_SCHEDULES):
+        what = "bf16 mixed precision" if bf16 else f"{schedule}"
+        pytest.skip(f"torch {torch.__version__}'s pipelining fails {what} for FSDP2 and ours alike (2.13 runs it)")
+
+
 def _pipelined_parity(
     schedule: str, mesh_shape: tuple[int, ...], bf16: bool, checkpoint_dir: str | None = None
 ) -> None:
@@ -260,21 +278,25 @@ def _pipelined_parity(
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_trains_as_unpipelined_model_and_fsdp2(dist_run, schedule):
+    _skip_where_torch_pipelining_fails(schedule, False)
     dist_run(_pipelined_parity, 4, schedule, (2,), False, timeout=180)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_with_hsdp_trains_as_unpipelined_model_and_fsdp2(dist_run, schedule):
+    _skip_where_torch_pipelining_fails(schedule, False)
     dist_run(_pipelined_parity, 4, schedule, (2, 1), False, timeout=180)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_with_bf16_mixed_precision_trains_as_fsdp2(dist_run, schedule):
+    _skip_where_torch_pipelining_fails(schedule, True)
     dist_run(_pipelined_parity, 4, schedule, (2,), True, timeout=180)
 
 
 @pytest.mark.parametrize("schedule", ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble"])
 def test_schedule_resumes_from_dcp_checkpoint_as_unpipelined_model(dist_run, schedule, tmp_path):
+    _skip_where_torch_pipelining_fails(schedule, False)
     dist_run(_pipelined_parity, 4, schedule, (2,), False, str(tmp_path), timeout=180)
 
 

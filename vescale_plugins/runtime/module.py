@@ -124,6 +124,8 @@ class _PipelinedUnits:
 class _UnitState:
     def __init__(self, unit: FSDPParamGroup) -> None:
         self._fsdp_param_groups = [_PipelinedUnit(unit)]
+        # Pipelining before torch 2.13 reads a state's one group under the singular name.
+        self._fsdp_param_group = self._fsdp_param_groups[0]
 
 
 def fsdp_state_of(module: nn.Module) -> _FSDPStateAdapter:
