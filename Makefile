@@ -1,11 +1,12 @@
 # Two entry points for a newcomer: `make bench` (the main job) and `make test`; `make lint`
 # runs the checks CI runs before the tests (ruff, ruff format, mypy on every shipped package, the import
 # contracts of pyproject.toml). All bootstrap a virtual environment from nothing.
-# TORCH picks the torch release (2.13.0, 2.14.1 or 2.15.0): 2.13.0 is the default, in .venv,
-# the CPU wheel this machine keeps on disk; another goes into .venv-torch-TORCH, the registry's
-# CUDA build (it runs on the CPU): about 3 GB of wheels with its CUDA libraries, downloaded once
-# into WHEEL_CACHE and installed from there every later time. `make test-other-torch TORCH=2.15.0` runs what CI runs on the
-# releases after the first: the fast subset and the FSDP2 compatibility suite.
+# TORCH picks the torch release (2.11.0, 2.12.1, 2.13.0, 2.14.1 or 2.15.0): 2.13.0 is the default,
+# in .venv, the CPU wheel this machine keeps on disk; another goes into .venv-torch-TORCH, the
+# registry's CUDA build (it runs on the CPU): about 3 GB of wheels with its CUDA libraries,
+# downloaded once into WHEEL_CACHE (`make download-torch TORCH=...`) and installed from there
+# every later time. `make test-other-torch TORCH=2.11.0` runs what CI runs on the other releases:
+# the fast subset and the version-sensitive tests, with COMPAT=1 the FSDP2 compatibility suite too.
 # The same checks at every commit: `.venv/bin/pre-commit install` (.pre-commit-config.yaml).
 PYTHON ?= python3
 TORCH ?= 2.13.0
@@ -34,7 +35,7 @@ INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(T
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-other-torch bench bench-host bench-deepspeed setup lint
+.PHONY: test test-other-torch download-torch bench bench-host bench-deepspeed setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,15 +64,24 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=15
 	$(PY) -m pytest -q --durations=5 tests/fsdp2_compat --fsdp-impl=torch
 
-# The fast subset, then the compatibility suite with the tests of what differs between torch
-# releases (gradient dtypes, the 2.15 surface, torchtitan 0.3.0 where it installs, pipelining,
-# whose private reach into FSDP2 follows each release's stage.py).
-OTHER_TORCH_TESTS := tests/fsdp2_compat tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_torchtitan_030.py \
-	tests/runtime/test_torchtitan_trainer.py tests/runtime/test_pipelining.py
+# The fast subset, then the tests of what differs between torch releases: FSDP2's surface and
+# API, gradient dtypes, the DTensor integration (ragged DTensor APIs, the sharding cache torch
+# asks for before 2.13), pipelining (whose private reach into FSDP2 follows each release's
+# stage.py), torchtitan 0.3.0 where it installs; with COMPAT=1 (CI: one release each side of
+# 2.13) the FSDP2 compatibility suite too.
+VERSION_TESTS := tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_fsdp2_surface.py tests/runtime/test_fsdp2_api.py \
+	tests/runtime/test_gradient_dtypes.py tests/ragged/test_dtensor_apis.py tests/runtime/test_host_work.py \
+	tests/runtime/test_pipelining.py tests/runtime/test_torchtitan_030.py tests/runtime/test_torchtitan_trainer.py
+COMPAT ?=
 test-other-torch: $(STAMP)
 	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"
 	$(PY) -m pytest -q -m "not distributed"
-	$(PY) -m pytest -q --durations=15 $(OTHER_TORCH_TESTS)
+	$(PY) -m pytest -q --durations=10 $(VERSION_TESTS) $(if $(COMPAT),tests/fsdp2_compat)
+
+# Only the wheels of torch TORCH and what it needs, into WHEEL_CACHE (CI fetches them while the
+# default release's suite runs).
+download-torch:
+	$(if $(filter 2.13.0,$(TORCH)),@true,$(PYTHON) -m pip download --quiet --dest "$(WHEEL_CACHE)" "$(TORCH_PIN)")
 
 # mypy and the contracts read their configuration (and paths) from pyproject.toml.
 lint: $(LINT_STAMP)

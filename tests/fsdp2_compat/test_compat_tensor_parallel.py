@@ -277,11 +277,19 @@ def _shard_placement_fn_ep(impl, reshard_non_layer_modules, dp_replicate=1):
         tc.assertEqual(ref_loss, loss)
 
 
+_NEEDS_SHARD_PLACEMENT_RESULT = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp._fully_shard._fsdp_common, "ShardPlacementResult"),
+    reason="torch < 2.13: FSDP2 has no ShardPlacementResult (a shard_placement_fn naming another mesh came in 2.13)",
+)
+
+
+@_NEEDS_SHARD_PLACEMENT_RESULT
 @pytest.mark.parametrize("reshard_non_layer_modules", [True, False, 2])
 def test_shard_placement_fn_ep(dist_run, impl, reshard_non_layer_modules):
     dist_run(_shard_placement_fn_ep, 4, impl, reshard_non_layer_modules, timeout=T)
 
 
+@_NEEDS_SHARD_PLACEMENT_RESULT
 def test_shard_placement_fn_ep_hsdp(dist_run, impl):
     # The original's dp_replicate=2 subtests: HSDP meshes for both the experts and the rest.
     dist_run(_shard_placement_fn_ep, 8, impl, True, 2, timeout=T)

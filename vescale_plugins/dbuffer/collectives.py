@@ -27,15 +27,16 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
+from vescale_plugins.dbuffer import observer
 from vescale_plugins.planner.bounds import round_up
 from vescale_plugins.ragged.ragged_collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather_into", "gloo_sum_orders", "reduce_scatter_into", "uses_point_to_point", "POINT_TO_POINT_SCOPE"]
 
-# Profiler scope of these collectives: what runs inside is the collective's own work (its
-# local write and sums), as what gloo or NCCL do inside theirs.
+# Profiler scope of these collectives, while a profiler runs (observer.region): what runs
+# inside is the collective's own work (its local write and sums), as what gloo or NCCL do
+# inside theirs.
 POINT_TO_POINT_SCOPE = "vescale_p2p::"
 
 T = TypeVar("T")
@@ -104,15 +105,14 @@ class PointToPointWork:
         return True
 
 
-def _posted(work: dist.Work | None) -> dist.Work:
-    # isend/irecv return None only on a rank outside the group; these run on its members.
-    assert work is not None
-    return work
-
-
 @_per_group
 def _peers(group: dist.ProcessGroup) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """This rank's index in the group and ``(group index, global rank)`` of every other rank."""
+    """This rank's index in the group and ``(group index, global rank)`` of every other rank.
+
+    Worked out once per group, so that each message goes straight to the group's own
+    ``send``/``recv`` by group index (what ``dist.isend``/``irecv`` call after checking, per
+    message, that this rank is in the group and translating the global rank: some twenty
+    Python calls a message, a few hundred a step)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     return rank, tuple((r, dist.get_global_rank(group, r)) for r in range(world) if r != rank)
 
@@ -129,12 +129,12 @@ def all_gather_into(
         return None
     if not uses_point_to_point(group, output.device):
         return all_gather_single(output, shard, group=group, async_op=async_op)
-    with record_function(POINT_TO_POINT_SCOPE + "all_gather"):
+    with observer.region(POINT_TO_POINT_SCOPE + "all_gather"):
         rank, peers = _peers(group)
         n = shard.numel()
         chunks = output.view(-1).split(n)
-        works = [_posted(dist.isend(shard, dst, group=group, tag=_ALL_GATHER_TAG)) for _, dst in peers]
-        works += [_posted(dist.irecv(chunks[r], src, group=group, tag=_ALL_GATHER_TAG)) for r, src in peers]
+        works = [group.send([shard], r, _ALL_GATHER_TAG) for r, _ in peers]
+        works += [group.recv([chunks[r]], r, _ALL_GATHER_TAG) for r, _ in peers]
         # This rank's own chunk: the one local write of any all-gather (NCCL makes it too).
         chunks[rank].copy_(shard.view(-1))
     work = PointToPointWork(works, keep_alive=(shard,))
@@ -177,7 +177,7 @@ def reduce_scatter_into(
         return reduce_scatter_single(output, full, op=op, group=group, async_op=async_op)
     if premul_divide is not None:
         full.mul_(1 / premul_divide)
-    with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter"):
+    with observer.region(POINT_TO_POINT_SCOPE + "reduce_scatter"):
         rank, peers = _peers(group)
         world = len(peers) + 1
         n = output.numel()
@@ -186,11 +186,11 @@ def reduce_scatter_into(
         staging = out.new_empty((world - 2, n))
         by_rank: dict[int, torch.Tensor] = {rank: chunks[rank], (rank - 1) % world: out}
         by_rank.update(zip([(rank - k) % world for k in range(2, world)], staging.unbind(0)))
-        works = [_posted(dist.isend(chunks[r], dst, group=group, tag=_REDUCE_SCATTER_TAG)) for r, dst in peers]
-        works += [_posted(dist.irecv(by_rank[r], src, group=group, tag=_REDUCE_SCATTER_TAG)) for r, src in peers]
+        works = [group.send([chunks[r]], r, _REDUCE_SCATTER_TAG) for r, _ in peers]
+        works += [group.recv([by_rank[r]], r, _REDUCE_SCATTER_TAG) for r, _ in peers]
 
     def sum_in_gloos_order() -> None:
-        with record_function(POINT_TO_POINT_SCOPE + "reduce_scatter_sum"):
+        with observer.region(POINT_TO_POINT_SCOPE + "reduce_scatter_sum"):
             regions = gloo_sum_orders(world, rank, n, out.element_size())
             # Elements whose sum gloo ends on another rank (a few, where its segments do not
             # fall on our chunk's bounds) first, from the values before ``out`` is summed into.

@@ -19,6 +19,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -71,6 +72,16 @@ def _rank_in(group: dist.ProcessGroup) -> str:
         return "a rank"
 
 
+def _translate(group: dist.ProcessGroup, unit: str, collective: str, err: BaseException | None) -> None:
+    """Raise the :class:`CollectiveError` a backend's ``RuntimeError`` (gloo's and NCCL's:
+    DistBackendError, DistNetworkError, ...) over ``group`` stands for, marking the group
+    broken; anything else is left to propagate."""
+    if isinstance(err, RuntimeError) and not isinstance(err, CollectiveError):
+        _broken.setdefault(group, f"{collective} of unit {unit!r}")
+        detail = f"{_rank_in(group)} saw {type(err).__name__}: {err}"
+        raise CollectiveError(unit, collective, detail) from err
+
+
 @contextlib.contextmanager
 def collective_faults(group: dist.ProcessGroup, unit: str, collective: str) -> Iterator[None]:
     """Turn the backend's error inside the block (issuing or waiting on a collective over
@@ -78,12 +89,9 @@ def collective_faults(group: dist.ProcessGroup, unit: str, collective: str) -> I
     ``group`` broken."""
     try:
         yield
-    except CollectiveError:
+    except RuntimeError as err:
+        _translate(group, unit, collective, err)
         raise
-    except RuntimeError as err:  # gloo's and NCCL's errors (DistBackendError, DistNetworkError, ...)
-        _broken.setdefault(group, f"{collective} of unit {unit!r}")
-        detail = f"{_rank_in(group)} saw {type(err).__name__}: {err}"
-        raise CollectiveError(unit, collective, detail) from err
 
 
 @dataclass(frozen=True)
@@ -103,5 +111,14 @@ class CollectiveSite:
     def check_usable(self) -> None:
         check_usable([self.group], self.unit, self.collective)
 
-    def faults(self) -> contextlib.AbstractContextManager[None]:
-        return collective_faults(self.group, self.unit, self.collective)
+    def faults(self) -> CollectiveSite:
+        """:func:`collective_faults` for this site: the site itself is the context (two calls,
+        not a generator's six: every collective of every unit enters one)."""
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> Literal[False]:
+        _translate(self.group, self.unit, self.collective, err)
+        return False

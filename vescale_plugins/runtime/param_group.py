@@ -360,7 +360,10 @@ class FSDPParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return all(b.is_unsharded for b in self.buffers)
+        for b in self.buffers:
+            if not b.is_unsharded:
+                return False
+        return True
 
     @property
     def has_pending_unshard(self) -> bool:
@@ -627,7 +630,7 @@ class FSDPParamGroup:
             for unsharded, _ in self._gradients_upcast_late():
                 defer_upcast(unsharded, self.requires_gradient_sync)
         self._backward_prefetched = False
-        if compiled_autograd or not any(p.sharded.requires_grad for p in self.fsdp_params):
+        if compiled_autograd or not any([p.sharded.requires_grad for p in self.fsdp_params]):
             # Under compiled autograd at FSDP2's place: each eager call splits the compiled
             # backward, and _after_gradient then has nothing eager to do (see there).
             self._prefetch_for_backward_now()
@@ -655,8 +658,12 @@ class FSDPParamGroup:
         """
         if not self._backward_prefetched and self.training_state is not TrainingState.FORWARD:
             self._prefetch_for_backward()  # (FORWARD: see post_backward)
-        assert self.context is not None  # set at the first forward (RootState.init_under)
-        self.context.count_backward_event()
+        context = self.context
+        assert context is not None  # set at the first forward (RootState.init_under)
+        if context.events_to_end is None:  # count_backward_event, inline: once per parameter per step
+            context.backward_events += 1
+        else:
+            context.count_backward_event()
 
     def prefetches_at_first_gradient(self) -> bool:
         """(In its backward) Whether this unit has still to prefetch its default targets,
@@ -665,7 +672,7 @@ class FSDPParamGroup:
             not self._backward_prefetched
             and self.backward_prefetch is None
             and not in_compiled_autograd()
-            and any(p.sharded.requires_grad for p in self.fsdp_params)
+            and any([p.sharded.requires_grad for p in self.fsdp_params])
         )
 
     def _prefetch_for_backward_now(self) -> None:
@@ -840,7 +847,7 @@ class FSDPParamGroup:
             received = [grads[p.slot] is not None for p in members]
             dbuffer.fill_unsharded_grad(grads)
             adopt_assigned_grads(dbuffer, members)
-            accumulate = any(p.sharded.grad is not None for p in members)
+            accumulate = any([p.sharded.grad is not None for p in members])  # a list: no generator per parameter
             if accumulate:
                 # Gradients set to None since the last step restart from zero in the buffer.
                 for p in members:

@@ -62,14 +62,17 @@ def _map_plain(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return _map_checked(tree, fn)
 
 
+# Leaves are handled in the loops without a call (a unit's inputs and outputs are usually a
+# flat tuple of tensors: once per unit per step, twice in forward).
+
+
 def _check_plain(tree: Any) -> None:
     kind = type(tree)
-    if kind is tuple or kind is list:
-        for item in tree:
-            _check_plain(item)
-    elif kind is dict:
-        for item in tree.values():
-            _check_plain(item)
+    if kind is tuple or kind is list or kind is dict:
+        for item in tree.values() if kind is dict else tree:
+            item_kind = type(item)
+            if item_kind is not torch.Tensor and item_kind not in _PLAIN_LEAVES:
+                _check_plain(item)
     elif kind is not torch.Tensor and kind not in _PLAIN_LEAVES:
         raise _NotPlain
 
@@ -79,7 +82,12 @@ def _map_checked(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if kind is torch.Tensor:
         return fn(tree) if tree.requires_grad else tree
     if kind is tuple or kind is list:
-        return kind(_map_checked(item, fn) for item in tree)
+        return kind(
+            [
+                (fn(item) if item.requires_grad else item) if type(item) is torch.Tensor else _map_checked(item, fn)
+                for item in tree
+            ]
+        )
     if kind is dict:
         return {key: _map_checked(value, fn) for key, value in tree.items()}
     return tree
