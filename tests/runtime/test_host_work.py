@@ -260,9 +260,8 @@ def _norms_per_group(world_size: int) -> dict:
 def test_foreach_norm_is_one_local_call_per_group(dist_run, world_size):
     result = dist_run(_norms_per_group, world_size, world_size, timeout=120)[0]
     calls = result["calls"]
-    # The call made here, then one local _foreach_norm over every gradient that holds
-    # elements on this rank (one device, one dtype): no norm per tensor (a rank's empty
-    # shard takes the identity, no norm either).
+    # The call made here, then one local _foreach_norm over every gradient's local shard
+    # (one device, one dtype; an empty shard's 2-norm is 0 there): no norm per tensor.
     assert calls.get("_foreach_norm") == 2, calls
     assert calls.get("vector_norm", 0) == 0, calls
     assert result["ours"] == pytest.approx(result["unsharded"], rel=1e-6)

@@ -30,7 +30,7 @@ from vescale_plugins.tools.outputs import pyplot, write_results
 
 __all__ = ["add_arguments", "run", "summarise"]
 
-_DEFAULT_CONFIGS = ["1:fp32", "1:bf16", "2:fp32", "2:bf16", "8:fp32", "1024:fp32"]
+_DEFAULT_CONFIGS = ["1:fp32", "1:bf16", "2:fp32", "2:bf16", "8:fp32", "1024:fp32", "1024:bf16"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -98,12 +98,14 @@ def foreach_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
             results[i] = out
     indices = [i for i, is_ragged in enumerate(ragged) if is_ragged]
     locals_ = [tensors[i]._local_tensor for i in indices]
-    # One local _foreach_norm per (device, dtype); an empty shard's identity apart (the
-    # inf-norm of no element is an error).
+    # One local _foreach_norm per (device, dtype), empty shards in it (their p-norm is 0, as
+    # FSDP2's empty shards get); for the +-inf-norms an empty shard's identity apart (the max
+    # of no element is an error).
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     norms: list[torch.Tensor | None] = [None] * len(indices)
+    infinite = math.isinf(ord)
     for position, local in enumerate(locals_):
-        if local.numel() == 0:
+        if infinite and local.numel() == 0:
             norms[position] = _local_vector_norm(local, ord, dtype)
         else:
             groups.setdefault((local.device, local.dtype), []).append(position)
