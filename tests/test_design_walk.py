@@ -21,6 +21,10 @@ import torch.nn as nn
 from tests.support.launched import REPO
 
 PHASES = ("set-up", "forward", "backward", "step")
+# RaggedShard's value equality (and its runs'), which torch's own caches ask for in a steady
+# phase only when two equal placements are not one object: that depends on which specs those
+# caches handed out first (on the tests before), so a steady phase may or may not enter them.
+VALUE_EQUALITY = {"vescale_plugins/ragged/placement.py", "vescale_plugins/ragged/units.py"}
 OURS = ("vescale_plugins", "lightning_strategy", "accelerate_plugin")
 
 
@@ -113,6 +117,8 @@ def test_design_walk_enters_the_documented_files(dist_run):
     documented = documented_files()
     for phase in PHASES:
         entered, listed = set(traced.get(phase, [])), set(documented[phase])
+        if phase != "set-up":
+            entered -= VALUE_EQUALITY
         assert entered == listed, (
             f"docs/design.md's {phase} files differ from the traced step's: "
             f"entered but not listed {sorted(entered - listed)}, listed but not entered {sorted(listed - entered)}"
