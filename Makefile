@@ -70,7 +70,7 @@ test: $(STAMP)
 # stage.py), torchtitan 0.3.0 where it installs; with COMPAT=1 (CI: one release each side of
 # 2.13) the FSDP2 compatibility suite too.
 VERSION_TESTS := tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_fsdp2_surface.py tests/runtime/test_fsdp2_api.py \
-	tests/runtime/test_gradient_dtypes.py tests/ragged/test_dtensor_apis.py tests/runtime/test_host_work.py \
+	tests/runtime/test_gradient_dtypes.py tests/ragged/test_dtensor_apis.py tests/runtime/test_host_work.py tests/runtime/test_clipping_parity.py \
 	tests/runtime/test_pipelining.py tests/runtime/test_torchtitan_030.py tests/runtime/test_torchtitan_trainer.py
 COMPAT ?=
 test-other-torch: $(STAMP)

@@ -266,3 +266,35 @@ def test_foreach_norm_is_one_local_call_per_group(dist_run, world_size):
     assert calls.get("vector_norm", 0) == 0, calls
     assert result["ours"] == pytest.approx(result["unsharded"], rel=1e-6)
     assert result["ours"] == pytest.approx(result["fsdp2"], rel=1e-6)
+
+
+def _norms_of_two_dtypes() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    full32 = torch.arange(15, dtype=torch.float32).reshape(5, 3) / 7
+    full16 = (torch.arange(7, dtype=torch.float32) / 3).to(torch.bfloat16)
+    sharded = [
+        distribute_tensor(full32, mesh, [RaggedShard((0,), (2, 3))]),
+        distribute_tensor(full16, mesh, [RaggedShard((0,), (7, 0))]),  # rank 1 holds none of it
+    ]
+    norms = torch._foreach_norm(sharded, 2.0)
+    return {
+        "partial": [isinstance(n, DTensor) and n.placements[0].is_partial() for n in norms],
+        "dtypes": [str(n.dtype) for n in norms],
+        # Each rank's sum of squares, then their sum: the full tensor's norm to rounding.
+        "close": [
+            torch.allclose(n.full_tensor(), torch.linalg.vector_norm(f), rtol=1e-6, atol=0)
+            for n, f in zip(norms, (full32, full16), strict=True)
+        ],
+    }
+
+
+def test_foreach_norm_over_two_dtypes_stays_partial_and_exact(dist_run):
+    """Gradients of two dtypes (two DBuffers): each norm a partial DTensor of its own dtype,
+    none gathered to compute it, each the full tensor's norm."""
+    result = dist_run(_norms_of_two_dtypes, 2, timeout=60)[0]
+    assert result["partial"] == [True, True], result
+    assert result["dtypes"] == ["torch.float32", "torch.bfloat16"], result
+    assert result["close"] == [True, True], result

@@ -112,13 +112,20 @@ def foreach_norm_handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     for positions in groups.values():
         for position, out in zip(positions, torch._foreach_norm([locals_[p] for p in positions], ord, dtype=dtype)):
             norms[position] = out
-    out_dtype = next(n for n in norms if n is not None).dtype
+    # The norms' specs, once per layout, for each output dtype (gradients of several dtypes).
+    done = [n for n in norms if n is not None]
+    assert len(done) == len(norms)  # every ragged operand has its local norm from above
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for position, out in enumerate(done):
+        by_dtype.setdefault(out.dtype, []).append(position)
     new = DTensor.__new__  # without DTensor.__init__'s wrappers (see wrap_local)
-    for i, spec, out in zip(indices, _norm_specs([tensors[i] for i in indices], ord, out_dtype), norms):
-        assert out is not None  # every ragged operand has its local norm from above
-        results[i] = (
-            new(DTensor, out, spec, requires_grad=False)
-            if spec is not None and out.dtype == out_dtype
-            else torch.linalg.vector_norm(tensors[i].full_tensor(), ord, dtype=dtype)
-        )
+    for out_dtype, positions in by_dtype.items():
+        specs = _norm_specs([tensors[indices[p]] for p in positions], ord, out_dtype)
+        for position, spec in zip(positions, specs):
+            i = indices[position]
+            results[i] = (
+                new(DTensor, done[position], spec, requires_grad=False)
+                if spec is not None
+                else torch.linalg.vector_norm(tensors[i].full_tensor(), ord, dtype=dtype)
+            )
     return results
