@@ -349,9 +349,6 @@ class FSDPParam:
             hand_gradients_over_in(self.unsharded, self.dbuffer.reduce_dtype)
             self.unsharded.register_post_accumulate_grad_hook(after_gradient)
 
-    def to_sharded(self) -> None:
-        self.register(self.sharded)
-
     def register(self, param: nn.Parameter) -> None:
         # Bypass nn.Module.__setattr__: the parameter changes identity every forward.
         for module, name in self.owners:
@@ -497,7 +494,7 @@ def register_unsharded_faces(
 
 
 def register_sharded_faces(params: Sequence[FSDPParam]) -> None:
-    """Every parameter's sharded face into its modules (:meth:`FSDPParam.to_sharded`, inline)."""
+    """Every parameter's sharded face into its modules."""
     for p in params:
         sharded = p.sharded
         for module, name in p.owners:

@@ -188,8 +188,7 @@ class FSDPParamGroup:
                 for position, fsdp_param in zip(plan.positions, buffer.params):
                     built[indices[position]] = fsdp_param
         fsdp_params = [p for p in built if p is not None]
-        for fsdp_param in fsdp_params:
-            fsdp_param.to_sharded()
+        register_sharded_faces(fsdp_params)
         track_slots(self.adopt_assigned, fsdp_params)
         manage_parameters(fsdp_params)
         return fsdp_params
@@ -476,8 +475,7 @@ class FSDPParamGroup:
         consecutive ranks until backward, which gathers within those k ranks only (FSDP2's
         memory and traffic: 1/k of the unit per rank)."""
         self.wait_for_unshard()
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+        register_sharded_faces(self.fsdp_params)
         k = self.reshard_after_forward
         assert is_group_size(k)  # what complete_forward checked
         for buffer in self.buffers:

@@ -77,7 +77,6 @@ from vescale_plugins.ragged.dtensor.local_tensor import (
     own_bytes,
     set_local_tensor,
     with_own_bytes,
-    wrap_local,
 )
 from vescale_plugins.ragged.dtensor.mesh import concatenate_meshes, every_copy_of_mesh
 from vescale_plugins.ragged.dtensor.norms import (
@@ -102,7 +101,6 @@ __all__ = [
     "buffer_view",
     "own_bytes",
     "with_own_bytes",
-    "wrap_local",
     "concatenate_meshes",
     "every_copy_of_mesh",
     "other_dims_slice",
