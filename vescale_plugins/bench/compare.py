@@ -14,9 +14,17 @@ import os
 import torch
 
 from vescale_plugins.bench.arguments import count, reshard_choice
-from vescale_plugins.bench.engines import ALL_ENGINES, ENGINES, FRONTENDS, BenchSettings, deepspeed_config
+from vescale_plugins.bench.engines import (
+    ALL_ENGINES,
+    ENGINES,
+    FRONTENDS,
+    MEGATRON_ENGINES,
+    PEER_ENGINES,
+    BenchSettings,
+    deepspeed_config,
+)
 from vescale_plugins.bench.llama import PRESETS, LlamaConfig
-from vescale_plugins.bench.report import environment, parity_line, render_table, summarize, write_plot
+from vescale_plugins.bench.report import LABELS, environment, parity_line, render_table, summarize, write_plot
 from vescale_plugins.bench.runner import launch, settings_dict
 from vescale_plugins.tools.outputs import write_json, write_results
 
@@ -43,13 +51,16 @@ def engine_list(text: str) -> tuple[str, ...]:
     unknown = [name for name in names if name not in ALL_ENGINES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown engine {unknown[0]!r}: choose from {', '.join(ALL_ENGINES)}")
-    if "deepspeed" in names:
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("deepspeed") is None:
-            raise argparse.ArgumentTypeError(
-                "deepspeed is not installed: pip install -e '.[deepspeed]' (or make bench-deepspeed)"
-            )
+    if "deepspeed" in names and importlib.util.find_spec("deepspeed") is None:
+        raise argparse.ArgumentTypeError(
+            "deepspeed is not installed: pip install -e '.[deepspeed]' (or make bench-peers)"
+        )
+    if set(names) & set(MEGATRON_ENGINES) and importlib.util.find_spec("megatron_fsdp") is None:
+        raise argparse.ArgumentTypeError(
+            "megatron-fsdp is not installed: pip install 'megatron-fsdp==0.6.1' (the test extra has it; or make bench-peers)"
+        )
     return (*ENGINES, *(name for name in ALL_ENGINES if name in names and name not in ENGINES))
 
 
@@ -60,7 +71,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=engine_list,
         default=ENGINES,
         metavar="NAMES",
-        help=f"comma-separated, from {', '.join(ALL_ENGINES)} (FSDP2 and veScale always run; deepspeed: ZeRO-3)",
+        help=f"comma-separated, from {', '.join(ALL_ENGINES)} (FSDP2 and veScale always run; megatron-fsdp-v2: "
+        "Megatron-FSDP's experimental version; deepspeed: ZeRO-3)",
     )
     parser.add_argument("--world-size", type=count(1), default=None, help="ranks (default: GPUs if CUDA, else 2)")
     parser.add_argument(
@@ -166,12 +178,19 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         raise SystemExit(f"--hsdp {args.hsdp} must divide the world size ({world})")
     if args.hsdp > 1 and args.frontend != "plain":
         raise SystemExit("--hsdp runs with --frontend plain (the front ends' HSDP switches are tested in tests/)")
-    if args.hsdp > 1 and "deepspeed" in args.engines:
-        raise SystemExit("--engines deepspeed runs with --hsdp 1 (ZeRO-3 shards over every rank)")
+    peers = [name for name in args.engines if name in PEER_ENGINES]
+    if args.hsdp > 1 and peers:
+        raise SystemExit(f"--engines {peers[0]} runs with --hsdp 1 (the peers shard over every rank here)")
     if args.compile and args.frontend != "plain":
         raise SystemExit("--compile runs with --frontend plain (the front ends leave compiling to the user)")
-    if args.compile and "deepspeed" in args.engines:
-        raise SystemExit("--compile runs with --engines fsdp2,vescale (DeepSpeed compiles through its own engine)")
+    if args.compile and peers:
+        raise SystemExit(f"--compile runs with --engines fsdp2,vescale ({peers[0]} is not compiled here)")
+    megatron = [name for name in args.engines if name in MEGATRON_ENGINES]
+    if megatron and args.precision != "fp32":
+        raise SystemExit(
+            f"--engines {megatron[0]} runs with --precision fp32 (Megatron-FSDP's mixed precision casts the "
+            "model itself, so its main weights would not start from the others' fp32 values)"
+        )
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -234,8 +253,8 @@ def report_comparison(settings: BenchSettings, world: int, args: argparse.Namesp
     summary = summarize(results, tokens_per_step=world * settings.batch_size * settings.seq_len)
     console.print(render_table(summary))
     console.print(f"verdict: {summary['verdict']}")
-    if "vs_deepspeed" in summary:
-        console.print(f"verdict against DeepSpeed ZeRO-3: {summary['vs_deepspeed']['verdict']}")
+    for name, versus in summary.get("versus", {}).items():
+        console.print(f"verdict against {LABELS[name]}: {versus['verdict']}")
     console.print(parity_line(summary))
     if args.record:
         records = [r.pop("record") for r in results]

@@ -29,8 +29,11 @@ from vescale_plugins.bench.llama import Llama, LlamaConfig
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.runtime.state import groups_under
 
-ENGINES = ("fsdp2", "vescale")  # the default comparison; "deepspeed" (ZeRO-3) joins it on request
-ALL_ENGINES = (*ENGINES, "deepspeed")
+ENGINES = ("fsdp2", "vescale")  # the default comparison; the peers join it on request
+# Megatron-FSDP 1 and 2 (bench/megatron_engine.py), DeepSpeed ZeRO-3 (bench/deepspeed_engine.py).
+PEER_ENGINES = ("megatron-fsdp", "megatron-fsdp-v2", "deepspeed")
+MEGATRON_ENGINES = PEER_ENGINES[:2]
+ALL_ENGINES = (*ENGINES, *PEER_ENGINES)
 FRONTENDS = ("plain", "fabric", "accelerate")
 
 
@@ -177,6 +180,8 @@ def build_engine(
     model = build_model(settings, device)
     if name == "deepspeed":
         return _deepspeed_engine(model, settings)
+    if name in MEGATRON_ENGINES:
+        return _megatron_engine(name, model, settings, device)
     if settings.compile:
         compile_layers(model)
     if name == "fsdp2":
@@ -233,9 +238,32 @@ def _deepspeed_engine(model: BenchModel, settings: BenchSettings) -> Engine:
     return Engine("deepspeed", engine, optimizer, step, planner_seconds=time.perf_counter() - start)
 
 
+def _megatron_engine(name: str, model: BenchModel, settings: BenchSettings, device: torch.device) -> Engine:
+    import megatron_fsdp  # noqa: F401  (imported before the timer: set-up is timed, not the import)
+
+    from vescale_plugins.bench import megatron_engine
+    from vescale_plugins.bench.megatron_cpu import cpu_stand_ins
+
+    start = time.perf_counter()
+    module, optimizer = megatron_engine.build(name, model, _optimizer, device)
+    seconds = time.perf_counter() - start
+    training_step = _training_step(module, optimizer, settings)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with cpu_stand_ins(device):
+            return training_step(inputs, targets)
+
+    return Engine(name, module, optimizer, step, planner_seconds=seconds)
+
+
 def full_parameters(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
     """Each parameter whole, by its name in the user's model, one at a time (collectives:
     every rank iterates alike)."""
+    if engine.name in MEGATRON_ENGINES:
+        from vescale_plugins.bench import megatron_engine
+
+        yield from megatron_engine.full_parameters(engine.name, engine.model)
+        return
     if engine.name == "deepspeed":
         from vescale_plugins.bench import deepspeed_engine
 
@@ -302,8 +330,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_state_bytes(engine: Engine) -> int:
-    """Parameters + gradients + optimizer state held by this rank (sharded); DeepSpeed's fp32
-    master copy too."""
+    """Parameters + gradients + optimizer state held by this rank (sharded); DeepSpeed's and
+    Megatron-FSDP's main (master) weights too where they keep a copy."""
+    if engine.name in MEGATRON_ENGINES:
+        from vescale_plugins.bench import megatron_engine
+
+        return megatron_engine.sharded_state_bytes(engine.name, engine.model, engine.optimizer)
     if engine.name == "deepspeed":
         from vescale_plugins.bench import deepspeed_engine
 
@@ -318,8 +350,21 @@ def sharded_state_bytes(engine: Engine) -> int:
     return 2 * params + state
 
 
-def padding_and_traffic(engine: Engine, settings: BenchSettings) -> dict[str, int]:
-    """Padding bytes per rank (fp32 shards), and all-gather / reduce-scatter bytes per step."""
+def padding_and_traffic(
+    engine: Engine, settings: BenchSettings, batch: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> dict[str, int]:
+    """Padding bytes per rank (fp32 shards), and all-gather / reduce-scatter bytes per step.
+
+    Megatron-FSDP's traffic is counted in one step on ``batch`` (its schedule, what it
+    reshards and when, is its own), the others' from their units."""
+    if engine.name in MEGATRON_ENGINES:
+        from vescale_plugins.bench import megatron_engine
+
+        if batch is None:
+            raise ValueError(f"{engine.name}'s traffic is counted in a step: pass a batch")
+        with megatron_engine.counted_collectives() as traffic:
+            engine.step(*batch)
+        return {"padding_bytes": megatron_engine.padding_bytes(engine.name, engine.model), **traffic}
     if engine.name == "deepspeed":
         from vescale_plugins.bench import deepspeed_engine
 

@@ -1,7 +1,7 @@
 """Turn every rank's measurements into figures, a verdict, a table, JSON and a plot.
 
 A step's time is the slowest rank's (the step is done when every rank is). Ratios are
-veScale / FSDP2, and veScale / DeepSpeed when ZeRO-3 ran too. The verdict is honest by
+veScale / FSDP2, and veScale / each peer that ran too (Megatron-FSDP 1 and 2, DeepSpeed ZeRO-3). The verdict is honest by
 construction: no ratio from runs that did not all complete, and no winner called when the
 spread of two engines' step times overlaps.
 """
@@ -17,8 +17,27 @@ import torch
 
 from vescale_plugins.tools.outputs import pyplot
 
-LABELS = {"fsdp2": "FSDP2", "vescale": "veScale-FSDP", "deepspeed": "DeepSpeed ZeRO-3"}
-SHORT = {"fsdp2": "FSDP2", "vescale": "veScale", "deepspeed": "DeepSpeed"}
+LABELS = {
+    "fsdp2": "FSDP2",
+    "vescale": "veScale-FSDP",
+    "megatron-fsdp": "Megatron-FSDP",
+    "megatron-fsdp-v2": "Megatron-FSDP 2 (exp.)",
+    "deepspeed": "DeepSpeed ZeRO-3",
+}
+SHORT = {
+    "fsdp2": "FSDP2",
+    "vescale": "veScale",
+    "megatron-fsdp": "Megatron",
+    "megatron-fsdp-v2": "Megatron 2",
+    "deepspeed": "DeepSpeed",
+}
+COLORS = {
+    "fsdp2": "tab:blue",
+    "vescale": "tab:orange",
+    "megatron-fsdp": "tab:purple",
+    "megatron-fsdp-v2": "tab:red",
+    "deepspeed": "tab:green",
+}
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -84,11 +103,22 @@ def summarize(results: list[dict[str, Any]], tokens_per_step: int) -> dict[str, 
             "max_param_diff": max(r["max_param_diff"] for r in results),
         },
     }
-    if "deepspeed" in engines:
-        ratios, verdict = _versus(engines["vescale"], engines["deepspeed"], ("veScale-FSDP", "DeepSpeed ZeRO-3"))
-        summary["vs_deepspeed"] = {"ratios": ratios, "verdict": verdict}
+    # Each peer: veScale's ratios to it, and its distance from FSDP2 (the reference).
+    peers = [name for name in engines if name not in ("fsdp2", "vescale")]
+    if peers:
+        summary["versus"] = {}
+        for name in peers:
+            ratios, verdict = _versus(engines["vescale"], engines[name], ("veScale-FSDP", LABELS[name]))
+            summary["versus"][name] = {"ratios": ratios, "verdict": verdict}
         summary["parity"]["max_param_diff_vs_fsdp2"] = {
-            name: max(r["max_param_diff_vs_fsdp2"][name] for r in results) for name in ("vescale", "deepspeed")
+            name: max(r["max_param_diff_vs_fsdp2"][name] for r in results) for name in ("vescale", *peers)
+        }
+    if "step_losses" in results[0]:
+        reference = results[0]["step_losses"]["fsdp2"]
+        summary["parity"]["max_loss_diff_vs_fsdp2"] = {
+            name: max(abs(a - b) for a, b in zip(results[0]["step_losses"][name], reference))
+            for name in engines
+            if name != "fsdp2"
         }
     return summary
 
@@ -115,8 +145,7 @@ def render_table(summary: dict[str, Any]) -> Any:
 
     e = summary["engines"]
     ratios = {"fsdp2": summary["ratios"]}
-    if "vs_deepspeed" in summary:
-        ratios["deepspeed"] = summary["vs_deepspeed"]["ratios"]
+    ratios.update({name: versus["ratios"] for name, versus in summary.get("versus", {}).items()})
     title = " vs ".join(LABELS[name] for name in ("vescale", *(n for n in e if n != "vescale")))
     table = Table(title=f"{title} (same model, data, seed; interleaved steps)")
     table.add_column("figure")
@@ -154,14 +183,30 @@ def render_table(summary: dict[str, Any]) -> Any:
     row("reduce-scatter per step (MiB)", lambda x: x["reduce_scatter_bytes_per_step"], _mib)
     row("copy-in/out around collectives (ms/step)", lambda x: x["copy_ms_per_step"], dash(lambda v: f"{v:.2f}"))
     row("planner + sharding time (ms)", lambda x: x["planner_seconds"] * 1e3, lambda v: f"{v:.1f}" if v else "-")
+    p = summary["parity"]
+    if "max_loss_diff_vs_fsdp2" in p:
+        # Parity with FSDP2, the reference: its own column is the reference itself.
+        table.add_row("final loss", *[f"{p['loss'][name]:.6f}" for name in e], *[""] * len(ratios))
+        losses = p["max_loss_diff_vs_fsdp2"]
+        table.add_row(
+            "max |loss - FSDP2's|, any step",
+            *["-" if name == "fsdp2" else f"{losses[name]:.1e}" for name in e],
+            *[""] * len(ratios),
+        )
+        params = p.get("max_param_diff_vs_fsdp2", {"vescale": p["max_param_diff"]})
+        table.add_row(
+            "max |param - FSDP2's|, at the end",
+            *["-" if name not in params else f"{params[name]:.1e}" for name in e],
+            *[""] * len(ratios),
+        )
     return table
 
 
 def parity_line(summary: dict[str, Any]) -> str:
     p = summary["parity"]
     line = f"parity: final loss FSDP2 {p['loss']['fsdp2']:.6f} vs veScale {p['loss']['vescale']:.6f}; max |param diff| {p['max_param_diff']:.2e}"
-    if "deepspeed" in p["loss"]:
-        line += f"; DeepSpeed ZeRO-3 final loss {p['loss']['deepspeed']:.6f}, max |param diff| vs FSDP2 {p['max_param_diff_vs_fsdp2']['deepspeed']:.2e}"
+    for name in summary.get("versus", {}):
+        line += f"; {LABELS[name]} final loss {p['loss'][name]:.6f}, max |param diff| vs FSDP2 {p['max_param_diff_vs_fsdp2'][name]:.2e}"
     return line
 
 
@@ -178,8 +223,7 @@ def write_plot(path: str, summary: dict[str, Any]) -> None:
     steps_ax.set_ylabel("step time (ms, slowest rank)")
     steps_ax.legend()
     steps_ax.set_title(f"step time: ratio {summary['ratios']['step_time']:.3f}")
-    colors = {"fsdp2": "tab:blue", "vescale": "tab:orange", "deepspeed": "tab:green"}
-    mem_ax.bar([LABELS[n] for n in e], [e[n]["peak_bytes"] / 2**20 for n in e], color=[colors[n] for n in e])
+    mem_ax.bar([SHORT[n] for n in e], [e[n]["peak_bytes"] / 2**20 for n in e], color=[COLORS[n] for n in e])
     mem_ax.set_ylabel("peak tensor memory per rank (MiB)")
     mem_ax.set_title(f"memory: ratio {summary['ratios']['peak_memory']:.3f}")
     fig.tight_layout()

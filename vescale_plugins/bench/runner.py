@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.bench.engines import (
+    PEER_ENGINES,
     BenchSettings,
     Engine,
     UnitChoice,
@@ -130,8 +131,9 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
         units = vescale_units(vescale.model)
         fsdp2 = build_engine("fsdp2", settings, mesh, device, units)
     engines = {"fsdp2": fsdp2, "vescale": vescale}
-    if "deepspeed" in settings.engines:
-        engines["deepspeed"] = build_engine("deepspeed", settings, mesh, device)
+    for name in settings.engines:
+        if name in PEER_ENGINES:
+            engines[name] = build_engine(name, settings, mesh, device)
     names = tuple(engines)
     for tokens, targets in data[:warmup]:
         for engine in engines.values():
@@ -142,6 +144,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
     # allocator mapped afresh (memory handed back to the OS and taken again).
     page_faults: dict[str, list[int]] = {name: [] for name in names}
     losses: dict[str, float] = {}
+    step_losses: dict[str, list[float]] = {name: [] for name in names}
     for i, (tokens, targets) in enumerate(data[warmup:]):
         order = names if i % 2 == 0 else tuple(reversed(names))
         for name in order:
@@ -153,6 +156,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
             seconds[name].append(time.perf_counter() - start)
             page_faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
             losses[name] = loss.item()
+            step_losses[name].append(losses[name])
             report_progress(name)
     reference = parameter_names(fsdp2.model)
     diffs = {name: _max_param_diff(engine, reference) for name, engine in engines.items() if name != "fsdp2"}
@@ -160,6 +164,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
         "seconds": seconds,
         "page_faults": page_faults,
         "loss": losses,
+        "step_losses": step_losses,
         "max_param_diff": diffs["vescale"],
         "max_param_diff_vs_fsdp2": diffs,
         "engines": {},
@@ -171,7 +176,7 @@ def run_rank(settings: BenchSettings, warmup: int, steps: int, record_steps: int
             "copy_ms_per_step": copy_ms(engine, tokens.to(device), targets.to(device)),
             "sharded_state_bytes": sharded_state_bytes(engine),
             "planner_seconds": engine.planner_seconds,
-            **padding_and_traffic(engine, settings),
+            **padding_and_traffic(engine, settings, (tokens.to(device), targets.to(device))),
         }
     if record_steps:
         result["record"] = _record_vescale(engines["vescale"], data[:record_steps], device)
