@@ -16,7 +16,10 @@ from vescale_plugins.bench.__main__ import parse_args
         (["--batch-size", "0"], "argument --batch-size: 0 is too small: it must be at least 1"),
         (["--warmup", "-1"], "argument --warmup: -1 is too small: it must be at least 0"),
         (["--steps", "two"], "argument --steps: 'two' is not an integer"),
-        (["--engines", "zero3"], "argument --engines: unknown engine 'zero3': choose from fsdp2, vescale, deepspeed"),
+        (
+            ["--engines", "zero3"],
+            "argument --engines: unknown engine 'zero3': choose from fsdp2, vescale, megatron-fsdp, megatron-fsdp-v2, deepspeed",
+        ),
         (
             ["--model", "smal"],
             "argument --model: 'smal' is neither a preset (.*) \\(did you mean 'small'\\?\\) nor a directory",
