@@ -35,7 +35,7 @@ INSTALL_TORCH = $(if $(filter 2.13.0,$(TORCH)),$(PY) -m pip install --quiet "$(T
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.lint-installed
 
-.PHONY: test test-other-torch download-torch bench bench-host bench-deepspeed setup lint
+.PHONY: test test-other-torch download-torch bench bench-host bench-peers setup lint
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -99,7 +99,9 @@ bench: $(STAMP)
 bench-host: $(STAMP)
 	$(PY) -m vescale_plugins.bench host $(BENCH_ARGS)
 
-# The same with DeepSpeed ZeRO-3 as a third engine (installs the `deepspeed` extra first).
-bench-deepspeed: $(STAMP)
+# The same with every peer a user would pick beside FSDP2: Megatron-FSDP 1 and 2 (the test extra
+# has megatron-fsdp) and DeepSpeed ZeRO-3 (installs the `deepspeed` extra first).
+PEERS := megatron-fsdp,megatron-fsdp-v2,deepspeed
+bench-peers: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[deepspeed]"
-	$(PY) -m vescale_plugins.bench --engines fsdp2,vescale,deepspeed --json bench_deepspeed.json --plot bench_deepspeed.png $(BENCH_ARGS)
+	$(PY) -m vescale_plugins.bench --engines fsdp2,vescale,$(PEERS) --json bench_peers.json --plot bench_peers.png $(BENCH_ARGS)
