@@ -280,3 +280,19 @@ def test_peer_padding_models():
     assert megatron_fsdp_padding([8, 8], [4, 4], 2) == 0
     assert megatron_fsdp_padding(numels, blocks, 4) % 1 == 0
     assert (megatron_fsdp_padding(numels, blocks, 4) + 57) % (4 * 4) == 0
+
+
+@pytest.mark.parametrize("world", [8, 1024, 16384])
+def test_megatron_padding_model_is_megatron_fsdp_own_layout(world):
+    """The report's Megatron-FSDP column (``megatron_fsdp_padding`` at one-row blocks) pads what
+    megatron-fsdp 0.6.1's own layout pads (its experimental ``GlobalLayout``, the arithmetic its
+    version 1 shares), on every unit of every catalogue model."""
+    import torch
+    from megatron_fsdp.experimental.layout import GlobalLayout
+
+    for model in CATALOG.values():
+        for unit in model.units:
+            shapes = [shape for _, shape in unit.params]
+            numels, blocks = [math.prod(s) for s in shapes], [math.prod(s[1:]) for s in shapes]
+            theirs = GlobalLayout.build([torch.Size(s) for s in shapes], world).size - sum(numels)
+            assert megatron_fsdp_padding(numels, blocks, world) == theirs, (model.name, unit.params[0][0])
