@@ -60,3 +60,14 @@ def test_stand_ins_are_installed_on_a_cpu_only_and_only_inside():
     assert [getattr(owner, attribute) for owner, attribute, _, _ in STAND_INS] == originals
     with cpu_stand_ins(torch.device("cuda", 0)):
         assert [getattr(owner, attribute) for owner, attribute, _, _ in STAND_INS] == originals
+
+
+def test_bench_host_measures_the_peers_only_where_they_run():
+    from vescale_plugins.bench.host import peers_that_run
+
+    both = ("megatron-fsdp", "megatron-fsdp-v2")
+    assert peers_that_run(both, 1, "fp32", "cpu") == both
+    assert peers_that_run(both, 2, "fp32", "cpu") == ("megatron-fsdp-v2",)  # version 1's clipping, W=2
+    assert peers_that_run(both, 2, "bf16", "cpu") == ()
+    assert peers_that_run(both, 1024, "fp32", "cpu") == ()
+    assert peers_that_run(both, 1, "fp32", "cuda") == ()

@@ -26,13 +26,13 @@ from torch.distributed.tensor import DTensor
 from vescale_plugins import fully_shard
 from vescale_plugins.bench.linear_stack import LinearStack, LinearStackConfig
 from vescale_plugins.bench.llama import Llama, LlamaConfig
+from vescale_plugins.bench.megatron_engine import MEGATRON_ENGINES
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.runtime.state import groups_under
 
 ENGINES = ("fsdp2", "vescale")  # the default comparison; the peers join it on request
 # Megatron-FSDP 1 and 2 (bench/megatron_engine.py), DeepSpeed ZeRO-3 (bench/deepspeed_engine.py).
-PEER_ENGINES = ("megatron-fsdp", "megatron-fsdp-v2", "deepspeed")
-MEGATRON_ENGINES = PEER_ENGINES[:2]
+PEER_ENGINES = (*MEGATRON_ENGINES, "deepspeed")
 ALL_ENGINES = (*ENGINES, *PEER_ENGINES)
 FRONTENDS = ("plain", "fabric", "accelerate")
 
@@ -245,7 +245,8 @@ def _megatron_engine(name: str, model: BenchModel, settings: BenchSettings, devi
     from vescale_plugins.bench.megatron_cpu import cpu_stand_ins
 
     start = time.perf_counter()
-    module, optimizer = megatron_engine.build(name, model, _optimizer, device)
+    units = [modules for _, modules in model.fsdp_units()]
+    module, optimizer = megatron_engine.build(name, model, units, _optimizer, device)
     seconds = time.perf_counter() - start
     training_step = _training_step(module, optimizer, settings)
 

@@ -2,6 +2,7 @@
 
     python -m vescale_plugins.bench host [--configs 1:fp32 2:fp32 2:bf16 1024:fp32 ...]
         [--models llama-tiny llama-wide stack-10 stack-100] [--optimizer adamw|fused|flat]
+        [--peers megatron-fsdp,megatron-fsdp-v2]
 
 Each configuration (world size and dtype) runs in fresh processes (``host_run``): W=1 and W=2
 on gloo, larger W as rank 0 of torch's fake process group. In each, the same model unsharded
@@ -10,7 +11,9 @@ under ours take interleaved steps; per phase (forward, backward, ``clip_grad_nor
 optimizer step, ``zero_grad``) it records main-thread CPU ms, Python calls, ATen ops, DTensor
 dispatches and page faults. Prints a table per model, the ratios the README quotes, and writes
 JSON and a plot. glibc's heap is kept (as scale's: a caching allocator's behaviour), so page
-faults count what an engine touches anew, not what glibc returns to the kernel.
+faults count what an engine touches anew, not what glibc returns to the kernel. ``--peers``
+adds Megatron-FSDP 1 and 2 where they run (fp32 on gloo: version 2 at W <= 2, version 1 at W=1,
+:func:`peers_that_run`), with a table of their own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 
 import torch
 
-from vescale_plugins.bench.host_run import MODELS, PHASES
+from vescale_plugins.bench.host_run import MODELS, PEERS, PHASES
 from vescale_plugins.bench.scale import _KEEP_HEAP
 from vescale_plugins.tools.outputs import pyplot, write_results
 
@@ -40,11 +43,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["llama-tiny", "llama-wide"])
     parser.add_argument("--optimizer", choices=["adamw", "fused", "flat"], default="adamw")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: W=1 only, over NCCL")
+    parser.add_argument(
+        "--peers",
+        type=_peer_list,
+        default=(),
+        metavar="NAMES",
+        help=f"comma-separated, from {', '.join(PEERS)}: also measured where they run (fp32 on gloo, W <= 2; version 1 W=1)",
+    )
     parser.add_argument("--steps", type=int, default=7, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", default="bench_host.json")
     parser.add_argument("--plot", default="bench_host.png", help="'' for none")
+
+
+def _peer_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {unknown[0]!r}: choose from {', '.join(PEERS)}")
+    return names
+
+
+def peers_that_run(peers: tuple[str, ...], world: int, dtype: str, device: str) -> tuple[str, ...]:
+    """The ``peers`` that run in this configuration: fp32 on gloo (host_run's docstring), and
+    Megatron-FSDP 1 at W=1 only: at W=2 torch's ``clip_grad_norm_`` over its gradients stops on
+    a gloo collective mismatch (its step without clipping runs)."""
+    if dtype != "fp32" or device != "cpu":
+        return ()
+    return tuple(peer for peer in peers if world == 1 or (world == 2 and peer != "megatron-fsdp"))
 
 
 def _free_port() -> int:
@@ -62,14 +89,15 @@ def measure(
     warmup: int,
     timeout: float,
     device: str = "cpu",
+    peers: tuple[str, ...] = (),
 ) -> dict:
     """One configuration: ``world`` gloo (NCCL on ``cuda``) processes for W <= 2, else one on
-    the fake group."""
+    the fake group; ``peers`` measured too."""
     fake = world > 2
     ranks = 1 if fake else world
     env = {**os.environ, **_KEEP_HEAP, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     command = [sys.executable, "-m", "vescale_plugins.bench.host_run", str(world), model, dtype, optimizer]
-    command += [str(steps), str(warmup), "fake" if fake else "gloo", device]
+    command += [str(steps), str(warmup), "fake" if fake else "gloo", device, ",".join(peers)]
     processes = [
         subprocess.Popen(
             command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -117,6 +145,13 @@ def summarise(result: dict) -> dict[str, float]:
     }
     for phase in ("clip", "step"):
         ratios[f"{phase}_cpu_ratio"] = engines["vescale"][phase]["cpu_ms"] / engines["fsdp2"][phase]["cpu_ms"]
+    for peer in (name for name in PEERS if name in engines):
+        ratios[f"cpu_ms_{peer}"] = total(peer, "cpu_ms")
+        ratios[f"cpu_ratio_vs_{peer}"] = total("vescale", "cpu_ms") / total(peer, "cpu_ms")
+        ratios[f"own_cpu_ratio_vs_{peer}"] = own("vescale", "cpu_ms") / own(peer, "cpu_ms")
+        ratios[f"own_calls_{peer}"] = own(peer, "python_calls")
+        ratios[f"own_ops_{peer}"] = own(peer, "aten_ops")
+        ratios[f"dtensor_ops_{peer}"] = total(peer, "dtensor_ops")
     return ratios
 
 
@@ -135,6 +170,26 @@ def _table(results: list[dict]) -> str:
             f"| {s['step_cpu_ratio']:.2f} | {s['page_faults_fsdp2']:.0f} / {s['page_faults_ours']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _peer_table(results: list[dict]) -> str:
+    """Each peer beside ours where it ran: CPU per step, its own work above the unsharded
+    model, Python calls and ATen ops of its own, DTensor dispatches."""
+    lines = [
+        "| model | W | peer | CPU ms/step peer / ours | ours/peer | own CPU ours/peer "
+        "| own Python calls peer / ours | own ATen ops peer / ours |",
+        "|" + "---|" * 8,
+    ]
+    for r in results:
+        s = r["summary"]
+        for peer in (name for name in PEERS if f"cpu_ms_{name}" in s):
+            lines.append(
+                f"| {r['model']} | {r['world_size']} | {peer} | {s[f'cpu_ms_{peer}']:.1f} / {s['cpu_ms_ours']:.1f} "
+                f"| {s[f'cpu_ratio_vs_{peer}']:.2f} | {s[f'own_cpu_ratio_vs_{peer}']:.2f} "
+                f"| {s[f'own_calls_{peer}']:.0f} / {s['own_calls_ours']:.0f} "
+                f"| {s[f'own_ops_{peer}']:.0f} / {s['own_ops_ours']:.0f} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def _plot(results: list[dict], path: str) -> None:
@@ -159,14 +214,18 @@ def run(args: argparse.Namespace) -> int:
     for model in args.models:
         for config in args.configs:
             world, dtype = config.split(":")
+            peers = peers_that_run(args.peers, int(world), dtype, args.device)
             result = measure(
-                int(world), model, dtype, args.optimizer, args.steps, args.warmup, args.timeout, args.device
+                int(world), model, dtype, args.optimizer, args.steps, args.warmup, args.timeout, args.device, peers
             )
             result["summary"] = summarise(result)
             results.append(result)
             print(f"  {model} W={world} {dtype}: ours/FSDP2 {result['summary']['cpu_ratio']:.2f}", flush=True)
     print(f"\nbench host on torch {torch.__version__}, optimizer {args.optimizer} (foreach unless named), clipping 1.0")
     print(_table(results))
+    peer_table = _peer_table(results)
+    if peer_table:
+        print(f"\nthe peers where they run (fp32, gloo):\n{peer_table}")
     record = {"torch": torch.__version__, "optimizer": args.optimizer, "results": results}
     write_results(print, record, args.json, args.plot, lambda path: _plot(results, path))
     return 0

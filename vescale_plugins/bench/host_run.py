@@ -13,6 +13,12 @@ it. Each phase (forward with the loss, backward, ``clip_grad_norm_``, the optimi
 - ATen ops and DTensor dispatches: the ops a dispatch mode sees (those the step issues itself,
   none inside another op's dispatch) and those of them with a DTensor operand, separate steps.
 
+With ``--engines`` Megatron-FSDP 1 and 2 (``megatron-fsdp``, ``megatron-fsdp-v2``) take their
+steps too, built as the bench builds them (:mod:`vescale_plugins.bench.megatron_engine`), each
+phase under the CPU stand-ins (:mod:`vescale_plugins.bench.megatron_cpu`), whose own calls are
+counted with the rest: fp32 on gloo only (their mixed precision casts the model itself; the fake
+process group has no collectives for their set-up's checks).
+
 Rank 0 prints the result as one JSON line; other ranks (gloo, W > 1) take the same steps.
 World sizes past the machine's run as rank 0 of torch's fake process group. On CUDA (the GPU
 check's ``host`` part, W=1 over NCCL) each timed step also records its wall time (the device
@@ -28,7 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,11 +46,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale_plugins.bench.llama import Llama, LlamaConfig
+from vescale_plugins.bench.megatron_cpu import cpu_stand_ins
+from vescale_plugins.bench.megatron_engine import MEGATRON_ENGINES
 
-__all__ = ["MODELS", "PHASES", "ENGINES", "measure"]
+__all__ = ["MODELS", "PHASES", "ENGINES", "PEERS", "measure"]
 
 PHASES = ("forward", "backward", "clip", "step", "zero_grad")
 ENGINES = ("unsharded", "fsdp2", "vescale")
+PEERS = MEGATRON_ENGINES  # where they run: fp32 on gloo (module docstring)
 
 
 class ParamStack(nn.Module):
@@ -174,15 +183,28 @@ class _Trainer:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Around each phase: Megatron-FSDP's CPU stand-ins, nothing for the others.
+    around: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def phases(self, inputs: torch.Tensor, targets: torch.Tensor) -> Iterator[tuple[str, Callable[[], Any]]]:
         state: dict[str, Any] = {}
         params = list(self.model.parameters())
-        yield "forward", lambda: state.__setitem__("loss", self.loss(self.model(inputs), targets))
-        yield "backward", lambda: state["loss"].backward()
-        yield "clip", lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)
-        yield "step", self.optimizer.step
-        yield "zero_grad", lambda: self.optimizer.zero_grad(set_to_none=True)
+
+        def within(run: Callable[[], Any]) -> Callable[[], Any]:
+            if self.around is nullcontext:
+                return run
+
+            def wrapped() -> Any:
+                with self.around():
+                    return run()
+
+            return wrapped
+
+        yield "forward", within(lambda: state.__setitem__("loss", self.loss(self.model(inputs), targets)))
+        yield "backward", within(lambda: state["loss"].backward())
+        yield "clip", within(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0))
+        yield "step", within(self.optimizer.step)
+        yield "zero_grad", within(lambda: self.optimizer.zero_grad(set_to_none=True))
 
 
 def _optimizer(kind: str, engine: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -198,6 +220,13 @@ def _optimizer(kind: str, engine: str, params: list[nn.Parameter]) -> torch.opti
 def _build(engine: str, spec: HostModel, dtype: str, optimizer: str, mesh: Any, device: torch.device) -> _Trainer:
     torch.manual_seed(0)
     model = spec.build().to(device)
+    if engine in MEGATRON_ENGINES:
+        from vescale_plugins.bench import megatron_engine
+
+        module, megatron_optimizer = megatron_engine.build(
+            engine, model, spec.units(model), lambda m: _optimizer(optimizer, engine, list(m.parameters())), device
+        )
+        return _Trainer(engine, module, megatron_optimizer, spec.loss, lambda: cpu_stand_ins(device))
     if engine == "unsharded":
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
@@ -216,9 +245,18 @@ def _build(engine: str, spec: HostModel, dtype: str, optimizer: str, mesh: Any, 
 
 
 def measure(
-    world_size: int, model: str, dtype: str, optimizer: str, steps: int, warmup: int, fake: bool, device: str = "cpu"
+    world_size: int,
+    model: str,
+    dtype: str,
+    optimizer: str,
+    steps: int,
+    warmup: int,
+    fake: bool,
+    device: str = "cpu",
+    peers: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
-    """Every metric of the module docstring, per engine and phase; ``None`` off rank 0."""
+    """Every metric of the module docstring, per engine and phase (``ENGINES``, then ``peers``);
+    ``None`` off rank 0."""
     torch.set_num_threads(1)
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -228,7 +266,7 @@ def measure(
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world_size)
     try:
-        return _measure(world_size, model, dtype, optimizer, steps, warmup, fake, torch.device(device))
+        return _measure(world_size, model, dtype, optimizer, steps, warmup, fake, torch.device(device), peers)
     finally:
         dist.destroy_process_group()
 
@@ -253,12 +291,13 @@ def _measure(
     warmup: int,
     fake: bool,
     device: torch.device,
+    peers: tuple[str, ...],
 ) -> dict[str, Any] | None:
     spec = MODELS[model]()
     if device.type == "cuda":
         torch.cuda.set_device(0)
     mesh = init_device_mesh(device.type, (world_size,))
-    trainers = [_build(engine, spec, dtype, optimizer, mesh, device) for engine in ENGINES]
+    trainers = [_build(engine, spec, dtype, optimizer, mesh, device) for engine in (*ENGINES, *peers)]
     generator = torch.Generator().manual_seed(dist.get_rank())
     inputs, targets = (t.to(device) for t in spec.inputs(generator))
     meter = _Meter()
@@ -321,6 +360,9 @@ def _measure(
 if __name__ == "__main__":
     world, name, dtype_name, optimizer_name, n_steps, n_warmup, fake_pg = sys.argv[1:8]
     on = sys.argv[8] if len(sys.argv) > 8 else "cpu"
-    result = measure(int(world), name, dtype_name, optimizer_name, int(n_steps), int(n_warmup), fake_pg == "fake", on)
+    with_peers = tuple(p for p in (sys.argv[9] if len(sys.argv) > 9 else "").split(",") if p)
+    result = measure(
+        int(world), name, dtype_name, optimizer_name, int(n_steps), int(n_warmup), fake_pg == "fake", on, with_peers
+    )
     if result is not None:
         print(json.dumps(result))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -33,8 +33,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from vescale_plugins.bench.linear_stack import LinearStack
-from vescale_plugins.bench.llama import Llama
 from vescale_plugins.bench.megatron_cpu import cpu_stand_ins
 
 __all__ = [
@@ -50,9 +48,9 @@ __all__ = [
 MEGATRON_ENGINES = ("megatron-fsdp", "megatron-fsdp-v2")
 
 
-def unit_classes(model: Llama | LinearStack) -> list[type[nn.Module]]:
-    """Version 1's ``fsdp_unit_modules``: the classes of the modules of the model's units."""
-    return list(dict.fromkeys(type(module) for _, modules in model.fsdp_units() for module in modules))
+def unit_classes(units: Sequence[Sequence[nn.Module]]) -> list[type[nn.Module]]:
+    """Version 1's ``fsdp_unit_modules``: the classes of the units' modules."""
+    return list(dict.fromkeys(type(module) for modules in units for module in modules))
 
 
 @contextlib.contextmanager
@@ -75,7 +73,9 @@ def _neutral_setup_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             state["step"].zero_()
 
 
-def _build_v1(model: Llama | LinearStack, optimizer: torch.optim.Optimizer, device: torch.device) -> tuple[Any, Any]:
+def _build_v1(
+    model: nn.Module, units: Sequence[Sequence[nn.Module]], optimizer: torch.optim.Optimizer, device: torch.device
+) -> tuple[Any, Any]:
     from megatron_fsdp import fully_shard
 
     # Version 1 wants a (data-parallel, tensor-parallel) mesh; a tensor-parallel size of 1.
@@ -87,7 +87,7 @@ def _build_v1(model: Llama | LinearStack, optimizer: torch.optim.Optimizer, devi
             device_mesh=mesh,
             dp_shard_dim="fsdp",
             tp_dim="tp",
-            fsdp_unit_modules=unit_classes(model),
+            fsdp_unit_modules=unit_classes(units),
             zero_dp_strategy="optim_grads_params",
             device=device,
         )
@@ -97,13 +97,15 @@ def _build_v1(model: Llama | LinearStack, optimizer: torch.optim.Optimizer, devi
 
 
 def _build_v2(
-    model: Llama | LinearStack, optimizer_for: Callable[[nn.Module], torch.optim.Optimizer]
+    model: nn.Module,
+    units: Sequence[Sequence[nn.Module]],
+    optimizer_for: Callable[[nn.Module], torch.optim.Optimizer],
 ) -> tuple[Any, Any]:
     from megatron_fsdp.experimental import Flat, Placements, fully_shard, fully_shard_optimizer
 
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
-    for _, modules in model.fsdp_units():
+    for modules in units:
         for module in modules:
             fully_shard(module, mesh, placements)
     fully_shard(model, mesh, placements)
@@ -128,17 +130,19 @@ def _quiet_known_warnings() -> None:
 
 def build(
     name: str,
-    model: Llama | LinearStack,
+    model: nn.Module,
+    units: Sequence[Sequence[nn.Module]],
     optimizer_for: Callable[[nn.Module], torch.optim.Optimizer],
     device: torch.device,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Engine ``name`` (one of :data:`MEGATRON_ENGINES`) over ``model``: the module to call and
-    its optimizer (``optimizer_for(module)``, adapted by Megatron-FSDP)."""
+    """Engine ``name`` (one of :data:`MEGATRON_ENGINES`) over ``model`` with these ``units``
+    (module lists, inner first; the root is sharded last): the module to call and its optimizer
+    (``optimizer_for(module)``, adapted by Megatron-FSDP)."""
     _quiet_known_warnings()
     with cpu_stand_ins(device):
         if name == "megatron-fsdp":
-            return _build_v1(model, optimizer_for(model), device)
-        return _build_v2(model, optimizer_for)
+            return _build_v1(model, units, optimizer_for(model), device)
+        return _build_v2(model, units, optimizer_for)
 
 
 def _gather_rows(p: DTensor) -> torch.Tensor:
