@@ -23,7 +23,7 @@ from vescale_plugins.bench.engines import (
     sharded_state_bytes,
 )
 from vescale_plugins.bench.llama import PRESETS
-from vescale_plugins.forecast import accuracy
+from vescale_plugins.bench import forecast_accuracy as accuracy
 from vescale_plugins.forecast.memory import (
     ADAMW_STEP_BYTES,
     forecast_memory,
@@ -123,7 +123,7 @@ def test_committed_step_time_calibration_replays_to_its_forecast():
     """docs/forecast_calibration.json holds the measurements (calibrations and bench runs at
     W=2 and 4) and the forecast made from them: replaying the measurements through the
     current model must give the same forecast, within 10 % of the measured ratio at both
-    world sizes (re-run ``python -m vescale_plugins.forecast.accuracy --replay`` after changing it)."""
+    world sizes (re-run ``python -m vescale_plugins.bench.forecast_accuracy --replay`` after changing it)."""
     path = Path(__file__).resolve().parents[2] / "docs" / "forecast_calibration.json"
     committed = json.loads(path.read_text())
     assert sorted(row["world_size"] for row in committed["world_sizes"]) == [2, 4]

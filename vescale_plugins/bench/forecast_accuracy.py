@@ -1,10 +1,11 @@
 """The forecast's veScale/FSDP2 step-time ratio against the bench's measured one, at W=2 and 4.
 
-    python -m vescale_plugins.forecast.accuracy [--world-sizes 2,4] [--runs 3] [--steps 16]
+    python -m vescale_plugins.bench.forecast_accuracy [--world-sizes 2,4] [--runs 3] [--steps 16]
         [--out docs/forecast_calibration.json]
-    python -m vescale_plugins.forecast.accuracy --replay docs/forecast_calibration.json [more.json]
+    python -m vescale_plugins.bench.forecast_accuracy --replay docs/forecast_calibration.json [more.json]
 
-(or ``vescale-forecast-accuracy``).
+(or ``vescale-forecast-accuracy``). It lives in the bench, which it runs, so that the forecast
+imports nothing of the bench (the bench imports the forecast's model for ``scale``).
 
 For each world size W (about 30 min each with --runs 2 on the shared 2-core machine at load 10-40):
 
@@ -216,7 +217,7 @@ def _print(row: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vescale_plugins.forecast.accuracy",
+        prog="python -m vescale_plugins.bench.forecast_accuracy",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
