@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from vescale_plugins.bench import forecast_accuracy as accuracy
 from vescale_plugins.bench.engines import (
     BenchSettings,
     build_engine,
@@ -23,7 +24,6 @@ from vescale_plugins.bench.engines import (
     sharded_state_bytes,
 )
 from vescale_plugins.bench.llama import PRESETS
-from vescale_plugins.bench import forecast_accuracy as accuracy
 from vescale_plugins.forecast.memory import (
     ADAMW_STEP_BYTES,
     forecast_memory,
