@@ -7,6 +7,9 @@ of whole blocks of a tensor.
 * :mod:`.dtensor`: where torch's DTensor is taught about the placement (``install()``).
 """
 
+# Registers the DTensor integration's install() with the placement (it patches nothing yet:
+# the first RaggedShard built does), so no placement is ever built before it is registered.
+from vescale_plugins.ragged import dtensor as _dtensor  # noqa: F401
 from vescale_plugins.ragged.layout import RaggedLayout, RankSlice, flat_interval_boxes, ragged_layout, validate_ragged
 from vescale_plugins.ragged.placement import RaggedShard, StridedRaggedShard
 

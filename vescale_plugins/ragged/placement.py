@@ -13,7 +13,7 @@ Stock DTensor code works on it: building the first one teaches torch's DTensor a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Placement
@@ -28,13 +28,21 @@ from vescale_plugins.ragged.units import UnitRuns
 __all__ = ["RaggedShard", "StridedRaggedShard"]
 
 
-def _teach_dtensor() -> None:
-    # Every ragged DTensor starts from a placement (pickles and checkpoints rebuild it through
-    # __reduce__), so DTensor is patched here, at the first one, not at import. Imported late:
-    # the DTensor integration imports this module.
-    from vescale_plugins.ragged.dtensor import install
+# Every ragged DTensor starts from a placement (pickles and checkpoints rebuild it through
+# __reduce__), so DTensor is patched at the first one, not at import: the DTensor integration
+# (vescale_plugins.ragged.dtensor, which imports this module, and which the package imports)
+# registers its idempotent install() here, and this module imports nothing of it.
+_AT_EVERY_PLACEMENT: list[Callable[[], None]] = []
 
-    install()
+
+def at_every_placement(hook: Callable[[], None]) -> None:
+    """Run ``hook`` (idempotent and cheap after its first call) whenever a placement is built."""
+    _AT_EVERY_PLACEMENT.append(hook)
+
+
+def _teach_dtensor() -> None:
+    for hook in _AT_EVERY_PLACEMENT:
+        hook()
 
 
 class RaggedShard(Placement):

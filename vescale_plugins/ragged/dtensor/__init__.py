@@ -92,6 +92,7 @@ from vescale_plugins.ragged.dtensor.random_init import (
 )
 from vescale_plugins.ragged.dtensor.redistribute import redistribute_local_tensor
 from vescale_plugins.ragged.dtensor.specs import ORIGINAL, aten, other_dims_slice
+from vescale_plugins.ragged.placement import at_every_placement
 
 __all__ = [
     "install",
@@ -203,3 +204,7 @@ def _install_hooks() -> None:
         __deepcopy__=dtensor_deepcopy,
         __reduce_ex__=dtensor_reduce_ex,
     )
+
+
+# Every RaggedShard built runs install() first (the placement module calls what is registered).
+at_every_placement(install)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 
-from vescale_plugins.ragged import ragged_collectives as rc
+import vescale_plugins.ragged.ragged_collectives as rc
 from vescale_plugins.ragged.dtensor.specs import (
     ORIGINAL,
     check_spec,
