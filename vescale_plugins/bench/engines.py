@@ -442,10 +442,11 @@ def copy_ms(engine: Engine, tokens: torch.Tensor, targets: torch.Tensor) -> floa
 
     Counted: split/chunk-cat/cat and any copy inside a ``*copy_in*``/``*copy_out*`` region of
     the engine's collective path (FSDP2 labels them so). Not counted: casts, and what the
-    backend does inside its own collective calls. ``None`` for DeepSpeed: its collective path
-    is not labelled in the profiler, so its copies cannot be told from the model's.
+    backend does inside its own collective calls. ``None`` for the peers (DeepSpeed,
+    Megatron-FSDP): their collective paths are not labelled in the profiler, so their copies
+    cannot be told from the model's.
     """
-    if engine.name == "deepspeed":
+    if engine.name in PEER_ENGINES:
         return None
     from torch.profiler import ProfilerActivity
 

@@ -217,7 +217,10 @@ def write_plot(path: str, summary: dict[str, Any]) -> None:
     fig, (steps_ax, mem_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for name, label in ((name, LABELS[name]) for name in e):
         steps_ax.plot(
-            e[name]["step_ms"]["samples"], marker="o", label=f"{label} (median {e[name]['step_ms']['median']:.1f} ms)"
+            e[name]["step_ms"]["samples"],
+            marker="o",
+            color=COLORS[name],
+            label=f"{label} (median {e[name]['step_ms']['median']:.1f} ms)",
         )
     steps_ax.set_xlabel("measured step")
     steps_ax.set_ylabel("step time (ms, slowest rank)")
