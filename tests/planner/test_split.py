@@ -347,3 +347,14 @@ def test_padding_table_rows_and_markdown(tmp_path):
     assert row["before_mib_per_rank"] == pytest.approx(row["before_padding_elements"] * 2 / 256 / 2**20)
     table = padding_table.markdown(rows)
     assert "| Llama-3-8B | 16 | 256 | 4.17 (6.97) |" in table
+
+
+def test_padding_table_puts_megatron_fsdp_layout_beside_ours_and_fsdp2s():
+    from vescale_plugins.tools import padding_table
+
+    (row,) = padding_table.fsdp2_rows(["Llama-3-8B"], [1024], [1])
+    # Megatron-FSDP pads every shard to the least common multiple of the rows (6.76 % of the
+    # model here), where ours and FSDP2 pad 0.08 %.
+    assert row["megatron_fsdp_padding_elements"] > 50 * row["padding_elements"]
+    assert row["padding_elements"] <= row["fsdp2_padding_elements"]
+    assert "Megatron-FSDP % no blocks" in padding_table.fsdp2_markdown([row])

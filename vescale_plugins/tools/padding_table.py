@@ -41,7 +41,7 @@ from vescale_plugins.dbuffer.planning import (
 from vescale_plugins.dbuffer.planning import (
     planner_inputs as dbuffer_inputs,
 )
-from vescale_plugins.planner.baselines import fsdp2_padding
+from vescale_plugins.planner.baselines import fsdp2_padding, megatron_fsdp_padding
 from vescale_plugins.planner.bounds import padding_lower_bound
 from vescale_plugins.planner.cost import CollectiveCost, choose_split
 from vescale_plugins.planner.search import plan_layout
@@ -74,7 +74,7 @@ def fsdp2_rows(
     for model in (CATALOG[name] for name in models):
         for world in world_sizes:
             for rows in rows_per_block:
-                row = dict.fromkeys(("payload", "ours", "capped", "bound", "fsdp2"), 0) | {"buffers": 0}
+                row = dict.fromkeys(("payload", "ours", "capped", "bound", "fsdp2", "megatron"), 0) | {"buffers": 0}
                 row |= {"capped_buffers": 0}
                 ours_s = capped_s = fsdp2_s = 0.0
                 for unit in model.units:
@@ -91,6 +91,7 @@ def fsdp2_rows(
                     row["ours"] += unit.count * padding
                     row["bound"] += unit.count * padding_lower_bound(numels, blocks, world, alignment=alignment)
                     row["fsdp2"] += unit.count * theirs
+                    row["megatron"] += unit.count * _megatron_padding(shapes, rows, world)
                     row["buffers"] = max(row["buffers"], len(plans))
                     row["capped"] += unit.count * sum(p.layout.padding for p in capped)
                     row["capped_buffers"] = max(row["capped_buffers"], len(capped))
@@ -107,6 +108,7 @@ def fsdp2_rows(
                         "max_buffers_per_unit": row["buffers"],
                         "single_buffer_bound_elements": row["bound"],
                         "fsdp2_padding_elements": row["fsdp2"],
+                        "megatron_fsdp_padding_elements": row["megatron"],
                         "all_gather_s": ours_s,
                         "capped_padding_elements": row["capped"],
                         "capped_max_buffers_per_unit": row["capped_buffers"],
@@ -115,6 +117,15 @@ def fsdp2_rows(
                     }
                 )
     return out
+
+
+def _megatron_padding(shapes: Sequence[torch.Size], rows: int, world: int) -> int:
+    """Megatron-FSDP's padding of one unit (:func:`.planner.baselines.megatron_fsdp_padding`,
+    checked against megatron-fsdp's own layout): its chunk is the least common multiple of the
+    tensors' rows (dims after 0), times ``rows`` where those rows are kept in blocks."""
+    kept = dim0_block_rows(shapes, rows)
+    blocks = [(k or 1) * (s[1:].numel() if len(s) > 1 else 1) for s, k in zip(shapes, kept)]
+    return megatron_fsdp_padding([s.numel() for s in shapes], blocks, world)
 
 
 def fsdp2_markdown(rows: list[dict]) -> str:
@@ -137,13 +148,17 @@ def fsdp2_markdown(rows: list[dict]) -> str:
         f"(`CollectiveCost()`: {cost.gpus_per_node} GPUs per node, ring), ours one per buffer, "
         "FSDP2 one per unit. Capped: one-row blocks asked for (`block_size_fn` answering 1: rows "
         "kept) with `BufferSplitCost(cap_at_fsdp2_padding=True)`, splitting units where that keeps "
-        "their padding at most FSDP2's.",
+        "their padding at most FSDP2's. Megatron-FSDP: its layout (each shard a multiple of the least "
+        "common multiple of the unit's row sizes; with blocks, of rows x row size), with no blocks / "
+        "then each block size.",
         "",
         "| model | W | FSDP2 % | ours, no blocks % (buffers) | all-gather ms, ours / FSDP2 | "
         "one-row blocks capped % (buffers) / all-gather ms | "
         + " | ".join(f"ours, {g}-row % (buffers) / bound %" for g in blocked)
+        + " | Megatron-FSDP % "
+        + " / ".join(["no blocks", *(f"{g}-row" for g in blocked)])
         + " |",
-        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(blocked),
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * (len(blocked) + 1),
     ]
     for model in models:
         for world in worlds:
@@ -168,6 +183,9 @@ def fsdp2_markdown(rows: list[dict]) -> str:
                     f"{pct(r['padding_elements'])} ({r['max_buffers_per_unit']}) / "
                     f"{pct(r['single_buffer_bound_elements'])}"
                 )
+            cells.append(
+                " / ".join(pct(by_key[(model, world, g)]["megatron_fsdp_padding_elements"]) for g in granularities)
+            )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
