@@ -183,7 +183,7 @@ def render_table(summary: dict[str, Any]) -> Any:
     row("reduce-scatter per step (MiB)", lambda x: x["reduce_scatter_bytes_per_step"], _mib)
     row("copy-in/out around collectives (ms/step)", lambda x: x["copy_ms_per_step"], dash(lambda v: f"{v:.2f}"))
     row("planner + sharding time (ms)", lambda x: x["planner_seconds"] * 1e3, lambda v: f"{v:.1f}" if v else "-")
-    p = summary["parity"]
+    p = summary.get("parity", {})
     if "max_loss_diff_vs_fsdp2" in p:
         # Parity with FSDP2, the reference: its own column is the reference itself.
         table.add_row("final loss", *[f"{p['loss'][name]:.6f}" for name in e], *[""] * len(ratios))
