@@ -71,3 +71,19 @@ def test_bench_host_measures_the_peers_only_where_they_run():
     assert peers_that_run(both, 2, "bf16", "cpu") == ()
     assert peers_that_run(both, 1024, "fp32", "cpu") == ()
     assert peers_that_run(both, 1, "fp32", "cuda") == ()
+
+
+@pytest.mark.distributed
+def test_bench_host_measures_megatron_fsdp_beside_ours(tmp_path, capsys):
+    import json
+
+    from vescale_plugins.bench.__main__ import main
+
+    out = tmp_path / "host.json"
+    argv = ["host", "--configs", "1:fp32", "--models", "llama-tiny", "--peers", "megatron-fsdp,megatron-fsdp-v2"]
+    assert main([*argv, "--steps", "1", "--warmup", "0", "--json", str(out), "--plot", ""]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    for peer in ("megatron-fsdp", "megatron-fsdp-v2"):
+        assert result["engines"][peer]["forward"]["cpu_ms"] > 0
+        assert result["summary"][f"cpu_ratio_vs_{peer}"] > 0
+    assert "| llama-tiny | 1 | megatron-fsdp-v2 |" in capsys.readouterr().out
