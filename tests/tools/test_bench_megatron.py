@@ -87,3 +87,13 @@ def test_bench_host_measures_megatron_fsdp_beside_ours(tmp_path, capsys):
         assert result["engines"][peer]["forward"]["cpu_ms"] > 0
         assert result["summary"][f"cpu_ratio_vs_{peer}"] > 0
     assert "| llama-tiny | 1 | megatron-fsdp-v2 |" in capsys.readouterr().out
+
+
+def test_megatron_engines_are_refused_outside_fp32_with_the_reason():
+    from vescale_plugins.bench.__main__ import parse_args
+    from vescale_plugins.bench.compare import bench_settings
+
+    with pytest.raises(SystemExit, match="megatron-fsdp-v2 runs with --precision fp32"):
+        bench_settings(parse_args(["--engines", "megatron-fsdp-v2", "--precision", "bf16-mixed"]))
+    with pytest.raises(SystemExit, match="runs with --hsdp 1"):
+        bench_settings(parse_args(["--engines", "megatron-fsdp", "--world-size", "4", "--hsdp", "2"]))

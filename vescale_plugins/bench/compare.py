@@ -28,7 +28,15 @@ from vescale_plugins.bench.report import LABELS, environment, parity_line, rende
 from vescale_plugins.bench.runner import launch, settings_dict
 from vescale_plugins.tools.outputs import write_json, write_results
 
-__all__ = ["add_arguments", "add_run_arguments", "bench_settings", "report_comparison", "run"]
+__all__ = [
+    "add_arguments",
+    "add_run_arguments",
+    "bench_settings",
+    "check_megatron_precision",
+    "check_reshard_group",
+    "report_comparison",
+    "run",
+]
 
 
 def _model_name(name: str) -> str:
@@ -163,6 +171,17 @@ def world_size(args: argparse.Namespace) -> int:
     return args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
 
 
+def check_megatron_precision(engines: tuple[str, ...], precision: str) -> None:
+    """Refuse the Megatron-FSDP engines unless fp32: its mixed precision trains a model cast to
+    bf16, so its main weights would not start from the others' fp32 values."""
+    megatron = [name for name in engines if name in MEGATRON_ENGINES]
+    if megatron and precision != "fp32":
+        raise SystemExit(
+            f"--engines {megatron[0]} runs with --precision fp32 (Megatron-FSDP's mixed precision casts the "
+            "model itself, so its main weights would not start from the others' fp32 values)"
+        )
+
+
 def check_reshard_group(reshard: bool | int | None, shard_size: int) -> None:
     """Refuse ``--reshard-after-forward K`` unless K divides the shard group's ``shard_size`` ranks."""
     if not isinstance(reshard, bool) and reshard is not None and shard_size % reshard:
@@ -185,12 +204,7 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
         raise SystemExit("--compile runs with --frontend plain (the front ends leave compiling to the user)")
     if args.compile and peers:
         raise SystemExit(f"--compile runs with --engines fsdp2,vescale ({peers[0]} is not compiled here)")
-    megatron = [name for name in args.engines if name in MEGATRON_ENGINES]
-    if megatron and args.precision != "fp32":
-        raise SystemExit(
-            f"--engines {megatron[0]} runs with --precision fp32 (Megatron-FSDP's mixed precision casts the "
-            "model itself, so its main weights would not start from the others' fp32 values)"
-        )
+    check_megatron_precision(args.engines, args.precision)
     check_reshard_group(args.reshard_after_forward, world // args.hsdp)
     if args.seq_len > config.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")

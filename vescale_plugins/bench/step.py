@@ -10,7 +10,13 @@ from __future__ import annotations
 import argparse
 
 from vescale_plugins.bench.arguments import count
-from vescale_plugins.bench.compare import add_run_arguments, check_reshard_group, report_comparison, world_size
+from vescale_plugins.bench.compare import (
+    add_run_arguments,
+    check_megatron_precision,
+    check_reshard_group,
+    report_comparison,
+    world_size,
+)
 from vescale_plugins.bench.engines import BenchSettings
 from vescale_plugins.bench.linear_stack import LinearStackConfig
 
@@ -29,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     world = world_size(args)
     check_reshard_group(args.reshard_after_forward, world)
+    check_megatron_precision(args.engines, args.precision)
     config = LinearStackConfig(args.layers, args.dim)
     settings = BenchSettings(
         config,
