@@ -49,7 +49,7 @@ from vescale_plugins.bench.llama import Llama, LlamaConfig
 from vescale_plugins.bench.megatron_cpu import cpu_stand_ins
 from vescale_plugins.bench.megatron_engine import MEGATRON_ENGINES
 
-__all__ = ["MODELS", "PHASES", "ENGINES", "PEERS", "measure"]
+__all__ = ["MODELS", "PHASES", "ENGINES", "PEERS", "HostConfig", "measure"]
 
 PHASES = ("forward", "backward", "clip", "step", "zero_grad")
 ENGINES = ("unsharded", "fsdp2", "vescale")
@@ -244,29 +244,35 @@ def _build(engine: str, spec: HostModel, dtype: str, optimizer: str, mesh: Any, 
     return _Trainer(engine, model, _optimizer(optimizer, engine, list(model.parameters())), spec.loss)
 
 
-def measure(
-    world_size: int,
-    model: str,
-    dtype: str,
-    optimizer: str,
-    steps: int,
-    warmup: int,
-    fake: bool,
-    device: str = "cpu",
-    peers: tuple[str, ...] = (),
-) -> dict[str, Any] | None:
-    """Every metric of the module docstring, per engine and phase (``ENGINES``, then ``peers``);
-    ``None`` off rank 0."""
+@dataclass(frozen=True)
+class HostConfig:
+    """One configuration: ``world_size`` ranks (the fake group's rank 0 when ``fake``), the model
+    by name, its dtype (fp32, bf16) and optimizer, the timed and warm-up steps, the device, and
+    the ``peers`` measured after ``ENGINES``."""
+
+    world_size: int
+    model: str
+    dtype: str
+    optimizer: str
+    steps: int
+    warmup: int
+    fake: bool
+    device: str = "cpu"
+    peers: tuple[str, ...] = ()
+
+
+def measure(config: HostConfig) -> dict[str, Any] | None:
+    """Every metric of the module docstring, per engine and phase; ``None`` off rank 0."""
     torch.set_num_threads(1)
-    if fake:
+    if config.fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=config.world_size)
     else:
-        backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world_size)
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=config.world_size)
     try:
-        return _measure(world_size, model, dtype, optimizer, steps, warmup, fake, torch.device(device), peers)
+        return _measure(config, torch.device(config.device))
     finally:
         dist.destroy_process_group()
 
@@ -282,22 +288,13 @@ def _kernels_per_step(trainer: _Trainer, inputs: torch.Tensor, targets: torch.Te
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _measure(
-    world_size: int,
-    model: str,
-    dtype: str,
-    optimizer: str,
-    steps: int,
-    warmup: int,
-    fake: bool,
-    device: torch.device,
-    peers: tuple[str, ...],
-) -> dict[str, Any] | None:
-    spec = MODELS[model]()
+def _measure(config: HostConfig, device: torch.device) -> dict[str, Any] | None:
+    spec = MODELS[config.model]()
     if device.type == "cuda":
         torch.cuda.set_device(0)
-    mesh = init_device_mesh(device.type, (world_size,))
-    trainers = [_build(engine, spec, dtype, optimizer, mesh, device) for engine in (*ENGINES, *peers)]
+    mesh = init_device_mesh(device.type, (config.world_size,))
+    engines = (*ENGINES, *config.peers)
+    trainers = [_build(engine, spec, config.dtype, config.optimizer, mesh, device) for engine in engines]
     generator = torch.Generator().manual_seed(dist.get_rank())
     inputs, targets = (t.to(device) for t in spec.inputs(generator))
     meter = _Meter()
@@ -325,11 +322,11 @@ def _measure(
         if record == "time" and on_cuda:
             torch.cuda.synchronize()
 
-    for _ in range(warmup):
+    for _ in range(config.warmup):
         for trainer in trainers:
             one_step(trainer, None)
     wall_ms: dict[str, list[float]] = {t.name: [] for t in trainers}
-    for record in ("calls", "ops", *["time"] * steps):
+    for record in ("calls", "ops", *["time"] * config.steps):
         for trainer in trainers:  # interleaved: the machine's drift falls on every engine alike
             start = time.perf_counter()
             one_step(trainer, record)
@@ -341,16 +338,16 @@ def _measure(
     if dist.get_rank() != 0:
         return None
     return {
-        "world_size": world_size,
-        "process_group": "fake" if fake else "gloo",
-        "model": model,
+        "world_size": config.world_size,
+        "process_group": "fake" if config.fake else "gloo",
+        "model": config.model,
         "model_description": spec.description,
         "parameters": sum(1 for _ in trainers[0].model.parameters()),
         "units": len(spec.units(trainers[0].model)),
-        "dtype": dtype,
-        "optimizer": optimizer,
+        "dtype": config.dtype,
+        "optimizer": config.optimizer,
         "torch": torch.__version__,
-        "steps": steps,
+        "steps": config.steps,
         "device": str(device),
         "engines": meter.summary(),
         **extra,
@@ -361,8 +358,9 @@ if __name__ == "__main__":
     world, name, dtype_name, optimizer_name, n_steps, n_warmup, fake_pg = sys.argv[1:8]
     on = sys.argv[8] if len(sys.argv) > 8 else "cpu"
     with_peers = tuple(p for p in (sys.argv[9] if len(sys.argv) > 9 else "").split(",") if p)
-    result = measure(
+    config = HostConfig(
         int(world), name, dtype_name, optimizer_name, int(n_steps), int(n_warmup), fake_pg == "fake", on, with_peers
     )
+    result = measure(config)
     if result is not None:
         print(json.dumps(result))
