@@ -57,17 +57,20 @@ def unit_classes(units: Sequence[Sequence[nn.Module]]) -> list[type[nn.Module]]:
 def _neutral_setup_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Version 1's set-up step made a no-op: learning rate 0 while it runs (AdamW's decay
     ``p *= 1 - lr * wd`` and its update ``lr * m / ...`` are then exact no-ops), then each
-    parameter's step count back to 0, so the first training step is every engine's first."""
-    rates = [group["lr"] for group in optimizer.param_groups]
-    default = optimizer.defaults["lr"]
+    parameter's step count back to 0, so the first training step is every engine's first.
+
+    ``fully_shard`` rebuilds the parameter groups from the optimizer's defaults (one group, as
+    the bench's), so the defaults' rate is the one to restore."""
+    rate = optimizer.defaults["lr"]
     optimizer.defaults["lr"] = 0.0
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    yield
-    optimizer.defaults["lr"] = default
-    # fully_shard rebuilds the parameter groups from the defaults: one group, as the bench's.
-    for group, rate in zip(optimizer.param_groups, rates * len(optimizer.param_groups)):
-        group["lr"] = rate
+    try:
+        yield
+    finally:
+        optimizer.defaults["lr"] = rate
+        for group in optimizer.param_groups:
+            group["lr"] = rate
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].zero_()
