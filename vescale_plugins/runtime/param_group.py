@@ -858,7 +858,7 @@ class FSDPParamGroup:
             reduction = gradient_reduction(
                 dbuffer.reduce_dtype,
                 buffer.mesh.shard_size,
-                buffer.mesh.mesh.size() // buffer.mesh.shard_size,
+                buffer.mesh.replicate_size,
                 self.gradient_divide_factor,
                 self.force_sum_reduction_for_comms,
             )
