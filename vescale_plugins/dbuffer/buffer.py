@@ -28,7 +28,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
-from vescale_plugins.dbuffer.faults import CollectiveSite
+from vescale_plugins.dbuffer.faults import BROKEN, CollectiveSite
 from vescale_plugins.dbuffer.handles import (
     AfterReduceScatter,
     GatherHandle,
@@ -318,7 +318,8 @@ class DBuffer:
         streams = self.streams
         group = self._post_forward_group if self._post_forward_group is not None else self.group
         site = self.gather_site(group)
-        site.check_usable()
+        if group in BROKEN:
+            site.check_usable()
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             self._kept_after_reshard = False
@@ -337,8 +338,11 @@ class DBuffer:
                 else None
             )
             # On a side stream the call returns once enqueued; the handle waits on an event.
-            with site.faults():
+            try:
                 work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+            except RuntimeError as err:
+                site.translate(err)
+                raise
             if watcher is not None:
                 watcher.collective_enqueued(token)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather), site)
@@ -482,7 +486,8 @@ class DBuffer:
         """
         streams = self.streams
         site = self._reduce_site()
-        site.check_usable()
+        if self.group in BROKEN:
+            site.check_usable()
         with observer.region(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
             in_place = (
@@ -511,7 +516,7 @@ class DBuffer:
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
-            with site.faults():
+            try:
                 work = reduce_scatter_into(
                     out,
                     full,
@@ -520,6 +525,9 @@ class DBuffer:
                     premul_divide=reduction.premul_divide,
                     async_op=async_op and not streams.enabled,
                 )
+            except RuntimeError as err:
+                site.translate(err)
+                raise
             if watcher is not None and token is not None:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)
