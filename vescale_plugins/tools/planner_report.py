@@ -28,7 +28,7 @@ from vescale_plugins.planner.exact import exact_min_shard_size
 from vescale_plugins.planner.split_bounds import split_padding_lower_bound
 from vescale_plugins.tools.model_catalog import CATALOG, ModelUnits, planner_inputs
 
-WORLD_SIZES = (8, 64, 256, 1024, 8192)
+WORLD_SIZES = (8, 64, 256, 1024, 8192, 16384)
 GRANULARITIES = (1, 16, 128)
 SPLIT_BUDGETS = (1, 2, 3, 4)
 RANDOM_INSTANCES = 1500
