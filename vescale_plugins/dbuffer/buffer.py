@@ -44,7 +44,8 @@ from vescale_plugins.dbuffer.observer import (
     GRADIENT_RELEASE_REGION,
     REDUCE_SCATTER_REGION,
 )
-from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, row_numel
+from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, quantization_block, row_numel
+from vescale_plugins.dbuffer.quantized import BlockTable, QuantizedWeightGather
 from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
@@ -97,6 +98,9 @@ class DBuffer:
             mixed-precision cast) and the reduced shard is copied back.
         pin_memory: (with ``offload_to_cpu``) pinned host memory, so both copies run
             asynchronously on the collectives' streams; only with an accelerator ``device``.
+        weight_quant_block: gather the parameters as int8 in blocks of about this many
+            elements (:mod:`.quantized`; the layout planned with the same ``quant_block``);
+            ``None``: exactly, in ``param_dtype``.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class DBuffer:
         grad_dtype: torch.dtype | None = None,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
+        weight_quant_block: int | None = None,
     ) -> None:
         self.group = group
         self.label = "unit"  # the unit's module name, set when the root initialises (run record)
@@ -165,6 +170,9 @@ class DBuffer:
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self._grad_offload_event: Any = None  # the pinned copy of the reduced shard to host
         self.streams = comm_streams_for(self.device)
+        self.weight_quant_block = weight_quant_block
+        self.slot_names: tuple[str, ...] = tuple(f"#{i}" for i in range(len(self.slots)))  # for errors
+        self._weight_gather: QuantizedWeightGather | None = None  # cut at the first quantized gather
 
     def _slot(self, index: int, shape: torch.Size, rows: int | None) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -323,22 +331,32 @@ class DBuffer:
             unsharded = self._unsharded.allocate()
             self._kept_after_reshard = False
             version = unsharded._version
+            quantized = self._post_forward_group is None and self.weight_quant_block is not None
             if self._post_forward_group is not None:
                 assert self._post_forward is not None  # reshard_to_group set both
                 shard = self._post_forward.tensor  # gathered back within the k ranks only
+            elif quantized:
+                shard = self.sharded  # quantized from the sharded parameters as they are
             else:
                 with observer.scope(COMM_BUFFER_REGION):
                     # No copy unless one of them differs; from pinned memory, on this stream.
                     shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
             watcher = observer.current() if group.size() > 1 else None  # one rank: a copy, no collective
-            token = (
-                watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype)
-                if watcher is not None
-                else None
+            nbytes, dtype = (
+                (self.quantized_weight_gather().gathered_bytes, torch.int8)
+                if quantized
+                else (self._unsharded.nbytes, self.param_dtype)
             )
+            token = watcher.collective_issued("all_gather", self.label, nbytes, dtype) if watcher is not None else None
             # On a side stream the call returns once enqueued; the handle waits on an event.
+            work: Any
             with site.faults():
-                work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+                if quantized:
+                    work = self.quantized_weight_gather().issue(
+                        unsharded, shard, group, async_op=async_op and not streams.enabled
+                    )
+                else:
+                    work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
             if watcher is not None:
                 watcher.collective_enqueued(token)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather), site)
@@ -348,6 +366,19 @@ class DBuffer:
         if not async_op:
             handle.wait()
         return handle
+
+    def quantized_weight_gather(self) -> QuantizedWeightGather:
+        """The int8 all-gather of this buffer (``weight_quant_block``), its block table cut once."""
+        if self._weight_gather is None:
+            assert self.weight_quant_block is not None
+            block = self.weight_quant_block
+            table = BlockTable(
+                [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots],
+                self.shard_size,
+                self.world_size,
+            )
+            self._weight_gather = QuantizedWeightGather(table, self.rank, self.slot_names, self.label, self.device)
+        return self._weight_gather
 
     def gather_site(self, group: dist.ProcessGroup) -> CollectiveSite:
         """An all-gather of this buffer over ``group``, issued now, for its error: in backward
