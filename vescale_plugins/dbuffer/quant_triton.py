@@ -22,7 +22,7 @@ import triton.language as tl
 __all__ = ["dequantize_segments_triton", "quantize_segments_triton"]
 
 _BLOCK = 256
-_ROUNDER = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer, half to even
+_ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds to an integer, half to even
 
 
 @triton.jit
@@ -56,8 +56,26 @@ def _quantize_kernel(x_ptr, starts_ptr, lengths_ptr, slots_ptr, codes_ptr, scale
 
 
 @triton.jit
+def _round_to_bf16(value):
+    """fp32 to the nearest bf16 (ties to even), as fp32: the store's conversion is then exact
+    (the interpreter truncates where CUDA rounds)."""
+    bits = value.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequantize_kernel(
-    codes_ptr, scales_ptr, starts_ptr, lengths_ptr, slots_ptr, out_ptr, shard, chunk, BLOCK: tl.constexpr
+    codes_ptr,
+    scales_ptr,
+    starts_ptr,
+    lengths_ptr,
+    slots_ptr,
+    out_ptr,
+    shard,
+    chunk,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     segment = tl.program_id(0)
     start = tl.load(starts_ptr + segment)
@@ -70,7 +88,10 @@ def _dequantize_kernel(
     for step in range(0, length, BLOCK):
         mask = step + lanes < length
         code = tl.load(codes_ptr + code_base + step + lanes, mask=mask, other=0).to(tl.float32)
-        tl.store(out_ptr + start + step + lanes, (code * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        value = code * scale
+        if BF16:
+            value = _round_to_bf16(value)
+        tl.store(out_ptr + start + step + lanes, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_segments_triton(
@@ -100,5 +121,14 @@ def dequantize_segments_triton(
     """:func:`.quant_kernels.dequantize_segments` in one launch."""
     if starts.numel():
         _dequantize_kernel[(starts.numel(),)](
-            codes, scales, starts, lengths, scale_slots, out, shard, chunk, BLOCK=_BLOCK
+            codes,
+            scales,
+            starts,
+            lengths,
+            scale_slots,
+            out,
+            shard,
+            chunk,
+            BF16=out.dtype == torch.bfloat16,
+            BLOCK=_BLOCK,
         )
