@@ -27,7 +27,11 @@ def _compare() -> dict:
     import torch
 
     from vescale_plugins.dbuffer import quant_kernels
-    from vescale_plugins.dbuffer.quant_triton import dequantize_segments_triton, quantize_segments_triton
+    from vescale_plugins.dbuffer.quant_triton import (
+        dequantize_segments_triton,
+        dequantize_sum_segments_triton,
+        quantize_segments_triton,
+    )
 
     g = torch.Generator().manual_seed(0)
     shard, chunk = 1536, 1600  # per rank; the gathered chunks hold the codes first
@@ -50,7 +54,7 @@ def _compare() -> dict:
         out_codes = [torch.empty(shard, dtype=torch.int8) for _ in range(2)]
         out_scales = [torch.empty(8) for _ in range(2)]
         quant_kernels.quantize_segments(source, local_starts, local, slots, out_codes[0], out_scales[0])
-        quantize_segments_triton(source, local_starts, local, slots, out_codes[1], out_scales[1])
+        quantize_segments_triton(source, local_starts, local, slots, out_codes[1], out_scales[1], shard, shard, shard)
         results["codes_differing"] += int((out_codes[0] != out_codes[1]).sum())
         results["scales_differing"] += int((out_scales[0] != out_scales[1]).sum())
         codes[rank * chunk : rank * chunk + shard] = out_codes[0]
@@ -71,9 +75,43 @@ def _compare() -> dict:
     nan_scales = torch.empty(8)
     local = torch.tensor(lengths_per_rank[0])
     quantize_segments_triton(
-        nan, torch.cumsum(local, 0) - local, local, local_slots[0], torch.empty(shard, dtype=torch.int8), nan_scales
+        nan,
+        torch.cumsum(local, 0) - local,
+        local,
+        local_slots[0],
+        torch.empty(shard, dtype=torch.int8),
+        nan_scales,
+        shard,
+        shard,
+        shard,
     )
     results["nan_scale"] = bool(torch.isnan(nan_scales[1]))  # element 70 lies in the second block
+    # A gradient buffer's rank chunks (shard elements, then flags) into packed messages.
+    grad_chunk = shard + 16
+    grads = torch.randn(2 * grad_chunk, generator=g)
+    strided = []
+    for quantize in (quant_kernels.quantize_segments, quantize_segments_triton):
+        out_codes, out_scales = torch.zeros(2 * chunk, dtype=torch.int8), torch.empty(16)
+        extra = dict(shard=shard, source_chunk=grad_chunk, codes_chunk=chunk)
+        args = (grads, all_starts, all_lengths, all_slots, out_codes, out_scales)
+        quantize(*args, **extra) if quantize is quant_kernels.quantize_segments else quantize(*args, *extra.values())
+        strided.append((out_codes, out_scales))
+    results["strided_codes_equal"] = bool(torch.equal(strided[0][0], strided[1][0]))
+    results["strided_scales_equal"] = bool(torch.equal(strided[0][1], strided[1][1]))
+    # Each rank's shard summed over both senders, dequantized.
+    sums = []
+    for rank in range(2):
+        local = torch.tensor(lengths_per_rank[rank])
+        local_starts = torch.cumsum(local, 0) - local
+        pair = [torch.empty(shard) for _ in range(2)]
+        received = torch.cat([codes[:shard], codes[chunk : chunk + shard]]) if rank == 0 else codes
+        received_chunk = shard if rank == 0 else chunk
+        flat_scales = scales.reshape(-1)
+        args = (received, received_chunk, flat_scales, 8, local_starts, local, local_slots[rank])
+        quant_kernels.dequantize_sum_segments(*args, pair[0])
+        dequantize_sum_segments_triton(*args, pair[1], 2)
+        sums.append(bool(torch.equal(pair[0], pair[1])))
+    results["sums_equal"] = sums
     return results
 
 
@@ -89,6 +127,9 @@ def test_triton_block_kernels_match_the_torch_ones_in_the_interpreter():
         "dequantized_equal_float32": True,
         "dequantized_equal_bfloat16": True,
         "nan_scale": True,
+        "strided_codes_equal": True,
+        "strided_scales_equal": True,
+        "sums_equal": [True, True],
     }, report
 
 

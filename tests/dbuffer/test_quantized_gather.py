@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+from tests.support.quantized import Stack, reference, reference_scales
 from vescale_plugins import QuantizedComm, RaggedShard, fully_shard
 from vescale_plugins.dbuffer.planning import quantization_block
 from vescale_plugins.dbuffer.quant_kernels import dequantize_segments, quantize_segments
@@ -23,26 +24,6 @@ from vescale_plugins.observe.record import record_run
 
 BLOCK = 64  # small, so that small test shapes hold many blocks and several cut kinds
 TIMEOUT = dict(timeout=240)
-
-
-def reference(full: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """Block-wise symmetric int8 quantize-dequantize of a whole tensor on one rank: runs of
-    ``quantization_block(shape, block)`` elements from its first, one scale (amax / 127) each."""
-    run = quantization_block(full.shape, block)
-    x = full.detach().float().reshape(-1)
-    padded = torch.cat([x, x.new_zeros(-x.numel() % run)]).view(-1, run)
-    scale = padded.abs().amax(1, keepdim=True) / 127
-    codes = (padded / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127)
-    return (codes * scale).reshape(-1)[: x.numel()].view(full.shape).to(dtype)
-
-
-def reference_scales(full: torch.Tensor, block: int) -> torch.Tensor:
-    """Each element's block scale (amax / 127) in the reference."""
-    run = quantization_block(full.shape, block)
-    x = full.detach().float().reshape(-1)
-    padded = torch.cat([x, x.new_zeros(-x.numel() % run)]).view(-1, run)
-    scale = (padded.abs().amax(1, keepdim=True) / 127).expand_as(padded)
-    return scale.reshape(-1)[: x.numel()].view(full.shape)
 
 
 class _Shapes(nn.Module):
@@ -209,20 +190,9 @@ def test_non_finite_weights_are_refused_on_every_rank_naming_the_parameter(dist_
     dist_run(_non_finite_refused, 2, bad, **TIMEOUT)
 
 
-class _Stack(nn.Module):
-    def __init__(self, width: int = 256, layers: int = 3) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 def _gathered_bytes(policy: QuantizedComm | None, steps: int = 2) -> tuple[float, list[float]]:
     torch.manual_seed(0)
-    model = _Stack()
+    model = Stack()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mp_policy=mp, comm_policy=policy)

@@ -45,7 +45,7 @@ from vescale_plugins.dbuffer.observer import (
     REDUCE_SCATTER_REGION,
 )
 from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, quantization_block, row_numel
-from vescale_plugins.dbuffer.quantized import BlockTable, QuantizedWeightGather
+from vescale_plugins.dbuffer.quantized import BlockTable, QuantizedGradReduce, QuantizedWeightGather
 from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
@@ -101,6 +101,8 @@ class DBuffer:
         weight_quant_block: gather the parameters as int8 in blocks of about this many
             elements (:mod:`.quantized`; the layout planned with the same ``quant_block``);
             ``None``: exactly, in ``param_dtype``.
+        grad_quant_block: reduce the gradients as int8 blocks through an all-to-all
+            (:class:`.quantized.QuantizedGradReduce`), same rules; ``None``: reduce-scatter.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class DBuffer:
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
         weight_quant_block: int | None = None,
+        grad_quant_block: int | None = None,
     ) -> None:
         self.group = group
         self.label = "unit"  # the unit's module name, set when the root initialises (run record)
@@ -170,9 +173,11 @@ class DBuffer:
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self._grad_offload_event: Any = None  # the pinned copy of the reduced shard to host
         self.streams = comm_streams_for(self.device)
-        self.weight_quant_block = weight_quant_block
+        self.weight_quant_block, self.grad_quant_block = weight_quant_block, grad_quant_block
         self.slot_names: tuple[str, ...] = tuple(f"#{i}" for i in range(len(self.slots)))  # for errors
-        self._weight_gather: QuantizedWeightGather | None = None  # cut at the first quantized gather
+        # Cut at the first quantized collective.
+        self._weight_gather: QuantizedWeightGather | None = None
+        self._grad_reduce: QuantizedGradReduce | None = None
 
     def _slot(self, index: int, shape: torch.Size, rows: int | None) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -371,14 +376,24 @@ class DBuffer:
         """The int8 all-gather of this buffer (``weight_quant_block``), its block table cut once."""
         if self._weight_gather is None:
             assert self.weight_quant_block is not None
-            block = self.weight_quant_block
-            table = BlockTable(
-                [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots],
-                self.shard_size,
-                self.world_size,
-            )
+            table = self._block_table(self.weight_quant_block)
             self._weight_gather = QuantizedWeightGather(table, self.rank, self.slot_names, self.label, self.device)
         return self._weight_gather
+
+    def quantized_grad_reduce(self) -> QuantizedGradReduce:
+        """The int8 gradient reduction of this buffer (``grad_quant_block``), cut once."""
+        if self._grad_reduce is None:
+            assert self.grad_quant_block is not None
+            table = self._block_table(self.grad_quant_block)
+            self._grad_reduce = QuantizedGradReduce(table, self.rank, self.grad_shard_size, self.device)
+        return self._grad_reduce
+
+    def _block_table(self, block: int) -> BlockTable:
+        return BlockTable(
+            [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots],
+            self.shard_size,
+            self.world_size,
+        )
 
     def gather_site(self, group: dist.ProcessGroup) -> CollectiveSite:
         """An all-gather of this buffer over ``group``, issued now, for its error: in backward
@@ -531,19 +546,24 @@ class DBuffer:
             temp_bytes = 0 if temporary_out is None else temporary_out.numel() * temporary_out.element_size()
             watcher = observer.current()
             token = None
+            quantized = self.grad_quant_block is not None
             if watcher is not None:
                 watcher.buffer_allocated("comm_buffers", temp_bytes)
+                nbytes, dtype = (
+                    (self.quantized_grad_reduce().sent_bytes, torch.int8)
+                    if quantized
+                    else (full.numel() * full.element_size(), self.reduce_dtype)
+                )
                 token = (  # one rank: a copy, no collective
-                    watcher.collective_issued(
-                        "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
-                    )
+                    watcher.collective_issued("reduce_scatter", self.label, nbytes, dtype)
                     if self.group.size() > 1
                     else None
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
+            reduce = self.quantized_grad_reduce().issue if quantized else _reduce_scatter
             with site.faults():
-                work = reduce_scatter_into(
+                work = reduce(
                     out,
                     full,
                     self.group,
@@ -614,6 +634,18 @@ class DBuffer:
 
     def release_unsharded_grad(self) -> None:
         self._unsharded_grad.release()
+
+
+def _reduce_scatter(
+    out: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    average: bool,
+    premul_divide: float | None,
+    async_op: bool,
+) -> Any:
+    """:func:`.collectives.reduce_scatter_into`, with :meth:`.QuantizedGradReduce.issue`'s signature."""
+    return reduce_scatter_into(out, full, group, average=average, premul_divide=premul_divide, async_op=async_op)
 
 
 @dataclass(frozen=True)

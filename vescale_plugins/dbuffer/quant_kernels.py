@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["INT8_MAX", "dequantize_segments", "quantize_segments"]
+__all__ = ["INT8_MAX", "dequantize_segments", "dequantize_sum_segments", "quantize_segments"]
 
 INT8_MAX = 127
 
@@ -43,29 +43,69 @@ def quantize_segments(
     scale_slots: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
+    *,
+    shard: int | None = None,
+    source_chunk: int | None = None,
+    codes_chunk: int | None = None,
 ) -> None:
-    """Quantize ``source`` (flat, any floating dtype) into ``codes`` (int8, its size) and
-    ``scales`` (fp32).
+    """Quantize ``source`` (flat, any floating dtype) into ``codes`` (flat int8) and
+    ``scales`` (flat fp32).
 
-    The segments cover ``source`` in order: segment ``i`` is ``lengths[i]`` elements from
+    The segments cover the buffer in order: segment ``i`` is ``lengths[i]`` elements from
     ``starts[i]``; ``scale_slots[i]`` is its scale's index in ``scales``, or -1 for padding.
-    Scales no block writes are set to 0.
+    Scales no block writes are set to 0. With ``shard``, the buffer is ranks' shards of
+    ``shard`` elements each at the start of a ``source_chunk`` of ``source`` and a
+    ``codes_chunk`` of ``codes`` (a gradient buffer's rank chunks into packed messages);
+    without, all three are the whole buffer.
     """
+    shard = shard or source.numel()
+    source_chunk, codes_chunk = source_chunk or shard, codes_chunk or shard
     if source.is_cuda and _triton_available():
         from vescale_plugins.dbuffer.quant_triton import quantize_segments_triton
 
-        quantize_segments_triton(source, starts, lengths, scale_slots, codes, scales)
+        quantize_segments_triton(source, starts, lengths, scale_slots, codes, scales, shard, source_chunk, codes_chunk)
         return
-    x = source.float()
+    ranks = source.numel() // source_chunk
+    x = source.view(ranks, source_chunk)[:, :shard].float().reshape(-1)
     amax = torch.segment_reduce(x.abs(), "max", lengths=lengths)
     is_block = scale_slots >= 0
     amax = torch.where(is_block, amax, 0.0)
     scale = amax / INT8_MAX
     divisor = torch.where(amax > 0, scale, 1.0)  # a block of zeros (or padding): codes 0
     quotient = x / divisor.repeat_interleave(lengths, output_size=x.numel())
-    codes.copy_(quotient.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0))
+    quotient = quotient.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0)
+    codes.view(ranks, codes_chunk)[:, :shard].copy_(quotient.view(ranks, shard))
     scales.zero_()
     scales[scale_slots[is_block]] = scale[is_block]
+
+
+def dequantize_sum_segments(
+    codes: torch.Tensor,
+    chunk: int,
+    scales: torch.Tensor,
+    blocks_per_sender: int,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale_slots: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out`` (flat fp32, one shard) = the sum over senders ``j`` (in order) of their
+    dequantized codes: sender ``j``'s codes are the ``out.numel()`` int8 at ``j * chunk`` of
+    ``codes``, its scales ``scales[j * blocks_per_sender:][scale_slots]`` (0 where -1)."""
+    shard = out.numel()
+    senders = codes.numel() // chunk
+    if out.is_cuda and _triton_available():
+        from vescale_plugins.dbuffer.quant_triton import dequantize_sum_segments_triton
+
+        dequantize_sum_segments_triton(
+            codes, chunk, scales, blocks_per_sender, starts, lengths, scale_slots, out, senders
+        )
+        return
+    by_sender = codes.view(senders, chunk)[:, :shard]
+    padded = torch.cat([scales.view(senders, blocks_per_sender), scales.new_zeros(senders, 1)], dim=1)
+    per_segment = padded[:, scale_slots]  # slot -1: the trailing 0 column
+    per_element = per_segment.repeat_interleave(lengths, dim=1, output_size=shard)
+    out.copy_(per_element.mul_(by_sender).sum(0))
 
 
 def dequantize_segments(

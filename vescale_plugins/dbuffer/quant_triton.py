@@ -19,23 +19,36 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_segments_triton", "quantize_segments_triton"]
+__all__ = ["dequantize_segments_triton", "dequantize_sum_segments_triton", "quantize_segments_triton"]
 
 _BLOCK = 256
 _ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds to an integer, half to even
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, starts_ptr, lengths_ptr, slots_ptr, codes_ptr, scales_ptr, BLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    starts_ptr,
+    lengths_ptr,
+    slots_ptr,
+    codes_ptr,
+    scales_ptr,
+    shard,
+    source_chunk,
+    codes_chunk,
+    BLOCK: tl.constexpr,
+):
     segment = tl.program_id(0)
     start = tl.load(starts_ptr + segment)
     length = tl.load(lengths_ptr + segment)
     slot = tl.load(slots_ptr + segment)
+    source_base = (start // shard) * source_chunk + start % shard
+    codes_base = (start // shard) * codes_chunk + start % shard
     lanes = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for step in range(0, length, BLOCK):
         mask = step + lanes < length
-        x = tl.load(x_ptr + start + step + lanes, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + source_base + step + lanes, mask=mask, other=0.0).to(tl.float32)
         # nan must win the max (tl.maximum drops it): it makes the scale nan, which the caller refuses.
         amax = tl.where(x != x, x, tl.maximum(amax, tl.abs(x)))
     top = tl.max(amax, axis=0)
@@ -45,12 +58,12 @@ def _quantize_kernel(x_ptr, starts_ptr, lengths_ptr, slots_ptr, codes_ptr, scale
     divisor = tl.where(top > 0, scale, 1.0)
     for step in range(0, length, BLOCK):
         mask = step + lanes < length
-        x = tl.load(x_ptr + start + step + lanes, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + source_base + step + lanes, mask=mask, other=0.0).to(tl.float32)
         q = tl.div_rn(x, divisor)
         q = (q + _ROUNDER) - _ROUNDER
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         q = tl.where(q != q, 0.0, q)
-        tl.store(codes_ptr + start + step + lanes, q.to(tl.int8), mask=mask)
+        tl.store(codes_ptr + codes_base + step + lanes, q.to(tl.int8), mask=mask)
     if slot >= 0:
         tl.store(scales_ptr + slot, scale)
 
@@ -94,6 +107,35 @@ def _dequantize_kernel(
         tl.store(out_ptr + start + step + lanes, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequantize_sum_kernel(
+    codes_ptr,
+    scales_ptr,
+    starts_ptr,
+    lengths_ptr,
+    slots_ptr,
+    out_ptr,
+    chunk,
+    blocks_per_sender,
+    senders,
+    BLOCK: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    start = tl.load(starts_ptr + segment)
+    length = tl.load(lengths_ptr + segment)
+    slot = tl.load(slots_ptr + segment)
+    lanes = tl.arange(0, BLOCK)
+    for step in range(0, length, BLOCK):
+        mask = step + lanes < length
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for sender in range(0, senders):
+            scale = tl.load(scales_ptr + sender * blocks_per_sender + tl.maximum(slot, 0))
+            scale = tl.where(slot >= 0, scale, 0.0)
+            code = tl.load(codes_ptr + sender * chunk + start + step + lanes, mask=mask, other=0).to(tl.float32)
+            total += code * scale
+        tl.store(out_ptr + start + step + lanes, total, mask=mask)
+
+
 def quantize_segments_triton(
     source: torch.Tensor,
     starts: torch.Tensor,
@@ -101,11 +143,16 @@ def quantize_segments_triton(
     scale_slots: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
+    shard: int,
+    source_chunk: int,
+    codes_chunk: int,
 ) -> None:
-    """:func:`.quant_kernels.quantize_segments` in one launch (flat contiguous ``codes``)."""
+    """:func:`.quant_kernels.quantize_segments` in one launch."""
     scales.zero_()
     if starts.numel():
-        _quantize_kernel[(starts.numel(),)](source, starts, lengths, scale_slots, codes, scales, BLOCK=_BLOCK)
+        _quantize_kernel[(starts.numel(),)](
+            source, starts, lengths, scale_slots, codes, scales, shard, source_chunk, codes_chunk, BLOCK=_BLOCK
+        )
 
 
 def dequantize_segments_triton(
@@ -131,4 +178,22 @@ def dequantize_segments_triton(
             chunk,
             BF16=out.dtype == torch.bfloat16,
             BLOCK=_BLOCK,
+        )
+
+
+def dequantize_sum_segments_triton(
+    codes: torch.Tensor,
+    chunk: int,
+    scales: torch.Tensor,
+    blocks_per_sender: int,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale_slots: torch.Tensor,
+    out: torch.Tensor,
+    senders: int,
+) -> None:
+    """:func:`.quant_kernels.dequantize_sum_segments` in one launch (senders summed in order)."""
+    if starts.numel():
+        _dequantize_sum_kernel[(starts.numel(),)](
+            codes, scales, starts, lengths, scale_slots, out, chunk, blocks_per_sender, senders, BLOCK=_BLOCK
         )

@@ -1,5 +1,6 @@
-"""The int8 all-gather of a DBuffer's parameters: each rank quantizes its own shard's blocks,
-the ranks gather codes and scales, and every rank dequantizes the whole buffer in place.
+"""The int8 collectives of a DBuffer: the parameters' all-gather (each rank quantizes its own
+shard's blocks, the ranks gather codes and scales, and every rank dequantizes the whole buffer
+in place) and the gradients' reduction through an all-to-all (:class:`QuantizedGradReduce`).
 
 Quantization blocks are runs of :func:`.planning.quantization_block` elements of each
 parameter, counted from its first element, and the planner was asked for blocks that are
@@ -27,12 +28,19 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.dbuffer import observer
-from vescale_plugins.dbuffer.collectives import all_gather_into
+from vescale_plugins.dbuffer.collectives import PointToPointWork, all_gather_into
 from vescale_plugins.dbuffer.observer import COMM_BUFFER_REGION
-from vescale_plugins.dbuffer.quant_kernels import dequantize_segments, quantize_segments
+from vescale_plugins.dbuffer.quant_kernels import dequantize_segments, dequantize_sum_segments, quantize_segments
 from vescale_plugins.planner.bounds import round_up
 
-__all__ = ["BlockTable", "NonFiniteWeightError", "PendingDequantize", "QuantizedWeightGather", "Segments"]
+__all__ = [
+    "BlockTable",
+    "NonFiniteWeightError",
+    "PendingDequantize",
+    "QuantizedGradReduce",
+    "QuantizedWeightGather",
+    "Segments",
+]
 
 _ALIGN_BYTES = 16
 _SCALE_BYTES = 4  # fp32 scales
@@ -240,3 +248,96 @@ class PendingDequantize:
         if not bool(torch.isfinite(scales).all()):
             self._gather.refuse_non_finite(scales)
         return True
+
+
+class QuantizedGradReduce:
+    """One DBuffer's int8 gradient reduction (ZeRO++'s qgZ over the planner's blocks): every
+    rank quantizes the whole unsharded gradient buffer in one pass, one packed message per
+    destination rank (that rank's shard's blocks: codes, scales, then the presence flags in
+    fp32, exact); an all-to-all hands each rank every rank's message for its shard; it
+    dequantizes and sums them in fp32 (senders in rank order) and scales the sum as the
+    exact reduce-scatter would. ``grad_chunk``: elements per rank chunk of the unsharded
+    gradient buffer (its shard, then the flags and their alignment)."""
+
+    def __init__(self, table: BlockTable, rank: int, grad_chunk: int, device: torch.device) -> None:
+        self.table, self.grad_chunk = table, grad_chunk
+        shard, blocks = table.shard_size, table.max_blocks
+        self.flags = grad_chunk - shard
+        self.scales_at = round_up(shard, _ALIGN_BYTES)
+        self.flags_at = round_up(self.scales_at + _SCALE_BYTES * blocks, _ALIGN_BYTES)
+        self.chunk_bytes = round_up(self.flags_at + _SCALE_BYTES * self.flags, _ALIGN_BYTES)
+        self._local = table.local(rank).to(device)
+        self._whole = table.whole().to(device)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes each rank sends (every destination's message, its own included)."""
+        return self.table.world_size * self.chunk_bytes
+
+    def _fields(self, messages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales ``(ranks, blocks)`` and flags ``(ranks, flags)`` of packed messages, fp32 views."""
+        by_rank = messages.view(self.table.world_size, self.chunk_bytes)
+        blocks = self.table.max_blocks
+        scales = by_rank[:, self.scales_at : self.scales_at + _SCALE_BYTES * blocks].view(torch.float32)
+        flags = by_rank[:, self.flags_at : self.flags_at + _SCALE_BYTES * self.flags].view(torch.float32)
+        return scales, flags
+
+    def issue(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        group: dist.ProcessGroup,
+        average: bool,
+        premul_divide: float | None,
+        async_op: bool,
+    ) -> PointToPointWork | None:
+        """Reduce ``full`` (the unsharded gradient buffer, ranks' chunks of ``grad_chunk``)
+        into ``out`` (this rank's chunk, the reduce dtype). ``average`` and ``premul_divide``
+        as :func:`.collectives.reduce_scatter_into`'s, applied to the fp32 sum."""
+        table, world = self.table, self.table.world_size
+        with observer.scope(COMM_BUFFER_REGION):
+            send = torch.zeros(self.sent_bytes, dtype=torch.uint8, device=full.device)
+            received = torch.empty(self.sent_bytes, dtype=torch.uint8, device=full.device)
+        scales = torch.empty(world * table.max_blocks, dtype=torch.float32, device=full.device)
+        whole = self._whole
+        quantize_segments(
+            full,
+            whole.starts,
+            whole.lengths,
+            whole.scale_slots,
+            send.view(torch.int8),
+            scales,
+            shard=table.shard_size,
+            source_chunk=self.grad_chunk,
+            codes_chunk=self.chunk_bytes,
+        )
+        sent_scales, sent_flags = self._fields(send)
+        sent_scales.copy_(scales.view(world, table.max_blocks))
+        sent_flags.copy_(full.view(world, self.grad_chunk)[:, table.shard_size :])
+        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        pending = PointToPointWork(
+            [work], lambda: self._sum(received, out, average, premul_divide), keep_alive=(send, received)
+        )
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
+
+    def _sum(self, received: torch.Tensor, out: torch.Tensor, average: bool, premul_divide: float | None) -> None:
+        table, shard = self.table, self.table.shard_size
+        scales, flags = self._fields(received)
+        total = torch.empty(shard, dtype=torch.float32, device=out.device)
+        local = self._local
+        dequantize_sum_segments(
+            received.view(torch.int8),
+            self.chunk_bytes,
+            scales.reshape(-1),
+            table.max_blocks,
+            local.starts,
+            local.lengths,
+            local.scale_slots,
+            total,
+        )
+        divisor = (table.world_size if average else 1) * (premul_divide or 1)
+        out[:shard].copy_(total.div_(divisor) if divisor != 1 else total)
+        out[shard:].copy_(flags.sum(0).div_(divisor))

@@ -211,7 +211,8 @@ class FSDPParamGroup:
     ) -> DBuffer:
         floating = dtype.is_floating_point
         offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
-        quantized_weights = self.comm_policy is not None and self.comm_policy.weights is not None and floating
+        # Quantized collectives: the policy's block where it quantizes them (floating point only).
+        comm = self.comm_policy if floating else None
         dbuffer = DBuffer(
             shapes,
             block_rows,
@@ -226,7 +227,8 @@ class FSDPParamGroup:
             grad_dtype=grad_dtype,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory,
-            weight_quant_block=self.comm_policy.block if self.comm_policy is not None and quantized_weights else None,
+            weight_quant_block=comm.block if comm is not None and comm.weights is not None else None,
+            grad_quant_block=comm.block if comm is not None and comm.grads is not None else None,
         )
         dbuffer.keep_unsharded_storage = self.keep_unsharded_storage
         return dbuffer
