@@ -110,3 +110,42 @@ def _no_sync_reduced_once() -> None:
 
 def test_no_sync_accumulation_is_reduced_once_per_step(dist_run):
     dist_run(_no_sync_reduced_once, 2, **TIMEOUT)
+
+
+def _losses_on(mesh_kind: str, policy: QuantizedComm | None, steps: int = 12) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Stack(width=128)
+    if mesh_kind == "hsdp":  # replicate across pairs, shard within: the replicas' all-reduce stays exact
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        kwargs: dict = dict(mesh=mesh)
+    else:  # reshard after forward to groups of 2: the backward gather within the pair stays exact
+        kwargs = dict(reshard_after_forward=2)
+    for layer in model.layers:
+        fully_shard(layer, comm_policy=policy, **kwargs)
+    fully_shard(model, comm_policy=policy, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(steps):
+        loss = _loss(model, _batch(step, dist.get_rank(), 128))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _hsdp_and_partial_reshard_train_like_exact(mesh_kind: str) -> None:
+    exact = _losses_on(mesh_kind, None)
+    quantized = _losses_on(mesh_kind, QuantizedComm(weights="int8", grads="int8"))
+    assert exact[-1] < 0.8 * exact[0]
+    assert abs(quantized[-1] - exact[-1]) <= 0.01 * exact[-1], (quantized, exact)
+
+
+@pytest.mark.parametrize("mesh_kind", ["hsdp", "reshard-to-2"])
+def test_hsdp_and_reshard_after_forward_int_train_within_1_percent(dist_run, mesh_kind):
+    dist_run(_hsdp_and_partial_reshard_train_like_exact, 4, mesh_kind, **TIMEOUT)
