@@ -17,6 +17,7 @@ from vescale_plugins.bench.__main__ import parse_args
         (["--warmup", "-1"], "argument --warmup: -1 is too small: it must be at least 0"),
         (["--steps", "two"], "argument --steps: 'two' is not an integer"),
         (["--engines", "zero3"], "argument --engines: unknown engine 'zero3': choose from fsdp2, vescale, deepspeed"),
+        (["--comm", "int4"], "argument --comm: unknown --comm 'int4': choose from int8, int8-grads"),
         (
             ["--model", "smal"],
             "argument --model: 'smal' is neither a preset (.*) \\(did you mean 'small'\\?\\) nor a directory",
