@@ -53,8 +53,9 @@ def _compare() -> dict:
         source = x[rank * shard : (rank + 1) * shard]
         out_codes = [torch.empty(shard, dtype=torch.int8) for _ in range(2)]
         out_scales = [torch.empty(8) for _ in range(2)]
-        quant_kernels.quantize_segments(source, local_starts, local, slots, out_codes[0], out_scales[0])
-        quantize_segments_triton(source, local_starts, local, slots, out_codes[1], out_scales[1], shard, shard, shard)
+        segments = quant_kernels.Segments.of(local_starts, local, slots, shard)
+        quant_kernels.quantize_segments(source, segments, out_codes[0], out_scales[0])
+        quantize_segments_triton(source, segments, out_codes[1], out_scales[1], shard, shard, shard)
         results["codes_differing"] += int((out_codes[0] != out_codes[1]).sum())
         results["scales_differing"] += int((out_scales[0] != out_scales[1]).sum())
         codes[rank * chunk : rank * chunk + shard] = out_codes[0]
@@ -63,12 +64,12 @@ def _compare() -> dict:
         lengths.append(local)
         global_slots.append(torch.where(slots >= 0, slots + rank * 8, -1))
         local_slots.append(slots)
-    all_starts, all_lengths, all_slots = torch.cat(starts), torch.cat(lengths), torch.cat(global_slots)
+    whole = quant_kernels.Segments.of(torch.cat(starts), torch.cat(lengths), torch.cat(global_slots), shard)
     for dtype in (torch.float32, torch.bfloat16):
         outs = [torch.full((2 * shard,), 7.0, dtype=dtype) for _ in range(2)]
         flat_scales = scales.reshape(-1)
-        quant_kernels.dequantize_segments(codes, chunk, shard, flat_scales, all_starts, all_lengths, all_slots, outs[0])
-        dequantize_segments_triton(codes, chunk, shard, flat_scales, all_starts, all_lengths, all_slots, outs[1])
+        quant_kernels.dequantize_segments(codes, chunk, shard, flat_scales, whole, outs[0])
+        dequantize_segments_triton(codes, chunk, shard, flat_scales, whole, outs[1])
         results[f"dequantized_equal_{str(dtype)[6:]}"] = bool(torch.equal(outs[0], outs[1]))
     nan = x[:1536].clone()
     nan[70] = float("nan")
@@ -76,9 +77,7 @@ def _compare() -> dict:
     local = torch.tensor(lengths_per_rank[0])
     quantize_segments_triton(
         nan,
-        torch.cumsum(local, 0) - local,
-        local,
-        local_slots[0],
+        quant_kernels.Segments.of(torch.cumsum(local, 0) - local, local, local_slots[0], shard),
         torch.empty(shard, dtype=torch.int8),
         nan_scales,
         shard,
@@ -93,7 +92,7 @@ def _compare() -> dict:
     for quantize in (quant_kernels.quantize_segments, quantize_segments_triton):
         out_codes, out_scales = torch.zeros(2 * chunk, dtype=torch.int8), torch.empty(16)
         extra = dict(shard=shard, source_chunk=grad_chunk, codes_chunk=chunk)
-        args = (grads, all_starts, all_lengths, all_slots, out_codes, out_scales)
+        args = (grads, whole, out_codes, out_scales)
         quantize(*args, **extra) if quantize is quant_kernels.quantize_segments else quantize(*args, *extra.values())
         strided.append((out_codes, out_scales))
     results["strided_codes_equal"] = bool(torch.equal(strided[0][0], strided[1][0]))
@@ -107,7 +106,8 @@ def _compare() -> dict:
         received = torch.cat([codes[:shard], codes[chunk : chunk + shard]]) if rank == 0 else codes
         received_chunk = shard if rank == 0 else chunk
         flat_scales = scales.reshape(-1)
-        args = (received, received_chunk, flat_scales, 8, local_starts, local, local_slots[rank])
+        segments = quant_kernels.Segments.of(local_starts, local, local_slots[rank], shard)
+        args = (received, received_chunk, flat_scales, 8, segments)
         quant_kernels.dequantize_sum_segments(*args, pair[0])
         dequantize_sum_segments_triton(*args, pair[1], 2)
         sums.append(bool(torch.equal(pair[0], pair[1])))

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from tests.support.quantized import Stack, reference, reference_scales
 from vescale_plugins import QuantizedComm, RaggedShard, fully_shard
 from vescale_plugins.dbuffer.planning import quantization_block
-from vescale_plugins.dbuffer.quant_kernels import dequantize_segments, quantize_segments
+from vescale_plugins.dbuffer.quant_kernels import Segments, dequantize_segments, quantize_segments
 from vescale_plugins.dbuffer.quantized import NonFiniteWeightError
 from vescale_plugins.observe.record import record_run
 
@@ -117,9 +117,10 @@ def _quantize_dequantize(x: torch.Tensor, run: int) -> tuple[torch.Tensor, torch
     slots = torch.arange(starts.numel())
     codes = torch.empty(n, dtype=torch.int8)
     scales = torch.empty(starts.numel())
-    quantize_segments(x.reshape(-1), starts, lengths, slots, codes, scales)
+    segments = Segments.of(starts, lengths, slots, n)
+    quantize_segments(x.reshape(-1), segments, codes, scales)
     out = torch.empty(n, dtype=torch.float32)
-    dequantize_segments(codes, n, n, scales, starts, lengths, slots, out)
+    dequantize_segments(codes, n, n, scales, segments, out)
     return out.view(x.shape), scales.repeat_interleave(lengths).view(x.shape)
 
 

@@ -15,6 +15,8 @@ segment never crosses a rank's shard, so each program computes its base once).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -62,7 +64,7 @@ def _quantize_kernel(
         q = tl.div_rn(x, divisor)
         q = (q + _ROUNDER) - _ROUNDER
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        q = tl.where(q != q, 0.0, q)
+        q = tl.where((q != q) | (slot < 0), 0.0, q)  # nan, and padding: code 0
         tl.store(codes_ptr + codes_base + step + lanes, q.to(tl.int8), mask=mask)
     if slot >= 0:
         tl.store(scales_ptr + slot, scale)
@@ -138,9 +140,7 @@ def _dequantize_sum_kernel(
 
 def quantize_segments_triton(
     source: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    scale_slots: torch.Tensor,
+    segments: Any,  # quant_kernels.Segments (a layer above: its tensors are read)
     codes: torch.Tensor,
     scales: torch.Tensor,
     shard: int,
@@ -149,9 +149,10 @@ def quantize_segments_triton(
 ) -> None:
     """:func:`.quant_kernels.quantize_segments` in one launch."""
     scales.zero_()
+    starts, lengths, slots = segments.starts, segments.lengths, segments.scale_slots
     if starts.numel():
         _quantize_kernel[(starts.numel(),)](
-            source, starts, lengths, scale_slots, codes, scales, shard, source_chunk, codes_chunk, BLOCK=_BLOCK
+            source, starts, lengths, slots, codes, scales, shard, source_chunk, codes_chunk, BLOCK=_BLOCK
         )
 
 
@@ -160,12 +161,11 @@ def dequantize_segments_triton(
     chunk: int,
     shard: int,
     scales: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    scale_slots: torch.Tensor,
+    segments: Any,  # quant_kernels.Segments (a layer above: its tensors are read)
     out: torch.Tensor,
 ) -> None:
     """:func:`.quant_kernels.dequantize_segments` in one launch."""
+    starts, lengths, scale_slots = segments.starts, segments.lengths, segments.scale_slots
     if starts.numel():
         _dequantize_kernel[(starts.numel(),)](
             codes,
@@ -186,13 +186,12 @@ def dequantize_sum_segments_triton(
     chunk: int,
     scales: torch.Tensor,
     blocks_per_sender: int,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
-    scale_slots: torch.Tensor,
+    segments: Any,  # quant_kernels.Segments (a layer above: its tensors are read)
     out: torch.Tensor,
     senders: int,
 ) -> None:
     """:func:`.quant_kernels.dequantize_sum_segments` in one launch (senders summed in order)."""
+    starts, lengths, scale_slots = segments.starts, segments.lengths, segments.scale_slots
     if starts.numel():
         _dequantize_sum_kernel[(starts.numel(),)](
             codes, scales, starts, lengths, scale_slots, out, chunk, blocks_per_sender, senders, BLOCK=_BLOCK

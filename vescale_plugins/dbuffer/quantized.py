@@ -21,7 +21,6 @@ parameter, after the gather (no rank is left waiting in a collective).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +29,12 @@ import torch.distributed as dist
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import PointToPointWork, all_gather_into
 from vescale_plugins.dbuffer.observer import COMM_BUFFER_REGION
-from vescale_plugins.dbuffer.quant_kernels import dequantize_segments, dequantize_sum_segments, quantize_segments
+from vescale_plugins.dbuffer.quant_kernels import (
+    Segments,
+    dequantize_segments,
+    dequantize_sum_segments,
+    quantize_segments,
+)
 from vescale_plugins.planner.bounds import round_up
 
 __all__ = [
@@ -39,7 +43,6 @@ __all__ = [
     "PendingDequantize",
     "QuantizedGradReduce",
     "QuantizedWeightGather",
-    "Segments",
 ]
 
 _ALIGN_BYTES = 16
@@ -48,19 +51,6 @@ _SCALE_BYTES = 4  # fp32 scales
 
 class NonFiniteWeightError(ValueError):
     """A parameter held nan or inf at a quantized all-gather (raised on every rank)."""
-
-
-@dataclass(frozen=True)
-class Segments:
-    """Segments of a flat buffer in order (``quant_kernels``' arguments): start (elements),
-    length (elements), scale slot (-1: padding). int64 tensors on one device."""
-
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    scale_slots: torch.Tensor
-
-    def to(self, device: torch.device) -> Segments:
-        return Segments(self.starts.to(device), self.lengths.to(device), self.scale_slots.to(device))
 
 
 class BlockTable:
@@ -124,15 +114,16 @@ class BlockTable:
     def local(self, rank: int) -> Segments:
         """Rank ``rank``'s segments, starts relative to its shard, scale slots in its chunk."""
         first, last = self.rank_first[rank], self.rank_first[rank + 1]
-        return Segments(
+        return Segments.of(
             self.starts[first:last] - rank * self.shard_size,
             self.lengths[first:last],
             self.local_slots[first:last],
+            self.shard_size,
         )
 
     def whole(self) -> Segments:
         """Every rank's segments over the global buffer, scale slots in the gathered scales."""
-        return Segments(self.starts, self.lengths, self.global_slots)
+        return Segments.of(self.starts, self.lengths, self.global_slots, self.shard_size)
 
     def owner_of_scale(self, slot: int) -> tuple[int, int]:
         """``(parameter index, rank)`` of global scale slot ``slot``."""
@@ -169,15 +160,7 @@ class QuantizedWeightGather:
             gathered = torch.empty(self.gathered_bytes, dtype=torch.uint8, device=unsharded.device)
         scales = local[self.scales_at : self.scales_at + _SCALE_BYTES * table.max_blocks].view(torch.float32)
         local[self.scales_at + scales.numel() * _SCALE_BYTES :].zero_()
-        segments = self._local
-        quantize_segments(
-            sharded.to(unsharded.device),
-            segments.starts,
-            segments.lengths,
-            segments.scale_slots,
-            local[: table.shard_size].view(torch.int8),
-            scales,
-        )
+        quantize_segments(sharded.to(unsharded.device), self._local, local[: table.shard_size].view(torch.int8), scales)
         local[table.shard_size : self.scales_at].zero_()
         work = all_gather_into(gathered, local, group, async_op=async_op)
         pending = PendingDequantize(self, gathered, unsharded, work)
@@ -187,7 +170,7 @@ class QuantizedWeightGather:
 
     def dequantize(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
         """Write the gathered chunks' parameters into ``unsharded``; returns the scales (flat)."""
-        table, whole = self.table, self._whole
+        table = self.table
         by_rank = gathered.view(table.world_size, self.chunk_bytes)
         scales = by_rank[:, self.scales_at : self.scales_at + _SCALE_BYTES * table.max_blocks]
         scales = scales.contiguous().view(torch.float32).view(-1)
@@ -196,9 +179,7 @@ class QuantizedWeightGather:
             self.chunk_bytes,
             table.shard_size,
             scales,
-            whole.starts,
-            whole.lengths,
-            whole.scale_slots,
+            self._whole,
             unsharded,
         )
         return scales
@@ -299,12 +280,9 @@ class QuantizedGradReduce:
             send = torch.zeros(self.sent_bytes, dtype=torch.uint8, device=full.device)
             received = torch.empty(self.sent_bytes, dtype=torch.uint8, device=full.device)
         scales = torch.empty(world * table.max_blocks, dtype=torch.float32, device=full.device)
-        whole = self._whole
         quantize_segments(
             full,
-            whole.starts,
-            whole.lengths,
-            whole.scale_slots,
+            self._whole,
             send.view(torch.int8),
             scales,
             shard=table.shard_size,
@@ -327,16 +305,8 @@ class QuantizedGradReduce:
         table, shard = self.table, self.table.shard_size
         scales, flags = self._fields(received)
         total = torch.empty(shard, dtype=torch.float32, device=out.device)
-        local = self._local
         dequantize_sum_segments(
-            received.view(torch.int8),
-            self.chunk_bytes,
-            scales.reshape(-1),
-            table.max_blocks,
-            local.starts,
-            local.lengths,
-            local.scale_slots,
-            total,
+            received.view(torch.int8), self.chunk_bytes, scales.reshape(-1), table.max_blocks, self._local, total
         )
         divisor = (table.world_size if average else 1) * (premul_divide or 1)
         out[:shard].copy_(total.div_(divisor) if divisor != 1 else total)
