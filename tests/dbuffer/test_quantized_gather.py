@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+from tests.support.extension_tensors import Float8Weight
 from tests.support.quantized import Stack, reference, reference_scales
 from vescale_plugins import QuantizedComm, RaggedShard, fully_shard
 from vescale_plugins.dbuffer.planning import quantization_block
@@ -237,6 +238,15 @@ def test_policy_arguments_are_checked():
 
 def _refused_before_touching(kind: str) -> None:
     model = nn.Linear(8, 8)
+    if kind == "extension":  # on every rank, naming the parameter, during set-up's agreement
+        model = nn.Sequential(nn.Linear(8, 8))
+        model[0].weight = nn.Parameter(Float8Weight(model[0].weight.detach().clone(), False))
+        with pytest.raises(
+            ValueError, match=r"parameter '0\.weight' defines FSDP2 all-gather extensions.*comm_policy=None"
+        ):
+            fully_shard(model, comm_policy=QuantizedComm())
+        assert type(model[0].weight.data) is Float8Weight  # left as it was
+        return
     if kind == "type":
         with pytest.raises(TypeError, match="comm_policy must be None or a QuantizedComm"):
             fully_shard(model, comm_policy="int8")  # type: ignore[arg-type]
@@ -246,6 +256,24 @@ def _refused_before_touching(kind: str) -> None:
     assert not isinstance(model.weight, torch.distributed.tensor.DTensor)  # left as it was
 
 
-@pytest.mark.parametrize("kind", ["type", "offload"])
+@pytest.mark.parametrize("kind", ["type", "offload", "extension"])
 def test_bad_comm_policy_is_refused_before_the_module_changes(dist_run, kind):
     dist_run(_refused_before_touching, 2, kind, **TIMEOUT)
+
+
+def _meta_init_keeps_the_policy() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 7))
+    fully_shard(model, comm_policy=QuantizedComm(block=BLOCK))
+    model.to_empty(device="cpu")  # new DBuffers over the same layout
+    for layer in model:
+        layer.reset_parameters()
+    assert all(b.weight_quant_block == BLOCK for b in model._vescale_fsdp_unit.dbuffers)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model.unshard()
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), reference(full[name], BLOCK, torch.float32)), name
+
+
+def test_meta_device_init_keeps_the_quantized_gather(dist_run):
+    dist_run(_meta_init_keeps_the_policy, 2, **TIMEOUT)
