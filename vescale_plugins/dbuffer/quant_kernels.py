@@ -63,27 +63,29 @@ class Segments:
                 & (starts[1:] // shard == starts[:-1] // shard)
             )
             new[1:] = ~same
-        firsts = new.nonzero().view(-1).tolist() + [n]
-        s, ln, sl = starts.tolist(), lengths.tolist(), scale_slots.tolist()
+        first_index = new.nonzero().view(-1)
+        counts = torch.diff(first_index, append=torch.tensor([n])).tolist()
+        # Read on the host at each run's first segment only (a run holds many blocks).
+        s, ln, sl = (t[first_index].tolist() for t in (starts, lengths, scale_slots))
         runs: list[tuple[int, int, int, int, int]] = []
-        for first, end in zip(firsts, firsts[1:]):
-            if sl[first] < 0:
-                runs.append((s[first], 1, 0, ln[first], -1))
+        for start, count, length, slot in zip(s, counts, ln, sl):
+            if slot < 0:
+                runs.append((start, 1, 0, length, -1))
                 continue
             previous = runs[-1] if runs else None
             if (  # a shorter last block: the previous run's tail
-                end - first == 1
+                count == 1
                 and previous is not None
                 and previous[2] > 0
                 and previous[3] == previous[2]
-                and ln[first] < previous[2]
-                and previous[0] + previous[1] * previous[2] == s[first]
-                and previous[4] + previous[1] == sl[first]
-                and s[first] // shard == previous[0] // shard
+                and length < previous[2]
+                and previous[0] + previous[1] * previous[2] == start
+                and previous[4] + previous[1] == slot
+                and start // shard == previous[0] // shard
             ):
-                runs[-1] = (previous[0], previous[1] + 1, previous[2], ln[first], previous[4])
+                runs[-1] = (previous[0], previous[1] + 1, previous[2], length, previous[4])
                 continue
-            runs.append((s[first], end - first, ln[first], ln[first], sl[first]))
+            runs.append((start, count, length, length, slot))
         return cls(starts, lengths, scale_slots, tuple(runs))
 
     def to(self, device: torch.device) -> Segments:
