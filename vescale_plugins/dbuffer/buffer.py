@@ -347,12 +347,15 @@ class DBuffer:
                     # No copy unless one of them differs; from pinned memory, on this stream.
                     shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
             watcher = observer.current() if group.size() > 1 else None  # one rank: a copy, no collective
-            nbytes, dtype = (
-                (self.quantized_weight_gather().gathered_bytes, torch.int8)
-                if quantized
-                else (self._unsharded.nbytes, self.param_dtype)
-            )
-            token = watcher.collective_issued("all_gather", self.label, nbytes, dtype) if watcher is not None else None
+            token = None
+            if watcher is not None:
+                # Quantized: the bytes the gather moves, int8 codes and their scales.
+                nbytes, dtype = (
+                    (self.quantized_weight_gather().gathered_bytes, torch.int8)
+                    if quantized
+                    else (self._unsharded.nbytes, self.param_dtype)
+                )
+                token = watcher.collective_issued("all_gather", self.label, nbytes, dtype)
             # On a side stream the call returns once enqueued; the handle waits on an event.
             work: Any
             with site.faults():
@@ -561,9 +564,9 @@ class DBuffer:
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
-            reduce = self.quantized_grad_reduce().issue if quantized else _reduce_scatter
             with site.faults():
-                work = reduce(
+                issue = self.quantized_grad_reduce().issue if quantized else reduce_scatter_into
+                work = issue(
                     out,
                     full,
                     self.group,
@@ -634,18 +637,6 @@ class DBuffer:
 
     def release_unsharded_grad(self) -> None:
         self._unsharded_grad.release()
-
-
-def _reduce_scatter(
-    out: torch.Tensor,
-    full: torch.Tensor,
-    group: dist.ProcessGroup,
-    average: bool,
-    premul_divide: float | None,
-    async_op: bool,
-) -> Any:
-    """:func:`.collectives.reduce_scatter_into`, with :meth:`.QuantizedGradReduce.issue`'s signature."""
-    return reduce_scatter_into(out, full, group, average=average, premul_divide=premul_divide, async_op=async_op)
 
 
 @dataclass(frozen=True)
