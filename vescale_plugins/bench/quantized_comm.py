@@ -157,17 +157,30 @@ def _plot(path: str, summary: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, settings: BenchSettings, world: int) -> int:
     """The quantized runs beside the exact one; table, JSON and loss plot."""
     from rich.console import Console
+    from rich.progress import Progress
 
     console = Console(width=max(Console().width, 150))  # the table's eleven columns
     if settings.frontend != "plain":
         raise SystemExit("--comm runs with --frontend plain (the front ends pass comm_policy through; see docs)")
     if "deepspeed" in settings.engines:
         raise SystemExit("--comm runs with --engines fsdp2,vescale")
-    try:
-        results = launch_ranks(run_rank, world, settings, args.comm, args.warmup, args.steps, timeout_s=args.timeout)
-    except RuntimeError as error:
-        console.print(f"[red]benchmark failed:[/red] {error}")
-        return 1
+    engines = 2 + len(args.comm)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{engines} engines on {world} ranks", total=engines * (args.warmup + args.steps))
+        try:
+            results = launch_ranks(
+                run_rank,
+                world,
+                settings,
+                args.comm,
+                args.warmup,
+                args.steps,
+                timeout_s=args.timeout,
+                on_progress=lambda _: progress.update(task, advance=1),
+            )
+        except RuntimeError as error:
+            console.print(f"[red]benchmark failed:[/red] {error}")
+            return 1
     summary = summarize(results)
     console.print(_table(summary))
     record = {"settings": dataclasses.asdict(settings) | {"config": settings.config.to_dict()}, "summary": summary}
