@@ -178,6 +178,7 @@ class DBuffer:
         # Cut at the first quantized collective.
         self._weight_gather: QuantizedWeightGather | None = None
         self._grad_reduce: QuantizedGradReduce | None = None
+        self._quant_table: tuple[int, BlockTable] | None = None
 
     def _slot(self, index: int, shape: torch.Size, rows: int | None) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -392,11 +393,11 @@ class DBuffer:
         return self._grad_reduce
 
     def _block_table(self, block: int) -> BlockTable:
-        return BlockTable(
-            [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots],
-            self.shard_size,
-            self.world_size,
-        )
+        """The quantization blocks of this buffer (one table for the gather and the reduction)."""
+        if self._quant_table is None or self._quant_table[0] != block:
+            slots = [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots]
+            self._quant_table = (block, BlockTable(slots, self.shard_size, self.world_size))
+        return self._quant_table[1]
 
     def gather_site(self, group: dist.ProcessGroup) -> CollectiveSite:
         """An all-gather of this buffer over ``group``, issued now, for its error: in backward
