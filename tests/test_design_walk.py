@@ -75,6 +75,13 @@ class _FileTracer:
 
 def _traced_step() -> dict[str, list[str]]:
     from vescale_plugins import fully_shard
+    from vescale_plugins.dbuffer.reduction import gradient_reduction
+    from vescale_plugins.runtime.fsdp2_semantics import defers_upcast
+
+    # Answers cached per argument: the walk traces a fresh process's set-up, whatever the tests
+    # before asked in this worker.
+    gradient_reduction.cache_clear()
+    defers_upcast.cache_clear()
 
     model = nn.Sequential(_Block(16), _Block(16))
     inputs = torch.randn(4, 8, 16)

@@ -28,7 +28,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.collectives import all_gather_into, reduce_scatter_into
-from vescale_plugins.dbuffer.faults import CollectiveSite
+from vescale_plugins.dbuffer.faults import BROKEN, CollectiveSite
 from vescale_plugins.dbuffer.handles import (
     AfterReduceScatter,
     GatherHandle,
@@ -332,7 +332,8 @@ class DBuffer:
         streams = self.streams
         group = self._post_forward_group if self._post_forward_group is not None else self.group
         site = self.gather_site(group)
-        site.check_usable()
+        if group in BROKEN:
+            site.check_usable()
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             self._kept_after_reshard = False
@@ -359,13 +360,16 @@ class DBuffer:
                 token = watcher.collective_issued("all_gather", self.label, nbytes, dtype)
             # On a side stream the call returns once enqueued; the handle waits on an event.
             work: Any
-            with site.faults():
+            try:
                 if quantized:
                     work = self.quantized_weight_gather().issue(
                         unsharded, shard, group, async_op=async_op and not streams.enabled
                     )
                 else:
                     work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+            except RuntimeError as err:
+                site.translate(err)
+                raise
             if watcher is not None:
                 watcher.collective_enqueued(token)
             handle = GatherHandle(unsharded, version, work, token, streams, streams.record(streams.all_gather), site)
@@ -532,7 +536,8 @@ class DBuffer:
         """
         streams = self.streams
         site = self._reduce_site()
-        site.check_usable()
+        if self.group in BROKEN:
+            site.check_usable()
         with observer.region(REDUCE_SCATTER_REGION), streams.issue_on(streams.reduce_scatter):
             full = self._unsharded_grad.tensor
             in_place = (
@@ -565,8 +570,8 @@ class DBuffer:
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
-            with site.faults():
-                issue = self.quantized_grad_reduce().issue if quantized else reduce_scatter_into
+            issue = self.quantized_grad_reduce().issue if quantized else reduce_scatter_into
+            try:
                 work = issue(
                     out,
                     full,
@@ -575,6 +580,9 @@ class DBuffer:
                     premul_divide=reduction.premul_divide,
                     async_op=async_op and not streams.enabled,
                 )
+            except RuntimeError as err:
+                site.translate(err)
+                raise
             if watcher is not None and token is not None:
                 watcher.collective_enqueued(token)
             done_event = streams.record(streams.reduce_scatter)

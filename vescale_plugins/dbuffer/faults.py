@@ -23,9 +23,12 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "CollectiveSite", "broken_by", "check_usable", "collective_faults"]
+__all__ = ["BROKEN", "CollectiveError", "CollectiveSite", "broken_by", "check_usable", "collective_faults"]
 
-_broken: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+# Each group an earlier failure broke (weakly, per group object), with that failure. The
+# collective paths ask ``site.group in BROKEN`` before each collective and call in here only on
+# a failure: a healthy step enters no function of this module.
+BROKEN: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
 
 REJOIN_HINT = (
     "the process group is unusable: call reset_iter_state() on the root module, destroy the process group "
@@ -53,8 +56,8 @@ class CollectiveError(RuntimeError):
 def broken_by(groups: Iterable[dist.ProcessGroup | None]) -> str | None:
     """The first failure that broke one of ``groups``, or None if none is broken."""
     for group in groups:
-        if group is not None and group in _broken:
-            return _broken[group]
+        if group is not None and group in BROKEN:
+            return BROKEN[group]
     return None
 
 
@@ -77,7 +80,7 @@ def _translate(group: dist.ProcessGroup, unit: str, collective: str, err: BaseEx
     DistBackendError, DistNetworkError, ...) over ``group`` stands for, marking the group
     broken; anything else is left to propagate."""
     if isinstance(err, RuntimeError) and not isinstance(err, CollectiveError):
-        _broken.setdefault(group, f"{collective} of unit {unit!r}")
+        BROKEN.setdefault(group, f"{collective} of unit {unit!r}")
         detail = f"{_rank_in(group)} saw {type(err).__name__}: {err}"
         raise CollectiveError(unit, collective, detail) from err
 
@@ -110,6 +113,11 @@ class CollectiveSite:
 
     def check_usable(self) -> None:
         check_usable([self.group], self.unit, self.collective)
+
+    def translate(self, err: BaseException) -> None:
+        """Raise the :class:`CollectiveError` that ``err`` (caught issuing or waiting on this
+        collective) stands for, marking the group broken; return if it is not a backend's."""
+        _translate(self.group, self.unit, self.collective, err)
 
     def faults(self) -> CollectiveSite:
         """:func:`collective_faults` for this site: the site itself is the context (two calls,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vescale_plugins.dbuffer import observer
-from vescale_plugins.dbuffer.faults import CollectiveError, CollectiveSite
+from vescale_plugins.dbuffer.faults import BROKEN, CollectiveError, CollectiveSite
 from vescale_plugins.dbuffer.observer import REDUCE_SCATTER_REGION
 from vescale_plugins.dbuffer.storage import set_version_counter
 from vescale_plugins.dbuffer.streams import CommStreams
@@ -86,7 +86,7 @@ class GatherHandle:
         self.after_wait = None
 
     def wait(self) -> None:
-        if self._work is not None and self._site.broken:
+        if self._work is not None and self._site.group in BROKEN:
             self.abandon()
         if self._abandoned:
             self._site.check_usable()
@@ -96,10 +96,10 @@ class GatherHandle:
         if self._work is not None:
             work, self._work = self._work, None
             try:
-                with self._site.faults():
-                    wait_collective(work)
-            except CollectiveError:
+                wait_collective(work)
+            except RuntimeError as err:
                 self.abandon()
+                self._site.translate(err)
                 raise
         if self._done is not None:
             self._streams.wait(self._done)
@@ -236,17 +236,17 @@ class ReduceScatterHandle:
             on_abandon()
 
     def _raise_if_broken(self, site: CollectiveSite | None) -> None:
-        if site is not None and site.broken:
+        if site is not None and site.group in BROKEN:
             self.abandon()
             site.check_usable()
 
     def _wait(self, work: Any, site: CollectiveSite) -> None:
         """Wait on the backend's ``work``; its error is raised as the unit's, abandoning this."""
         try:
-            with site.faults():
-                wait_collective(work)
-        except CollectiveError:
+            wait_collective(work)
+        except RuntimeError as err:
             self.abandon()
+            site.translate(err)
             raise
 
     @property

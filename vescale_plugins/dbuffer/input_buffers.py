@@ -25,6 +25,7 @@ import torch
 from vescale_plugins.dbuffer import observer
 from vescale_plugins.dbuffer.buffer import DBuffer
 from vescale_plugins.dbuffer.collectives import all_gather_into
+from vescale_plugins.dbuffer.faults import BROKEN
 from vescale_plugins.dbuffer.handles import GatherHandle
 from vescale_plugins.dbuffer.observer import ALL_GATHER_REGION
 from vescale_plugins.dbuffer.planning import row_numel
@@ -107,7 +108,8 @@ class InputBuffer:
         on any backend: gloo has no float8)."""
         dbuffer, streams = self.dbuffer, self.dbuffer.streams
         site = dbuffer.gather_site(dbuffer.group)
-        site.check_usable()
+        if dbuffer.group in BROKEN:
+            site.check_usable()
         with observer.region(ALL_GATHER_REGION), streams.issue_on(streams.all_gather):
             unsharded = self._unsharded.allocate()
             version = unsharded._version
@@ -117,13 +119,16 @@ class InputBuffer:
                 if watcher is not None
                 else None
             )
-            with site.faults():
+            try:
                 work = all_gather_into(
                     unsharded.view(torch.uint8),
                     self.sharded.view(torch.uint8),
                     dbuffer.group,
                     async_op=async_op and not streams.enabled,
                 )
+            except RuntimeError as err:
+                site.translate(err)
+                raise
             done = streams.record(streams.all_gather)
             handle = GatherHandle(unsharded, version, work, token, streams, done, site)
         if not async_op:

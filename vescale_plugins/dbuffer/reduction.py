@@ -11,6 +11,7 @@ same, so that a gradient reduced here has FSDP2's bits on every backend.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class GradientReduction:
     post_divide: float | None = None
 
 
+@functools.cache  # asked per reduce-scatter with few distinct arguments: answered in C after the first
 def gradient_reduction(
     reduce_dtype: torch.dtype,
     shard_size: int,

@@ -26,8 +26,12 @@ class ResizableStorage:
         self.nbytes = numel * dtype.itemsize
         self.kind = kind
         self._tensor: torch.Tensor | None = None
+        # Whether the storage holds its bytes: only this class resizes it, so a flag answers
+        # (asked several times per unit per step; the storage object would be made each time).
+        self._allocated = False
         if device.type == "meta":
             self._tensor = torch.empty(numel, dtype=dtype, device=device)
+            self._allocated = self.nbytes > 0
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -37,7 +41,7 @@ class ResizableStorage:
 
     @property
     def allocated(self) -> bool:
-        return self._tensor is not None and self._tensor.untyped_storage().nbytes() > 0  # nbytes: C, size: Python
+        return self._allocated
 
     def allocate(self) -> torch.Tensor:
         if not self.allocated:
@@ -48,6 +52,7 @@ class ResizableStorage:
                 self._tensor = torch.empty(self._numel, dtype=self._dtype, device=self._device)
             else:
                 self._tensor.untyped_storage().resize_(self.nbytes)
+            self._allocated = self.nbytes > 0
         return self.tensor
 
     def release(self) -> None:
@@ -57,6 +62,7 @@ class ResizableStorage:
                 watcher.buffer_freed(self.kind, self.nbytes)
             if self._device.type != "meta":
                 self.tensor.untyped_storage().resize_(0)
+                self._allocated = False
 
 
 def set_version_counter(tensor: torch.Tensor, version: int) -> None:

@@ -135,14 +135,16 @@ def fully_shard(
     return module
 
 
+# The hooks read the unit straight from the attribute set beside them above (group_of's check
+# is for callers that may hold any module): twice per unit per step.
 @eager_hook
 def _pre_forward_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return pre_forward(group_of(module), module, args, kwargs)
+    return pre_forward(module._vescale_fsdp_unit, module, args, kwargs)  # type: ignore[arg-type]  # set at fully_shard
 
 
 @eager_hook
 def _post_forward_hook(module: nn.Module, args: tuple, output: Any) -> Any:
-    return post_forward(group_of(module), module, output)
+    return post_forward(module._vescale_fsdp_unit, module, output)  # type: ignore[arg-type]  # set at fully_shard
 
 
 _eager_pre_forward = eager_hook(pre_forward)

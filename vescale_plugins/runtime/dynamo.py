@@ -8,13 +8,12 @@ exactly the module's own computation, so a compiled block gives FSDP2's graphs.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["eager_hook", "in_compiled_autograd", "mark_managed"]
+__all__ = ["eager_hook", "mark_managed"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -37,15 +36,3 @@ def mark_managed(module: torch.nn.Module) -> None:
     their sharded and unsharded faces every step)."""
     module._is_fsdp_managed_module = True  # type: ignore[assignment]  # torch stubs Module.__setattr__ for tensors and modules; it takes any value
     module._fsdp_use_orig_params = True  # type: ignore[assignment]  # same
-
-
-def in_compiled_autograd() -> bool:
-    """Whether the backward running now is compiled autograd's graph (a hook called from it).
-
-    Compiled autograd drops the callbacks an eager hook queues with ``queue_callback``
-    (only those Dynamo traces with ``fullgraph=True`` run), so the end of such a backward is
-    found otherwise (:meth:`RootState.end_after_counted_events`). Dynamo is not imported to
-    ask: without it no compiled autograd runs.
-    """
-    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
-    return compiled_autograd is not None and bool(compiled_autograd.in_compiled_autograd_region)

@@ -21,6 +21,8 @@ On 2.15 these rules give FSDP2 2.15's gradients in eager backwards
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,18 +77,20 @@ def takes_spmd_typed_parameters() -> bool:
 TorchGradientReductionHandle: type = getattr(fsdp, "GradientReductionHandle", object)
 
 
-def spmd_no_typecheck() -> contextlib.AbstractContextManager[None]:
-    """(torch 2.15 on, spmd_types installed) The unit's own work on its buffers (gathers,
-    reshards, reductions) runs outside spmd_types' type checking, as FSDP2's hooks do; a
-    null context otherwise (one, reused: called a few times per unit per step)."""
-    if _reads_spmd_types and dist._is_spmd_types_available():
+def _spmd_no_typecheck() -> contextlib.AbstractContextManager[None]:
+    if dist._is_spmd_types_available():
         import spmd_types
 
         return spmd_types.no_typecheck()
-    return _NO_CONTEXT
+    return contextlib.nullcontext()
 
 
-_NO_CONTEXT = contextlib.nullcontext()
+# (torch 2.15 on, spmd_types installed) The unit's own work on its buffers (gathers, reshards,
+# reductions) runs outside spmd_types' type checking, as FSDP2's hooks do. Before 2.15 a plain
+# null context, chosen here once (it is entered a few times per unit per step).
+spmd_no_typecheck: Callable[[], contextlib.AbstractContextManager[None]] = (
+    _spmd_no_typecheck if _reads_spmd_types else contextlib.nullcontext
+)
 
 
 def register_spmd_local_autograd_function(function: type) -> type:
@@ -139,6 +143,7 @@ def policy_for_param(mp_policy: MixedPrecisionPolicy, param: nn.Parameter) -> Mi
     return mp_policy._resolve_for_param(param)  # type: ignore[attr-defined]  # torch 2.15 on
 
 
+@functools.cache  # asked per unit per backward, with a DBuffer's two dtypes: answered in C after the first
 def defers_upcast(compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
     """(Per DBuffer) Whether its gradients follow FSDP2 2.15's deferred upcast: torch 2.15 on,
     a reduce dtype wider than the compute dtype (:func:`defer_upcast`, :func:`upcast_gradient`)."""

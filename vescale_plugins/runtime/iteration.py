@@ -14,6 +14,7 @@ whose end compiled autograd does not call back for.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -28,7 +29,20 @@ from vescale_plugins.runtime.dynamo import eager_hook
 if TYPE_CHECKING:
     from vescale_plugins.runtime.param import FSDPParam
 
-__all__ = ["IterationContext", "TrainingState"]
+__all__ = ["IterationContext", "TrainingState", "in_compiled_autograd"]
+
+
+def in_compiled_autograd() -> bool:
+    """Whether the backward running now is compiled autograd's graph (a hook called from it;
+    asked at each hook of a backward, here beside the counting it decides).
+
+    Compiled autograd drops the callbacks an eager hook queues with ``queue_callback``
+    (only those Dynamo traces with ``fullgraph=True`` run), so the end of such a backward is
+    found otherwise (:meth:`RootState.end_after_counted_events`). Dynamo is not imported to
+    ask: without it no compiled autograd runs.
+    """
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled_autograd is not None and bool(compiled_autograd.in_compiled_autograd_region)
 
 
 class TrainingState(enum.Enum):

@@ -28,6 +28,7 @@ class UnitMesh:
     shard_size: int  # ranks in the shard group (the DBuffers' world size)
     shard_rank: int
     replicate_group: dist.ProcessGroup | None
+    replicate_size: int  # ranks in the replicate group (HSDP), else 1: asked per reduction, kept here
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> UnitMesh:
@@ -38,6 +39,7 @@ class UnitMesh:
             mesh.size(shard_dim),
             mesh.get_local_rank(shard_dim),
             mesh.get_group(0) if mesh.ndim == 2 else None,
+            mesh.size() // mesh.size(shard_dim),
         )
 
     def placements(self, dims: tuple[int, ...], local_units: Sequence[int]) -> list[Placement]:

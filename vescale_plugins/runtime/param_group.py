@@ -32,7 +32,7 @@ from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.dbuffer.reduction import GradientReduction, gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw, with_own_bytes
 from vescale_plugins.runtime.comm_policy import QuantizedComm
-from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
+from vescale_plugins.runtime.dynamo import eager_hook
 from vescale_plugins.runtime.extensions import (
     EXTENSION_HOOK,
     ExtensionGather,
@@ -49,7 +49,7 @@ from vescale_plugins.runtime.fsdp2_semantics import (
     spmd_no_typecheck,
     upcast_gradient,
 )
-from vescale_plugins.runtime.iteration import IterationContext, TrainingState
+from vescale_plugins.runtime.iteration import IterationContext, TrainingState, in_compiled_autograd
 from vescale_plugins.runtime.mesh import UnitMesh, is_group_size, post_forward_group
 from vescale_plugins.runtime.param import (
     FSDPParam,
@@ -582,7 +582,8 @@ class FSDPParamGroup:
         self._modules_run.clear()
         if self._reshards_after_forward():
             with spmd_no_typecheck():
-                if is_group_size(self.reshard_after_forward) and torch.is_grad_enabled():
+                # is_group_size, inline (an int that is not a bool): once per unit per step
+                if type(self.reshard_after_forward) is int and torch.is_grad_enabled():
                     self._reshard_to_post_forward_group()
                 else:
                     self.reshard()
@@ -867,7 +868,7 @@ class FSDPParamGroup:
             reduction = gradient_reduction(
                 dbuffer.reduce_dtype,
                 buffer.mesh.shard_size,
-                buffer.mesh.mesh.size() // buffer.mesh.shard_size,
+                buffer.mesh.replicate_size,
                 self.gradient_divide_factor,
                 self.force_sum_reduction_for_comms,
             )

@@ -22,8 +22,8 @@ from torch.autograd import Variable
 from torch.autograd.graph import get_gradient_edge
 
 from vescale_plugins.dbuffer.faults import CollectiveError
-from vescale_plugins.runtime.dynamo import eager_hook, in_compiled_autograd
-from vescale_plugins.runtime.iteration import IterationContext, TrainingState
+from vescale_plugins.runtime.dynamo import eager_hook
+from vescale_plugins.runtime.iteration import IterationContext, TrainingState, in_compiled_autograd
 from vescale_plugins.runtime.param_group import FSDPParamGroup
 
 __all__ = ["RootState", "groups_under", "post_forward", "pre_forward", "root_state_of"]
