@@ -2,8 +2,8 @@
 
 Every field inherited from :class:`accelerate.FullyShardedDataParallelPlugin` keeps its FSDP2
 meaning and its ``FSDP_*`` environment variable (so an ``accelerate launch`` FSDP2 config
-fills it exactly as it fills the stock plugin). veScale adds two fields, ``block_size_fn`` and
-``find_unused_parameters``.
+fills it exactly as it fills the stock plugin). veScale adds three fields, ``block_size_fn``,
+``find_unused_parameters`` and ``comm_policy``.
 Options veScale-FSDP does not implement are refused here, when the plugin is built, so a bad
 configuration fails before any process group or collective exists.
 """
@@ -21,7 +21,7 @@ from accelerate import FullyShardedDataParallelPlugin
 from accelerate.utils import str_to_bool
 from accelerate.utils.dataclasses import get_module_class_from_name
 
-from vescale_plugins import BlockSizeFn
+from vescale_plugins import BlockSizeFn, QuantizedComm
 
 __all__ = ["VeScaleFSDPPlugin", "BLOCK_SIZE_FN_ENV", "FIND_UNUSED_PARAMETERS_ENV", "SUPPORTED_MIXED_PRECISION"]
 
@@ -53,6 +53,10 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
     ``None`` it comes from ``FSDP_VESCALE_FIND_UNUSED_PARAMETERS`` (true/false), else from the
     Accelerator's ``DistributedDataParallelKwargs`` (what ``transformers.Trainer`` fills from
     ``ddp_find_unused_parameters``).
+
+    ``comm_policy`` is veScale's own: a :class:`vescale_plugins.QuantizedComm` makes every
+    unit's collectives move block-quantized values (int8 weight gathers, optionally int8
+    gradient reductions); ``None`` (default) keeps them exact, as FSDP2's.
     """
 
     block_size_fn: BlockSizeFn | str | None = field(
@@ -66,6 +70,13 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
         default=None,
         metadata={
             "help": "DDP's find_unused_parameters, accepted for compatibility: veScale-FSDP always handles parameters that get gradients on some ranks only (MoE routing)."
+        },
+    )
+
+    comm_policy: QuantizedComm | None = field(
+        default=None,
+        metadata={
+            "help": "veScale: QuantizedComm(weights='int8', grads=None or 'int8') to quantize the collectives; None: exact."
         },
     )
 
@@ -90,6 +101,10 @@ class VeScaleFSDPPlugin(FullyShardedDataParallelPlugin):
             raise TypeError(f"find_unused_parameters must be True, False or None, got {self.find_unused_parameters!r}")
         if self.block_size_fn is not None and not callable(self.block_size_fn):
             raise TypeError(f"block_size_fn must be a callable (name, param) -> int | None, got {self.block_size_fn!r}")
+        if self.comm_policy is not None and not isinstance(self.comm_policy, QuantizedComm):
+            raise TypeError(
+                f"comm_policy must be a vescale_plugins.QuantizedComm or None, got {type(self.comm_policy).__name__}"
+            )
 
     @classmethod
     def from_fsdp_plugin(cls, plugin: FullyShardedDataParallelPlugin) -> VeScaleFSDPPlugin:

@@ -49,6 +49,7 @@ def prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
         reshard_after_forward=plugin.reshard_after_forward,
         mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         block_size_fn=plugin.block_size_fn,
+        comm_policy=plugin.comm_policy,
         ignored_params=ignored,
         offload_policy=plugin.cpu_offload,  # fsdp_offload_params: FSDP2's CPUOffloadPolicy, as Accelerate builds it
     )

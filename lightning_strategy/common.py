@@ -12,7 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 
-from vescale_plugins import BlockSizeFn
+from vescale_plugins import BlockSizeFn, QuantizedComm
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -75,6 +75,7 @@ class VeScaleFSDPCommon:
         mixed_precision: MixedPrecision | None = None,
         activation_checkpointing: Any = None,
         fsdp1_kwargs: dict[str, Any] | None = None,
+        comm_policy: QuantizedComm | None = None,
     ) -> None:
         """Check and keep the strategy's arguments. Called first in ``__init__``: a bad
         configuration fails in ``Trainer(...)`` / ``Fabric(...)``, before any process starts.
@@ -108,6 +109,7 @@ class VeScaleFSDPCommon:
             forward_prefetch=fsdp.forward_prefetch,
             backward_prefetch=fsdp.backward_prefetch,
             ignored=fsdp.ignored,
+            comm_policy=comm_policy,
         )
         check_state_dict_type(state_dict_type)
         self._process_group_backend = process_group_backend

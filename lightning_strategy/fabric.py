@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision,
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from vescale_plugins import BlockSizeFn
+from vescale_plugins import BlockSizeFn, QuantizedComm
 from vescale_plugins.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -70,7 +70,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
 
     Takes the same sharding arguments as :class:`~lightning_strategy.VeScaleFSDPStrategy`
     (``auto_wrap_policy``, ``reshard_after_forward``, ``mp_policy``, ``block_size_fn``,
-    ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
+    ``comm_policy``, ``state_dict_type``, ``device_mesh``, ``activation_checkpointing_policy``,
     ``find_unused_parameters``, ``data_parallel_size``, ``tensor_parallel_size``,
     ``cpu_offload``) and the rest of Lightning ``FSDPStrategy``'s (``mixed_precision``,
     ``activation_checkpointing``, ``sharding_strategy``, FSDP1's keywords), of which it is a
@@ -111,6 +111,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        comm_policy: QuantizedComm | None = None,
         **kwargs: Any,
     ) -> None:
         self._configure(
@@ -131,6 +132,7 @@ class VeScaleFSDPFabricStrategy(VeScaleFSDPCommon, FSDPStrategy):
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
             fsdp1_kwargs=kwargs,
+            comm_policy=comm_policy,
         )
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(

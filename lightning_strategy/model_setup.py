@@ -74,6 +74,7 @@ def shard_for_training(
             reshard_after_forward=options.reshard_after_forward,
             mp_policy=mp_policy,
             block_size_fn=options.block_size_fn,
+            comm_policy=options.comm_policy,
             offload_policy=options.offload_policy,
             ignored_params=ignored or None,
         )

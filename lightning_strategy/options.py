@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from vescale_plugins import BlockSizeFn
+from vescale_plugins import BlockSizeFn, QuantizedComm
 from vescale_plugins.wrap import default_units, units_of_classes
 
 __all__ = [
@@ -77,6 +77,7 @@ class ShardingOptions:
     backward_prefetch: bool | None = None
     # FSDP1's ignored_modules / ignored_states: their parameters are neither sharded nor reduced.
     ignored: tuple[nn.Module | nn.Parameter, ...] = ()
+    comm_policy: QuantizedComm | None = None  # quantized collectives (fully_shard's comm_policy)
 
     @classmethod
     def from_arguments(
@@ -91,6 +92,7 @@ class ShardingOptions:
         forward_prefetch: bool | None = None,
         backward_prefetch: bool | None = None,
         ignored: tuple[nn.Module | nn.Parameter, ...] = (),
+        comm_policy: QuantizedComm | None = None,
     ) -> ShardingOptions:
         """Check a strategy's sharding arguments and normalise the wrap policy."""
         if (
@@ -111,6 +113,10 @@ class ShardingOptions:
             )
         if block_size_fn is not None and not callable(block_size_fn):
             raise TypeError(f"block_size_fn must be a function (name, param) -> rows or None, got {block_size_fn!r}")
+        if comm_policy is not None and not isinstance(comm_policy, QuantizedComm):
+            raise TypeError(
+                f"comm_policy must be a vescale_plugins.QuantizedComm or None, got {type(comm_policy).__name__}"
+            )
         if not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be True or False, got {find_unused_parameters!r}")
         unit_classes, unit_fn = _normalise_wrap_policy(auto_wrap_policy)
@@ -126,6 +132,7 @@ class ShardingOptions:
             forward_prefetch,
             backward_prefetch,
             ignored,
+            comm_policy,
         )
 
     def units(self, model: nn.Module) -> list[nn.Module]:

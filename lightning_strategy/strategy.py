@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.optim import Optimizer
 
-from vescale_plugins import BlockSizeFn
+from vescale_plugins import BlockSizeFn, QuantizedComm
 from vescale_plugins.checkpoint import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -72,6 +72,8 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
         mp_policy: ``fully_shard``'s mixed-precision policy; by default derived from the
             Trainer's ``precision`` ("32-true", "bf16-mixed" or "bf16-true").
         block_size_fn: ``fully_shard``'s ``(name, param) -> rows``: keep blocks of rows whole on one rank.
+        comm_policy: ``fully_shard``'s ``comm_policy``: a ``vescale_plugins.QuantizedComm`` gathers
+            the weights (and optionally reduces the gradients) as int8 blocks; ``None``: exact.
         state_dict_type: ``"sharded"``: checkpoints are directories each rank writes its shards
             into, loadable at any world size. ``"full"``: rank 0 writes one file with full
             tensors that a plain, unsharded model loads.
@@ -137,6 +139,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
         find_unused_parameters: bool = False,
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
+        comm_policy: QuantizedComm | None = None,
         **kwargs: Any,
     ) -> None:
         self._configure(
@@ -157,6 +160,7 @@ class VeScaleFSDPStrategy(VeScaleFSDPCommon, FSDPStrategy):
             mixed_precision=mixed_precision,
             activation_checkpointing=activation_checkpointing,
             fsdp1_kwargs=kwargs,
+            comm_policy=comm_policy,
         )
         self._checkpointed_model: torch.nn.Module | None = None
         # Not FSDPStrategy.__init__ (FSDP1's configuration): the strategy is a ParallelStrategy.

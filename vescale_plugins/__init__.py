@@ -23,6 +23,7 @@ from vescale_plugins.dbuffer.faults import CollectiveError
 from vescale_plugins.dbuffer.planning import BufferSplitCost
 from vescale_plugins.ragged import *  # noqa: F403  (the placement and layout names, as ragged.__all__ lists them)
 from vescale_plugins.runtime.api import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from vescale_plugins.runtime.comm_policy import QuantizedComm
 from vescale_plugins.runtime.module import GradientReductionHandle, UnshardHandle, VeScaleFSDPModule
 from vescale_plugins.runtime.setup import BlockSizeFn, PlanMismatchError
 
@@ -35,6 +36,7 @@ __all__ = [
     "GradientReductionHandle",
     "BlockSizeFn",
     "BufferSplitCost",
+    "QuantizedComm",
     "PlanMismatchError",
     "CollectiveError",
     *_ragged.__all__,

@@ -20,6 +20,7 @@ from vescale_plugins.bench.__main__ import parse_args
             ["--engines", "zero3"],
             "argument --engines: unknown engine 'zero3': choose from fsdp2, vescale, megatron-fsdp, megatron-fsdp-v2, deepspeed",
         ),
+        (["--comm", "int4"], "argument --comm: unknown --comm 'int4': choose from int8, int8-grads"),
         (
             ["--model", "smal"],
             "argument --model: 'smal' is neither a preset (.*) \\(did you mean 'small'\\?\\) nor a directory",

@@ -129,3 +129,22 @@ def test_bench_refuses_meshes_it_cannot_build(argv, message):
 
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
         main(argv)
+
+
+@pytest.mark.distributed
+def test_bench_cli_quantized_comm_rows_beside_the_exact_run(tmp_path):
+    result_json = tmp_path / "comm.json"
+    completed = run_bench(
+        "--model tiny --world-size 2 --seq-len 32 --warmup 1 --steps 2 --precision bf16-mixed",
+        *("--comm", "int8,int8-grads", "--json", str(result_json), "--plot", ""),
+    )
+    assert "quantized collectives beside the exact run" in completed.stdout
+    engines = json.loads(result_json.read_text())["summary"]["engines"]
+    assert list(engines) == ["fsdp2", "vescale", "vescale-int8", "vescale-int8-grads"]
+    assert engines["vescale"]["bytes_vs_exact"] == {"all_gather": 1.0, "reduce_scatter": 1.0}
+    # bf16 gathers against int8 codes with fp32 scales; fp32 reductions against int8 (here 1/4).
+    assert engines["vescale-int8"]["bytes_vs_exact"]["all_gather"] <= 0.53
+    assert engines["vescale-int8"]["bytes_vs_exact"]["reduce_scatter"] == 1.0
+    assert engines["vescale-int8-grads"]["bytes_vs_exact"]["reduce_scatter"] <= 0.53 / 2
+    for e in engines.values():
+        assert abs(e["loss_vs_exact"]) < 0.01

@@ -202,6 +202,21 @@ def test_hsdp_shards_over_the_group_and_all_reduces_across_replicas():
         forecast_world_size(spec, h100, 64, ForecastSettings(replicas=3))
 
 
+def test_quantized_collectives_move_about_half_the_bytes_and_add_their_kernels():
+    spec, h100 = resolve_model("Llama-3-8B"), load_hardware("h100")
+    exact = forecast_world_size(spec, h100, 1024, ForecastSettings())["engines"]
+    weights = forecast_world_size(spec, h100, 1024, ForecastSettings(comm="int8"))["engines"]
+    both = forecast_world_size(spec, h100, 1024, ForecastSettings(comm="int8-grads"))["engines"]
+    slow = forecast_world_size(spec, h100, 1024, ForecastSettings(comm="int8", quant_bytes_per_s=1e9))["engines"]
+    assert weights["fsdp2"] == exact["fsdp2"]  # FSDP2's figures unchanged
+    v, w, b = exact["vescale"]["step"], weights["vescale"]["step"], both["vescale"]["step"]
+    # Half the bytes (bf16 to int8 and scales), the ring's latency unchanged.
+    assert 0.5 * v["all_gather_s"] < w["all_gather_s"] < 0.7 * v["all_gather_s"]
+    assert w["reduce_scatter_s"] == v["reduce_scatter_s"]
+    assert b["reduce_scatter_s"] < 0.5 * v["reduce_scatter_s"]  # fp32 reductions: about a quarter of the bytes
+    assert v["copy_s"] < w["copy_s"] < b["copy_s"] < slow["vescale"]["step"]["copy_s"]
+
+
 def test_muon_root_holds_its_largest_matrix():
     spec = _tiny_spec()
     memory = forecast_memory(spec, 8, "bf16-mixed", "muon", (0, 0))

@@ -24,6 +24,7 @@ from vescale_plugins.bench.engines import (
     deepspeed_config,
 )
 from vescale_plugins.bench.llama import PRESETS, LlamaConfig
+from vescale_plugins.bench.quantized_comm import comm_list
 from vescale_plugins.bench.report import LABELS, environment, parity_line, render_table, summarize, write_plot
 from vescale_plugins.bench.runner import launch, settings_dict
 from vescale_plugins.tools.outputs import write_json, write_results
@@ -136,6 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seq-len", type=count(1), default=128)
     parser.add_argument(
+        "--comm",
+        type=comm_list,
+        default=None,
+        metavar="int8[,int8-grads]",
+        help="also run veScale-FSDP with quantized collectives (int8: weights; int8-grads: weights and gradients) "
+        "beside its exact run and FSDP2: bytes per step, step time, losses",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="compile each decoder layer (fullgraph) before sharding it, as torchtitan; both engines, plain front end",
@@ -227,6 +236,10 @@ def bench_settings(args: argparse.Namespace) -> tuple[BenchSettings, int]:
 def run(args: argparse.Namespace) -> int:
     """The Llama-style decoder (a preset or a Hugging Face config), both engines side by side."""
     settings, world = bench_settings(args)
+    if args.comm:
+        from vescale_plugins.bench import quantized_comm
+
+        return quantized_comm.run(args, settings, world)
     return report_comparison(settings, world, args, label=args.model)
 
 

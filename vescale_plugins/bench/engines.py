@@ -23,13 +23,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from vescale_plugins import fully_shard
+from vescale_plugins import QuantizedComm, fully_shard
 from vescale_plugins.bench.linear_stack import LinearStack, LinearStackConfig
 from vescale_plugins.bench.llama import Llama, LlamaConfig
 from vescale_plugins.bench.megatron_engine import MEGATRON_ENGINES
 from vescale_plugins.planner import clear_plan_cache
 from vescale_plugins.runtime.state import groups_under
 
+# ``--comm``: quantized collectives of veScale-FSDP (weights only, or weights and gradients).
+COMM_POLICIES = {"int8": QuantizedComm(weights="int8"), "int8-grads": QuantizedComm(weights="int8", grads="int8")}
 ENGINES = ("fsdp2", "vescale")  # the default comparison; the peers join it on request
 # Megatron-FSDP 1 and 2 (bench/megatron_engine.py), DeepSpeed ZeRO-3 (bench/deepspeed_engine.py).
 PEER_ENGINES = (*MEGATRON_ENGINES, "deepspeed")
@@ -53,6 +55,7 @@ class BenchSettings:
     replicate: int = 1  # HSDP: replicas (mesh dim 0); the ranks of each shard the rest
     engines: tuple[str, ...] = ENGINES  # which engines run, FSDP2 first (the reference)
     compile: bool = False  # each decoder layer compiled before it is sharded (see compile_layers)
+    comm: str = "exact"  # veScale-FSDP's collectives: exact, or a COMM_POLICIES key (quantized)
 
     def mesh(self, device_type: str, world: int) -> DeviceMesh:
         """The mesh both engines shard over: 1-D, or (replicate, shard) for HSDP."""
@@ -134,6 +137,8 @@ def _shard_plain(
     kwargs: dict[str, Any] = dict(
         mesh=mesh, mp_policy=settings.mp_policy(), reshard_after_forward=settings.reshard_after_forward
     )
+    if shard is fully_shard and settings.comm != "exact":
+        kwargs["comm_policy"] = COMM_POLICIES[settings.comm]
     if shard is fully_shard and settings.block_rows:
         rows = settings.block_rows
         kwargs["block_size_fn"] = lambda name, p: rows if p.dim() == 2 and p.shape[0] % rows == 0 else None

@@ -44,7 +44,8 @@ from vescale_plugins.dbuffer.observer import (
     GRADIENT_RELEASE_REGION,
     REDUCE_SCATTER_REGION,
 )
-from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, row_numel
+from vescale_plugins.dbuffer.planning import ALIGNMENT_BYTES, is_elementwise, quantization_block, row_numel
+from vescale_plugins.dbuffer.quantized import BlockTable, QuantizedGradReduce, QuantizedWeightGather
 from vescale_plugins.dbuffer.reduction import GradientReduction
 from vescale_plugins.dbuffer.storage import ResizableStorage
 from vescale_plugins.dbuffer.streams import comm_streams_for
@@ -97,6 +98,11 @@ class DBuffer:
             mixed-precision cast) and the reduced shard is copied back.
         pin_memory: (with ``offload_to_cpu``) pinned host memory, so both copies run
             asynchronously on the collectives' streams; only with an accelerator ``device``.
+        weight_quant_block: gather the parameters as int8 in blocks of about this many
+            elements (:mod:`.quantized`; the layout planned with the same ``quant_block``);
+            ``None``: exactly, in ``param_dtype``.
+        grad_quant_block: reduce the gradients as int8 blocks through an all-to-all
+            (:class:`.quantized.QuantizedGradReduce`), same rules; ``None``: reduce-scatter.
     """
 
     def __init__(
@@ -113,6 +119,8 @@ class DBuffer:
         grad_dtype: torch.dtype | None = None,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
+        weight_quant_block: int | None = None,
+        grad_quant_block: int | None = None,
     ) -> None:
         self.group = group
         self.label = "unit"  # the unit's module name, set when the root initialises (run record)
@@ -165,6 +173,12 @@ class DBuffer:
         self._partial_grad: torch.Tensor | None = None  # HSDP sums awaiting their all-reduce
         self._grad_offload_event: Any = None  # the pinned copy of the reduced shard to host
         self.streams = comm_streams_for(self.device)
+        self.weight_quant_block, self.grad_quant_block = weight_quant_block, grad_quant_block
+        self.slot_names: tuple[str, ...] = tuple(f"#{i}" for i in range(len(self.slots)))  # for errors
+        # Cut at the first quantized collective.
+        self._weight_gather: QuantizedWeightGather | None = None
+        self._grad_reduce: QuantizedGradReduce | None = None
+        self._quant_table: tuple[int, BlockTable] | None = None
 
     def _slot(self, index: int, shape: torch.Size, rows: int | None) -> BufferSlot:
         start, length = self.layout.rank_range(index, self.rank)
@@ -324,22 +338,35 @@ class DBuffer:
             unsharded = self._unsharded.allocate()
             self._kept_after_reshard = False
             version = unsharded._version
+            quantized = self._post_forward_group is None and self.weight_quant_block is not None
             if self._post_forward_group is not None:
                 assert self._post_forward is not None  # reshard_to_group set both
                 shard = self._post_forward.tensor  # gathered back within the k ranks only
+            elif quantized:
+                shard = self.sharded  # quantized from the sharded parameters as they are
             else:
                 with observer.scope(COMM_BUFFER_REGION):
                     # No copy unless one of them differs; from pinned memory, on this stream.
                     shard = self.sharded.to(self.device, self.param_dtype, non_blocking=self.pin_memory)
             watcher = observer.current() if group.size() > 1 else None  # one rank: a copy, no collective
-            token = (
-                watcher.collective_issued("all_gather", self.label, self._unsharded.nbytes, self.param_dtype)
-                if watcher is not None
-                else None
-            )
+            token = None
+            if watcher is not None:
+                # Quantized: the bytes the gather moves, int8 codes and their scales.
+                nbytes, dtype = (
+                    (self.quantized_weight_gather().gathered_bytes, torch.int8)
+                    if quantized
+                    else (self._unsharded.nbytes, self.param_dtype)
+                )
+                token = watcher.collective_issued("all_gather", self.label, nbytes, dtype)
             # On a side stream the call returns once enqueued; the handle waits on an event.
+            work: Any
             try:
-                work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
+                if quantized:
+                    work = self.quantized_weight_gather().issue(
+                        unsharded, shard, group, async_op=async_op and not streams.enabled
+                    )
+                else:
+                    work = all_gather_into(unsharded, shard, group, async_op=async_op and not streams.enabled)
             except RuntimeError as err:
                 site.translate(err)
                 raise
@@ -352,6 +379,29 @@ class DBuffer:
         if not async_op:
             handle.wait()
         return handle
+
+    def quantized_weight_gather(self) -> QuantizedWeightGather:
+        """The int8 all-gather of this buffer (``weight_quant_block``), its block table cut once."""
+        if self._weight_gather is None:
+            assert self.weight_quant_block is not None
+            table = self._block_table(self.weight_quant_block)
+            self._weight_gather = QuantizedWeightGather(table, self.rank, self.slot_names, self.label, self.device)
+        return self._weight_gather
+
+    def quantized_grad_reduce(self) -> QuantizedGradReduce:
+        """The int8 gradient reduction of this buffer (``grad_quant_block``), cut once."""
+        if self._grad_reduce is None:
+            assert self.grad_quant_block is not None
+            table = self._block_table(self.grad_quant_block)
+            self._grad_reduce = QuantizedGradReduce(table, self.rank, self.grad_shard_size, self.device)
+        return self._grad_reduce
+
+    def _block_table(self, block: int) -> BlockTable:
+        """The quantization blocks of this buffer (one table for the gather and the reduction)."""
+        if self._quant_table is None or self._quant_table[0] != block:
+            slots = [(s.global_offset, s.numel, quantization_block(s.shape, block)) for s in self.slots]
+            self._quant_table = (block, BlockTable(slots, self.shard_size, self.world_size))
+        return self._quant_table[1]
 
     def gather_site(self, group: dist.ProcessGroup) -> CollectiveSite:
         """An all-gather of this buffer over ``group``, issued now, for its error: in backward
@@ -505,19 +555,24 @@ class DBuffer:
             temp_bytes = 0 if temporary_out is None else temporary_out.numel() * temporary_out.element_size()
             watcher = observer.current()
             token = None
+            quantized = self.grad_quant_block is not None
             if watcher is not None:
                 watcher.buffer_allocated("comm_buffers", temp_bytes)
+                nbytes, dtype = (
+                    (self.quantized_grad_reduce().sent_bytes, torch.int8)
+                    if quantized
+                    else (full.numel() * full.element_size(), self.reduce_dtype)
+                )
                 token = (  # one rank: a copy, no collective
-                    watcher.collective_issued(
-                        "reduce_scatter", self.label, full.numel() * full.element_size(), self.reduce_dtype
-                    )
+                    watcher.collective_issued("reduce_scatter", self.label, nbytes, dtype)
                     if self.group.size() > 1
                     else None
                 )
             if reduction.pre_divide is not None and reduction.pre_divide != 1:
                 full.div_(reduction.pre_divide)
+            issue = self.quantized_grad_reduce().issue if quantized else reduce_scatter_into
             try:
-                work = reduce_scatter_into(
+                work = issue(
                     out,
                     full,
                     self.group,

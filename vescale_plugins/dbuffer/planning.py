@@ -36,6 +36,7 @@ __all__ = [
     "is_elementwise",
     "plan_buffers",
     "planner_inputs",
+    "quantization_block",
     "row_numel",
 ]
 
@@ -52,6 +53,10 @@ CAP_SLACK_BYTES_PER_RANK = 512
 # never the few rows a small model pads at a few ranks (those keep FSDP2's 2-D local shapes).
 ROWS_WASTE_SHARE = 0.01
 ROWS_WASTE_BYTES = 1 << 20
+# A row longer than a quantization block is cut into equal runs (a divisor of the row) if
+# one of at least this share of the block exists; else the whole row is one block (rows of
+# a prime length), which keeps the scales few rather than the blocks short.
+QUANT_DIVISOR_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -114,16 +119,35 @@ def is_elementwise(shape: torch.Size, block: int) -> bool:
     return len(shape) >= 2 and math.prod(shape) > 0 and block < row_numel(shape)
 
 
+def quantization_block(shape: Sequence[int], block: int) -> int:
+    """Elements per quantization block of a parameter of ``shape`` whose collectives are
+    quantized in blocks of about ``block`` elements: blocks are runs of this many elements
+    counted from the parameter's first (the last may be shorter). A function of the shape
+    alone, so the blocks are the same at every world size: a row longer than ``block`` is cut
+    into equal runs (the largest divisor of the row up to ``block``), shorter rows are grouped
+    whole (``block // row`` of them); with the planner asked for multiples of it
+    (:func:`planner_inputs`) no block straddles two ranks."""
+    if math.prod(shape) == 0:
+        return 1
+    row = row_numel(shape)
+    if row <= block:
+        return row * (block // row)
+    divisor = next(d for d in range(block, 0, -1) if row % d == 0)
+    return divisor if divisor * QUANT_DIVISOR_SHARE >= block else row
+
+
 def planner_inputs(
     shapes: Sequence[torch.Size],
     block_rows: Sequence[int | None],
     dtype: torch.dtype,
     elementwise: Sequence[bool] | None = None,
+    quant_block: int | None = None,
 ) -> tuple[list[int], list[int], int]:
     """What the planner is asked for these parameters: numels, block sizes and alignment, in
     elements (``ALIGNMENT_BYTES`` of ``dtype``). A zero-size parameter (FSDP2 accepts them)
     is planned as one element that holds nothing. ``block_rows`` ``None`` is one row, or one
-    element where ``elementwise`` says so."""
+    element where ``elementwise`` says so. With ``quant_block`` (quantized collectives) each
+    block is also a multiple of the parameter's :func:`quantization_block`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     numels = [max(1, math.prod(s)) for s in shapes]
     cut = elementwise or [False] * len(shapes)
@@ -131,6 +155,8 @@ def planner_inputs(
         1 if flat or not (len(s) and math.prod(s)) else (rows or 1) * row_numel(s)
         for s, rows, flat in zip(shapes, block_rows, cut)
     ]
+    if quant_block is not None:
+        blocks = [math.lcm(b, quantization_block(s, quant_block)) for b, s in zip(blocks, shapes)]
     return numels, blocks, max(1, ALIGNMENT_BYTES // itemsize)
 
 
@@ -141,11 +167,14 @@ def plan_buffers(
     comm_dtype: torch.dtype,
     world_size: int,
     cost: BufferSplitCost = BufferSplitCost(),
+    quant_block: int | None = None,
 ) -> list[BufferPlan]:
     """The group's buffers, ordered by their first parameter. ``comm_dtype`` is what the
     collectives move (the cost model counts its bytes). ``block_rows[i]`` ``None``: nothing
     asks rows of parameter ``i``; it is planned in rows where that pads at most FSDP2's (plus
-    the cap's slack) and little, else element-wise (module docstring)."""
+    the cap's slack) and little, else element-wise (module docstring). ``quant_block``: the
+    collectives are quantized in blocks of about that many elements; every block the planner
+    keeps whole is then a multiple of :func:`quantization_block` (``None``: today's plan)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     # Each rank's chunk of the gather starts at a multiple of the shard size: aligned in the
     # gathered dtype too (an fp32 shard gathered in bf16 needs twice the elements).
@@ -155,7 +184,7 @@ def plan_buffers(
     # above it: 512 bytes per rank, below the allocator's granularity.
     fsdp2 = _fsdp2_padding(shapes, rows, world_size)
     slack = world_size * (CAP_SLACK_BYTES_PER_RANK // itemsize)
-    plans = _plan(shapes, rows, None, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
+    plans = _plan(shapes, rows, None, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack, quant_block)
     cuttable = [r is None and is_elementwise(torch.Size(s), 1) for s, r in zip(shapes, block_rows)]
     if any(cuttable):
 
@@ -174,7 +203,9 @@ def plan_buffers(
             and rows_padding * itemsize > ROWS_WASTE_BYTES
         )
         if not rows_within or wasteful or len(plans) > 1:
-            flat = _plan(shapes, rows, cuttable, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack)
+            flat = _plan(
+                shapes, rows, cuttable, dtype, comm_dtype, world_size, cost, alignment, fsdp2, slack, quant_block
+            )
             if rows_within and not wasteful:  # rows pad little but take more collectives
                 better = within(flat) and len(flat) < len(plans)
             else:
@@ -205,8 +236,9 @@ def _plan(
     alignment: int,
     fsdp2: int,
     slack: int,
+    quant_block: int | None = None,
 ) -> list[BufferPlan]:
-    numels, blocks, _ = planner_inputs(shapes, rows, dtype, elementwise)
+    numels, blocks, _ = planner_inputs(shapes, rows, dtype, elementwise, quant_block)
     cap = None
     if cost.cap_at_fsdp2_padding and all(r == 1 for r in rows):
         # Where FSDP2 itself pads more (tensors with fewer rows than ranks), its padding is

@@ -49,6 +49,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--block-rows", type=int, default=None, help="veScale: blocks of this many dim-0 rows stay on one rank"
     )
+    parser.add_argument(
+        "--comm",
+        choices=["exact", "int8", "int8-grads"],
+        default="exact",
+        help="veScale-FSDP's collectives: exact, int8 weight gathers, or int8 gradient reductions too",
+    )
+    parser.add_argument("--quant-block", type=int, default=256, help="--comm: elements per quantization block")
+    parser.add_argument(
+        "--quant-gbps",
+        type=float,
+        default=None,
+        help="--comm: the (de)quantization kernels' GB/s over the bytes they read and write (default: the copy rate)",
+    )
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak matmul FLOP/s the model reaches")
     parser.add_argument(
         "--no-activation-checkpointing",
@@ -77,6 +90,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--hsdp {args.hsdp}: must be >= 1")
     if args.batch_tokens < 1 or args.seq_len < 1:
         parser.error("--batch-tokens and --seq-len must be positive")
+    if args.quant_block < 2 or (args.quant_gbps is not None and args.quant_gbps <= 0):
+        parser.error("--quant-block must be >= 2 and --quant-gbps > 0")
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu {args.mfu}: must be in (0, 1]")
     bad = [w for w in args.gpus if w % args.hsdp]
@@ -118,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_rows=args.block_rows,
         mfu=args.mfu,
         activation_checkpointing=not args.no_activation_checkpointing,
+        comm=args.comm,
+        quant_block=args.quant_block,
+        quant_bytes_per_s=args.quant_gbps * 1e9 if args.quant_gbps else None,
     )
     start = time.perf_counter()
     result = forecast(spec, hardware, args.gpus, settings)

@@ -18,6 +18,10 @@ compute stream and are bound by memory bandwidth (bytes read plus written): FSDP
 chunk-cat (gradients into the reduce-scatter input); veScale-FSDP's one copy of each
 gradient into its buffer and, under mixed precision, the shard's cast. The optimizer reads
 parameters, gradients and state and writes parameters and state once.
+
+With quantized collectives (``settings.comm``) veScale-FSDP's gathers (and with
+``int8-grads`` its reductions) move ``1 + 4 / quant_block`` bytes per element, and the
+(de)quantization kernels' bytes count in ``copy_s`` at ``quant_bytes_per_s``.
 """
 
 from __future__ import annotations
@@ -91,8 +95,16 @@ def forecast_step_time(
         recompute = settings.activation_checkpointing and is_block(unit)
         backward.append(flops * (2 / 3 + (1 / 3 if recompute else 0)) / rate)
     results = {}
+    # Quantized collectives (veScale-FSDP only): bytes per element on the wire, int8 codes and
+    # one fp32 scale per block; the kernels' bytes at their own rate.
+    wire_b = 1 + 4 / settings.quant_block
+    quant_rate = settings.quant_bytes_per_s or copy_rate
     for engine in ("vescale", "fsdp2"):
-        gathers, reduces, copy_bytes = [], [], 0.0
+        gathers, reduces, copy_bytes, kernel_bytes = [], [], 0.0, 0.0
+        quant_weights = engine == "vescale" and settings.comm in ("int8", "int8-grads")
+        quant_grads = engine == "vescale" and settings.comm == "int8-grads"
+        gather_b = wire_b if quant_weights else compute_b
+        reduce_wire_b = wire_b if quant_grads else reduce_b
         for unit in order:
             layouts = plan_unit_layouts(unit, group_size, block_rows, sharded_b, compute_b)
             # One collective per buffer: FSDP2 gathers a unit in one, we in one per DBuffer.
@@ -106,11 +118,11 @@ def forecast_step_time(
             gather_factor = hardware.fsdp2_all_gather_factor if engine == "fsdp2" else 1.0
             reduce_factor = hardware.fsdp2_reduce_scatter_factor if engine == "fsdp2" else 1.0
             gathers.append(
-                gather_factor * sum(collective_s(group_size * s * compute_b, group_size, hardware) for s in shards)
+                gather_factor * sum(collective_s(group_size * s * gather_b, group_size, hardware) for s in shards)
             )
             reduces.append(
                 sum(
-                    reduce_factor * collective_s(group_size * s * reduce_b, group_size, hardware)
+                    reduce_factor * collective_s(group_size * s * reduce_wire_b, group_size, hardware)
                     + all_reduce_s(s * reduce_b, replicas, hardware, replica_per_node)
                     for s in shards
                 )
@@ -122,8 +134,16 @@ def forecast_step_time(
                 # Per gather (forward and backward): the shard into the all-gather input (with
                 # its cast) and the output into the parameters.
                 copy_bytes += 2 * (shard * (sharded_b + compute_b) + full * compute_b + unit.numel * compute_b)
+            elif quant_weights:
+                # Per gather: the shard read and its codes written; every code read and the
+                # parameters written in the compute dtype (the cast is the quantization).
+                kernel_bytes += 2 * (shard * (sharded_b + 1) + full * (1 + compute_b))
             else:
                 copy_bytes += 2 * cast
+            if quant_grads:
+                # The gradients read and their codes written; every rank's codes of this shard
+                # read and the sum written.
+                kernel_bytes += full * (reduce_b + 1) + full + shard * reduce_b
         m = memory[engine]
         optimizer_bytes = 2 * (m.sharded_params + m.optimizer_state) + m.sharded_grads
         if hardware.overlaps_communication:
@@ -135,7 +155,7 @@ def forecast_step_time(
             all_gather_s=2 * sum(gathers),
             reduce_scatter_s=sum(reduces),
             exposed_comm_s=exposed,
-            copy_s=copy_bytes / copy_rate,
+            copy_s=copy_bytes / copy_rate + kernel_bytes / quant_rate,
             optimizer_s=optimizer_bytes / copy_rate,
             tokens=tokens,
         )

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from vescale_plugins.dbuffer.planning import BufferSplitCost
 from vescale_plugins.runtime import registry
+from vescale_plugins.runtime.comm_policy import QuantizedComm
 from vescale_plugins.runtime.composable import register_as_fully_shard
 from vescale_plugins.runtime.dynamo import eager_hook, mark_managed
 from vescale_plugins.runtime.module import fsdp_class, fsdp_state_of, group_of
@@ -51,6 +52,7 @@ def fully_shard(
     dp_mesh_dims: Any = ...,
     block_size_fn: BlockSizeFn | None = ...,
     buffer_split_cost: BufferSplitCost = ...,
+    comm_policy: QuantizedComm | None = ...,
 ) -> nn.Module: ...
 @overload
 def fully_shard(
@@ -65,6 +67,7 @@ def fully_shard(
     dp_mesh_dims: Any = ...,
     block_size_fn: BlockSizeFn | None = ...,
     buffer_split_cost: BufferSplitCost = ...,
+    comm_policy: QuantizedComm | None = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -80,6 +83,7 @@ def fully_shard(
     dp_mesh_dims: Any = None,
     block_size_fn: BlockSizeFn | None = None,
     buffer_split_cost: BufferSplitCost = BufferSplitCost(),
+    comm_policy: QuantizedComm | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters as one unit, like ``torch.distributed.fsdp.fully_shard``.
 
@@ -90,7 +94,8 @@ def fully_shard(
     32 blocks of 32 rows and a last one of 7); ``vescale_plugins.optim.tile_rows(32)`` asks
     for the 32x32 tiles of block-wise 8-bit optimizers. ``buffer_split_cost`` says when a
     unit's parameters are split into several buffers (each its own collectives) to save
-    padding; give every rank the same one.
+    padding; give every rank the same one. ``comm_policy=QuantizedComm(weights="int8", grads=...)``
+    makes the unit's collectives move block-quantized values (off by default: exact, as FSDP2).
     As FSDP2, the default mesh is over every rank on the accelerator, and the unit's CPU
     parameters and buffers move to the mesh's device first (meta ones stay for deferred init).
     Apply it to each block first, then to the root, as with FSDP2. Returns ``module``.
@@ -106,10 +111,18 @@ def fully_shard(
         ignored_params=ignored_params,
         dp_mesh_dims=dp_mesh_dims,
         block_size_fn=block_size_fn,
+        comm_policy=comm_policy,
     )
     move_unit_states(modules, [s.param for s in unit.params], mesh_device(unit.mesh))
     group = FSDPParamGroup(
-        modules, unit.params, unit.mesh, unit.reshard_after_forward, mp_policy, buffer_split_cost, offload_policy
+        modules,
+        unit.params,
+        unit.mesh,
+        unit.reshard_after_forward,
+        mp_policy,
+        buffer_split_cost,
+        offload_policy,
+        comm_policy,
     )
     record_sharded(modules, [(spec.fqn, spec.param) for spec in unit.params])
     for m in modules:

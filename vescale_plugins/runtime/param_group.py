@@ -31,6 +31,7 @@ from vescale_plugins.dbuffer.handles import AfterReduceScatter, GatherHandle, Re
 from vescale_plugins.dbuffer.planning import BufferSplitCost, plan_buffers
 from vescale_plugins.dbuffer.reduction import GradientReduction, gradient_reduction
 from vescale_plugins.ragged.dtensor import sync_generator_at_next_draw, with_own_bytes
+from vescale_plugins.runtime.comm_policy import QuantizedComm
 from vescale_plugins.runtime.dynamo import eager_hook
 from vescale_plugins.runtime.extensions import (
     EXTENSION_HOOK,
@@ -92,8 +93,10 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy,
         buffer_split_cost: BufferSplitCost,
         offload_policy: OffloadPolicy | None = None,
+        comm_policy: QuantizedComm | None = None,
     ) -> None:
         self.modules = modules
+        self.comm_policy = comm_policy
         # CPU offload: sharded parameters and gradients in host memory, computed with on the
         # mesh's device (FSDP2's CPUOffloadPolicy).
         self.offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
@@ -168,7 +171,8 @@ class FSDPParamGroup:
             policy = policies[indices[0]]
             shapes, block_rows = [s.local.shape for s in members], [s.block_rows for s in members]
             comm_dtype = (policy.param_dtype or dtype) if dtype.is_floating_point else dtype
-            for plan in plan_buffers(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size, cost):
+            quant_block = self.comm_policy.quant_block if self.comm_policy and dtype.is_floating_point else None
+            for plan in plan_buffers(shapes, block_rows, dtype, comm_dtype, unit_mesh.shard_size, cost, quant_block):
                 in_buffer = [members[p] for p in plan.positions]
                 dbuffer = self._new_dbuffer(
                     [s.local.shape for s in in_buffer],
@@ -180,6 +184,7 @@ class FSDPParamGroup:
                     policy,
                     grad_dtype,
                 )
+                dbuffer.slot_names = tuple(s.fqn for s in in_buffer)
                 buffer = ShardedBuffer(dbuffer, unit_mesh, [], policy, grad_dtype=grad_dtype)
                 for slot, spec in enumerate(in_buffer):
                     buffer.params.append(FSDPParam(spec.fqn, spec.owners, buffer, slot, spec.param, spec.parallel))
@@ -206,6 +211,8 @@ class FSDPParamGroup:
     ) -> DBuffer:
         floating = dtype.is_floating_point
         offload = self.offload if device.type != "meta" else None  # meta stays meta until to_empty
+        # Quantized collectives: the policy's block where it quantizes them (floating point only).
+        comm = self.comm_policy if floating else None
         dbuffer = DBuffer(
             shapes,
             block_rows,
@@ -220,6 +227,8 @@ class FSDPParamGroup:
             grad_dtype=grad_dtype,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory,
+            weight_quant_block=comm.block if comm is not None and comm.weights is not None else None,
+            grad_quant_block=comm.block if comm is not None and comm.grads is not None else None,
         )
         dbuffer.keep_unsharded_storage = self.keep_unsharded_storage
         return dbuffer
@@ -274,6 +283,7 @@ class FSDPParamGroup:
             buffer.grad_dtype,
         )
         buffer.dbuffer.label = old.label
+        buffer.dbuffer.slot_names = old.slot_names
         buffer.extensions = None  # its input buffers follow the DBuffer's device
 
     def materialize_empty(self, device: torch.device, within: set[nn.Module]) -> dict[int, torch.Tensor]:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from vescale_plugins.runtime.agreement import agree_across_ranks
+from vescale_plugins.runtime.comm_policy import QuantizedComm, check_comm_policy, check_quantizable_param
 from vescale_plugins.runtime.discovery import collect_params
 from vescale_plugins.runtime.extensions import check_extension_param, defines_extension
 from vescale_plugins.runtime.fsdp2_semantics import ShardPlacementResult
@@ -114,11 +115,14 @@ def plan_unit_setup(
     ignored_params: set[nn.Parameter] | None,
     dp_mesh_dims: Any,
     block_size_fn: BlockSizeFn | None,
+    comm_policy: QuantizedComm | None = None,
 ) -> UnitSetup:
     """Check every argument and plan the unit's parameters, the same on every rank of the
     unit's shard group (see :func:`.agreement.agree_across_ranks`); raises before the modules
     change."""
     _check_modules_and_policies(modules, reshard_after_forward, offload_policy)
+    if comm_policy is not None:
+        check_comm_policy(comm_policy, isinstance(offload_policy, CPUOffloadPolicy))
     spmd: SpmdMesh | None = None
     if dp_mesh_dims is not None:
         mesh, spmd = _resolve_spmd_mesh(mesh, dp_mesh_dims, reshard_after_forward)
@@ -158,6 +162,16 @@ def plan_unit_setup(
             )
         _refuse_parameters_of_sibling_units(modules, specs)
         _check_tensor_extensions(specs, lambda: normalise_reshard_after_forward(reshard_after_forward, mesh))
+        if comm_policy is not None:
+            for spec in specs:
+                check_quantizable_param(
+                    comm_policy,
+                    spec.fqn,
+                    spec.param,
+                    parallel=spec.parallel is not None,
+                    own_mesh=spec.mesh is not None,
+                    extension=defines_extension(spec.param),
+                )
         return specs
 
     # Tensor-parallel parameters are planned by their local (TP) shape; a parameter on its own

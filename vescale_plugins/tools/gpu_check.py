@@ -88,6 +88,12 @@ PLAN = [
     Part("hsdp_allreduce_stream", ".hsdp_allreduce_stream:run", 45, _NO_STREAMS),
     Part("cuda_event_timing", ".cuda_event_timing:run", 45, "CUDA only: events time the GPU's streams"),
     Part("meta_init", ".meta_init:run", 45),
+    Part(
+        "quantized_collectives",
+        ".quantized_collectives:run",
+        60,
+        "no CUDA: the test suite runs the Triton kernels under TRITON_INTERPRET=1 (tests/dbuffer)",
+    ),
     Part("bench_bf16", ".bench:run_bf16", 70, "CUDA only (the fallback's bench is the tiny fp32 one)"),
     Part("bench_medium", ".bench:run_medium", 90, "CUDA only (the fallback's bench is the tiny fp32 one)"),
 ]
