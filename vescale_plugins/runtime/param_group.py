@@ -583,7 +583,8 @@ class FSDPParamGroup:
         if self._reshards_after_forward():
             with spmd_no_typecheck():
                 # is_group_size, inline (an int that is not a bool): once per unit per step
-                if type(self.reshard_after_forward) is int and torch.is_grad_enabled():
+                k = self.reshard_after_forward
+                if isinstance(k, int) and not isinstance(k, bool) and torch.is_grad_enabled():
                     self._reshard_to_post_forward_group()
                 else:
                     self.reshard()
