@@ -28,6 +28,13 @@ _ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it ro
 
 
 @triton.jit
+def _this_segment(starts_ptr, lengths_ptr, slots_ptr):
+    """This program's segment: its first element, its length and its block's slot (-1: padding)."""
+    segment = tl.program_id(0)
+    return tl.load(starts_ptr + segment), tl.load(lengths_ptr + segment), tl.load(slots_ptr + segment)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     starts_ptr,
@@ -40,10 +47,7 @@ def _quantize_kernel(
     codes_chunk,
     BLOCK: tl.constexpr,
 ):
-    segment = tl.program_id(0)
-    start = tl.load(starts_ptr + segment)
-    length = tl.load(lengths_ptr + segment)
-    slot = tl.load(slots_ptr + segment)
+    start, length, slot = _this_segment(starts_ptr, lengths_ptr, slots_ptr)
     source_base = (start // shard) * source_chunk + start % shard
     codes_base = (start // shard) * codes_chunk + start % shard
     lanes = tl.arange(0, BLOCK)
@@ -92,10 +96,7 @@ def _dequantize_kernel(
     BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    segment = tl.program_id(0)
-    start = tl.load(starts_ptr + segment)
-    length = tl.load(lengths_ptr + segment)
-    slot = tl.load(slots_ptr + segment)
+    start, length, slot = _this_segment(starts_ptr, lengths_ptr, slots_ptr)
     scale = tl.load(scales_ptr + tl.maximum(slot, 0))
     scale = tl.where(slot >= 0, scale, 0.0)
     code_base = (start // shard) * chunk + start % shard
@@ -122,10 +123,7 @@ def _dequantize_sum_kernel(
     senders,
     BLOCK: tl.constexpr,
 ):
-    segment = tl.program_id(0)
-    start = tl.load(starts_ptr + segment)
-    length = tl.load(lengths_ptr + segment)
-    slot = tl.load(slots_ptr + segment)
+    start, length, slot = _this_segment(starts_ptr, lengths_ptr, slots_ptr)
     lanes = tl.arange(0, BLOCK)
     for step in range(0, length, BLOCK):
         mask = step + lanes < length
