@@ -81,6 +81,14 @@ def main() -> None:
         full = _train_stock_fsdp2(mesh)
         if args.rank == 0:
             torch.save(full, args.out)
+        # Stock torch, not us (it aborts in --mode plain too): a gloo worker thread drops its
+        # last reference to a finished all-gather a moment after wait() returns, and dropping
+        # it takes the GIL. A rank that exits inside that moment is finalizing, so the worker
+        # is unwound mid-destructor: "terminate called without an active exception", SIGABRT
+        # (rank 1, 4 runs in 70). The mesh and group stay alive in DTensor's caches, so
+        # destroy_process_group cannot join the worker. A barrier after rank 0's save gives
+        # every worker the GIL (rank 1 waits on it with the GIL released) before either exits.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
