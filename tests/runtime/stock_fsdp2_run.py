@@ -85,7 +85,7 @@ def main() -> None:
         # last reference to a finished all-gather a moment after wait() returns, and dropping
         # it takes the GIL. A rank that exits inside that moment is finalizing, so the worker
         # is unwound mid-destructor: "terminate called without an active exception", SIGABRT
-        # (rank 1, 4 runs in 70). The mesh and group stay alive in DTensor's caches, so
+        # (rank 1, 4 runs in 70; pytorch/pytorch#190489). The mesh and group stay alive in DTensor's caches, so
         # destroy_process_group cannot join the worker. A barrier after rank 0's save gives
         # every worker the GIL (rank 1 waits on it with the GIL released) before either exits.
         dist.barrier()
