@@ -67,11 +67,13 @@ test: $(STAMP)
 # The fast subset, then the tests of what differs between torch releases: FSDP2's surface and
 # API, gradient dtypes, the DTensor integration (ragged DTensor APIs, the sharding cache torch
 # asks for before 2.13), pipelining (whose private reach into FSDP2 follows each release's
-# stage.py), torchtitan 0.3.0 where it installs; with COMPAT=1 (CI: one release each side of
-# 2.13) the FSDP2 compatibility suite too.
+# stage.py), torchtitan 0.3.0 where it installs, the Triton kernels under each release's Triton
+# interpreter (2.11 ships Triton 3.6, 2.13 ships 3.9); with COMPAT=1 (CI: one release each side
+# of 2.13) the FSDP2 compatibility suite too.
 VERSION_TESTS := tests/runtime/test_fsdp2_215_surface.py tests/runtime/test_fsdp2_surface.py tests/runtime/test_fsdp2_api.py \
 	tests/runtime/test_gradient_dtypes.py tests/ragged/test_dtensor_apis.py tests/runtime/test_host_work.py tests/runtime/test_clipping_parity.py \
-	tests/runtime/test_pipelining.py tests/runtime/test_torchtitan_030.py tests/runtime/test_torchtitan_trainer.py
+	tests/runtime/test_pipelining.py tests/runtime/test_torchtitan_030.py tests/runtime/test_torchtitan_trainer.py \
+	tests/dbuffer/test_quant_triton.py
 COMPAT ?=
 test-other-torch: $(STAMP)
 	@$(PY) -c "import torch; print('make test-other-torch: torch', torch.__version__, 'in $(VENV)')"

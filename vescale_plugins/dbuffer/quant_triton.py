@@ -3,10 +3,14 @@
 
 A program loops over its segment in ``BLOCK``-element steps (segments are a few hundred
 elements; a row of a prime length is one segment of a whole row): one pass for the amax,
-one for the codes. Rounding half to even is the float trick ``(q + 1.5 * 2**23) - 1.5 * 2**23``
-(exact for ``|q| < 2**22``, and the codes are within ``[-127, 127]`` before the clamp for
-every finite block; the range is :data:`.quant_kernels.INT8_MAX`'s, spelled out), and the division is correctly rounded (``div_rn``), so the codes and
-scales are the torch reference's bit for bit. CI runs it on CPU under ``TRITON_INTERPRET=1``.
+one for the codes. The loops are ``while`` loops: Triton 3.6's interpreter (torch 2.11's)
+cannot take a loaded length or a scalar argument as ``range``'s bound.
+
+Rounding half to even is the float trick ``(q + 1.5 * 2**23) - 1.5 * 2**23`` (exact for
+``|q| < 2**22``, and the codes are within ``[-127, 127]`` before the clamp for every finite
+block; the range is :data:`.quant_kernels.INT8_MAX`'s, spelled out), and the division is
+correctly rounded (``div_rn``), so the codes and scales are the torch reference's bit for
+bit. CI runs it on CPU under ``TRITON_INTERPRET=1``, on every torch release it tests.
 
 Gathered codes sit at the start of each rank's ``chunk`` of a byte buffer: element ``e`` of
 the flat buffer of ``ranks * shard`` elements is code ``(e // shard) * chunk + e % shard`` (a
@@ -52,17 +56,20 @@ def _quantize_kernel(
     codes_base = (start // shard) * codes_chunk + start % shard
     lanes = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for step in range(0, length, BLOCK):
+    step = 0
+    while step < length:
         mask = step + lanes < length
         x = tl.load(x_ptr + source_base + step + lanes, mask=mask, other=0.0).to(tl.float32)
         # nan must win the max (tl.maximum drops it): it makes the scale nan, which the caller refuses.
         amax = tl.where(x != x, x, tl.maximum(amax, tl.abs(x)))
+        step += BLOCK
     top = tl.max(amax, axis=0)
     top = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), top)
     top = tl.where(slot >= 0, top, 0.0)
     scale = tl.div_rn(top, 127.0)
     divisor = tl.where(top > 0, scale, 1.0)
-    for step in range(0, length, BLOCK):
+    step = 0
+    while step < length:
         mask = step + lanes < length
         x = tl.load(x_ptr + source_base + step + lanes, mask=mask, other=0.0).to(tl.float32)
         q = tl.div_rn(x, divisor)
@@ -70,6 +77,7 @@ def _quantize_kernel(
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         q = tl.where((q != q) | (slot < 0), 0.0, q)  # nan, and padding: code 0
         tl.store(codes_ptr + codes_base + step + lanes, q.to(tl.int8), mask=mask)
+        step += BLOCK
     if slot >= 0:
         tl.store(scales_ptr + slot, scale)
 
@@ -101,13 +109,15 @@ def _dequantize_kernel(
     scale = tl.where(slot >= 0, scale, 0.0)
     code_base = (start // shard) * chunk + start % shard
     lanes = tl.arange(0, BLOCK)
-    for step in range(0, length, BLOCK):
+    step = 0
+    while step < length:
         mask = step + lanes < length
         code = tl.load(codes_ptr + code_base + step + lanes, mask=mask, other=0).to(tl.float32)
         value = code * scale
         if BF16:
             value = _round_to_bf16(value)
         tl.store(out_ptr + start + step + lanes, value.to(out_ptr.dtype.element_ty), mask=mask)
+        step += BLOCK
 
 
 @triton.jit
@@ -125,15 +135,19 @@ def _dequantize_sum_kernel(
 ):
     start, length, slot = _this_segment(starts_ptr, lengths_ptr, slots_ptr)
     lanes = tl.arange(0, BLOCK)
-    for step in range(0, length, BLOCK):
+    step = 0
+    while step < length:
         mask = step + lanes < length
         total = tl.zeros((BLOCK,), dtype=tl.float32)
-        for sender in range(0, senders):
+        sender = 0
+        while sender < senders:
             scale = tl.load(scales_ptr + sender * blocks_per_sender + tl.maximum(slot, 0))
             scale = tl.where(slot >= 0, scale, 0.0)
             code = tl.load(codes_ptr + sender * chunk + start + step + lanes, mask=mask, other=0).to(tl.float32)
             total += code * scale
+            sender += 1
         tl.store(out_ptr + start + step + lanes, total, mask=mask)
+        step += BLOCK
 
 
 def quantize_segments_triton(
