@@ -81,13 +81,13 @@ def main() -> None:
         full = _train_stock_fsdp2(mesh)
         if args.rank == 0:
             torch.save(full, args.out)
-        # Stock torch, not us (it aborts in --mode plain too): a gloo worker thread drops its
-        # last reference to a finished all-gather a moment after wait() returns, and dropping
-        # it takes the GIL. A rank that exits inside that moment is finalizing, so the worker
-        # is unwound mid-destructor: "terminate called without an active exception", SIGABRT
-        # (rank 1, 4 runs in 70; pytorch/pytorch#190489). The mesh and group stay alive in DTensor's caches, so
-        # destroy_process_group cannot join the worker. A barrier after rank 0's save gives
-        # every worker the GIL (rank 1 waits on it with the GIL released) before either exits.
+        # Stock torch's exit race, not ours (it aborts in --mode plain too; pytorch/pytorch#190489):
+        # a gloo worker thread drops its last reference to a finished all-gather a moment after
+        # wait() returns, and dropping it takes the GIL. A rank that exits inside that moment is
+        # finalizing, so the worker is unwound mid-destructor: "terminate called without an
+        # active exception", SIGABRT (rank 1, 4 runs in 70). DTensor's caches keep the mesh and
+        # its group alive, so destroy_process_group does not join the worker. Rank 1 waits here,
+        # GIL released, while rank 0 saves: the worker finishes first (0 aborts in 80 runs).
         dist.barrier()
     finally:
         dist.destroy_process_group()
